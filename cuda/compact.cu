@@ -1,0 +1,138 @@
+// In-place compaction of a device KV cache.
+//
+// Why in place is safe without a copy of the cache: a row's kept slots are sorted and unique, so
+// slot[i] >= i. One block walks the rows of one (sequence, head, column slice) in tiles; each tile
+// first reads all its source rows into registers, synchronises, then writes its destination rows.
+// Later tiles read only rows >= their own start, which no earlier tile wrote; earlier tiles have
+// finished reading before this tile writes. Column slices are disjoint bytes, so blocks never race.
+#include <algorithm>
+#include <cstdint>
+
+#include "kvsift/backend/cuda/check.hpp"
+#include "kvsift/backend/cuda/compact.hpp"
+#include "kvsift/backend/cuda/workspace.hpp"
+
+namespace kvsift::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kRowsPerThread = 4;  // independent loads in flight per thread
+
+template <class Unit>
+__global__ void compact_rows_kernel(char* __restrict__ base,      // cache tensor (K or V)
+                                    std::int64_t stride_b,         // bytes between sequences
+                                    std::int64_t stride_h,         // bytes between heads
+                                    std::int64_t stride_s,         // bytes between slots
+                                    int units_per_row, int slice_units, int kv_heads,
+                                    const std::int64_t* __restrict__ indptr,  // [B*H + 1]
+                                    const std::int32_t* __restrict__ slots) {  // [nnz]
+  const int row = blockIdx.x;  // (b, h) flattened
+  const int b = row / kv_heads, h = row % kv_heads;
+  const int unit = blockIdx.y * slice_units + threadIdx.x % slice_units;
+  const int rows_per_pass = kThreads / slice_units;
+  const int lane_row = threadIdx.x / slice_units;
+  const bool active = unit < units_per_row && lane_row < rows_per_pass;
+  const std::int64_t begin = indptr[row], n = indptr[row + 1] - begin;
+  char* head_base = base + b * stride_b + h * stride_h;
+  const int tile = rows_per_pass * kRowsPerThread;
+  for (std::int64_t t0 = 0; t0 < n; t0 += tile) {
+    Unit buf[kRowsPerThread];
+    std::int32_t src[kRowsPerThread];
+#pragma unroll
+    for (int k = 0; k < kRowsPerThread; ++k) {
+      const std::int64_t i = t0 + k * rows_per_pass + lane_row;
+      src[k] = (active && i < n) ? slots[begin + i] : -1;
+      if (src[k] >= 0 && src[k] != i) {
+        buf[k] = reinterpret_cast<const Unit*>(head_base + src[k] * stride_s)[unit];
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < kRowsPerThread; ++k) {
+      const std::int64_t i = t0 + k * rows_per_pass + lane_row;
+      if (src[k] >= 0 && src[k] != i) reinterpret_cast<Unit*>(head_base + i * stride_s)[unit] = buf[k];
+    }
+    __syncthreads();
+  }
+}
+
+// The mask follows head 0's row of each sequence: one block per sequence, same tiling.
+__global__ void compact_mask_kernel(std::uint8_t* __restrict__ mask, std::int64_t capacity,
+                                    int kv_heads, const std::int64_t* __restrict__ indptr,
+                                    const std::int32_t* __restrict__ slots) {
+  const int b = blockIdx.x;
+  const std::int64_t begin = indptr[b * kv_heads], n = indptr[b * kv_heads + 1] - begin;
+  std::uint8_t* m = mask + b * capacity;
+  for (std::int64_t t0 = 0; t0 < n; t0 += kThreads) {
+    const std::int64_t i = t0 + threadIdx.x;
+    const std::uint8_t v = i < n ? m[slots[begin + i]] : 0;
+    __syncthreads();
+    if (i < n) m[i] = v;
+    __syncthreads();
+  }
+}
+
+template <class Unit>
+void launch_rows(const TensorView& t, int kv_heads, std::int64_t rows, const std::int64_t* indptr,
+                 const std::int32_t* slots, cudaStream_t stream) {
+  const std::int64_t esz = static_cast<std::int64_t>(dtype_size(t.dtype));
+  const int units = static_cast<int>(t.shape[3] * esz / static_cast<std::int64_t>(sizeof(Unit)));
+  const int slice = std::min(units, 32);
+  const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>((units + slice - 1) / slice));
+  compact_rows_kernel<Unit><<<grid, kThreads, 0, stream>>>(
+      static_cast<char*>(t.data), t.stride[0] * esz, t.stride[1] * esz, t.stride[2] * esz, units,
+      slice, kv_heads, indptr, slots);
+  KVSIFT_CUDA_CHECK(cudaGetLastError());
+}
+
+// Widest access unit that divides the row and every stride: 16-byte accesses when possible.
+void launch_tensor(const TensorView& t, int kv_heads, std::int64_t rows,
+                   const std::int64_t* indptr, const std::int32_t* slots, cudaStream_t stream) {
+  const std::int64_t esz = static_cast<std::int64_t>(dtype_size(t.dtype));
+  auto fits = [&](std::int64_t w) {
+    return (t.shape[3] * esz) % w == 0 && (t.stride[0] * esz) % w == 0 &&
+           (t.stride[1] * esz) % w == 0 && (t.stride[2] * esz) % w == 0 &&
+           reinterpret_cast<std::uintptr_t>(t.data) % w == 0;
+  };
+  if (fits(16)) return launch_rows<uint4>(t, kv_heads, rows, indptr, slots, stream);
+  if (fits(4)) return launch_rows<std::uint32_t>(t, kv_heads, rows, indptr, slots, stream);
+  launch_rows<std::uint16_t>(t, kv_heads, rows, indptr, slots, stream);
+}
+
+}  // namespace
+
+std::size_t compact_workspace_bytes(const KeepPlan& plan) {
+  return align_up(plan.indptr().size() * sizeof(std::int64_t)) +
+         align_up(std::max<std::size_t>(plan.slots().size(), 1) * sizeof(std::int32_t));
+}
+
+void compact(const KVCacheView& kv, const KeepPlan& plan, void* workspace,
+             std::size_t workspace_bytes, cudaStream_t stream) {
+  kv.validate();
+  KVSIFT_CHECK(kv.device() == Device::cuda,
+               "cuda::compact: the cache is in host memory; use kvsift::compact");
+  plan.validate();
+  plan.check_matches(kv);
+  WorkspaceCarver carve(workspace, workspace_bytes, "cuda::compact");
+  auto* d_indptr = carve.take<std::int64_t>(plan.indptr().size());
+  auto* d_slots = carve.take<std::int32_t>(std::max<std::size_t>(plan.slots().size(), 1));
+  if (plan.keeps_everything() || plan.batch() == 0) return;
+  KVSIFT_CUDA_CHECK(cudaMemcpyAsync(d_indptr, plan.indptr().data(),
+                                    plan.indptr().size() * sizeof(std::int64_t),
+                                    cudaMemcpyHostToDevice, stream));
+  KVSIFT_CUDA_CHECK(cudaMemcpyAsync(d_slots, plan.slots().data(),
+                                    plan.slots().size() * sizeof(std::int32_t),
+                                    cudaMemcpyHostToDevice, stream));
+  const std::int64_t rows = plan.batch() * plan.kv_heads();
+  const int heads = static_cast<int>(plan.kv_heads());
+  launch_tensor(kv.keys, heads, rows, d_indptr, d_slots, stream);
+  launch_tensor(kv.values, heads, rows, d_indptr, d_slots, stream);
+  if (kv.valid_mask != nullptr) {
+    compact_mask_kernel<<<static_cast<unsigned>(plan.batch()), kThreads, 0, stream>>>(
+        kv.valid_mask, kv.capacity(), heads, d_indptr, d_slots);
+    KVSIFT_CUDA_CHECK(cudaGetLastError());
+  }
+  for (std::int64_t b = 0; b < plan.batch(); ++b) kv.lengths[b] = plan.kept_length(b);
+}
+
+}  // namespace kvsift::cuda
