@@ -8,6 +8,13 @@
 #include <catch2/generators/catch_generators.hpp>
 #include <catch2/matchers/catch_matchers_floating_point.hpp>
 #include <catch2/matchers/catch_matchers_string.hpp>
+// v2's spelling of the substring matcher, so one test source serves both versions.
+namespace Catch::Matchers {
+inline StringContainsMatcher Contains(const std::string& str,
+                                      CaseSensitive cs = CaseSensitive::Yes) {
+  return ContainsSubstring(str, cs);
+}
+}  // namespace Catch::Matchers
 #else
 #include <catch2/catch.hpp>
 #endif

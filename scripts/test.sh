@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One command for the tests: install dependencies, build everything, run every test (GPU tests
+# skip without a device), check that an installed kvsift works through find_package, and run each
+# benchmark once as a smoke test.
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+install_dependencies
+configure_and_build -DKVSIFT_BUILD_TESTS=ON -DKVSIFT_BUILD_BENCH=ON -DKVSIFT_BUILD_EXAMPLES=ON
+
+echo "== unit, parity and GPU tests"
+ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$JOBS"
+
+echo "== consumer project against the installed package"
+rm -rf "$BUILD_DIR/install" "$BUILD_DIR/consumer"
+cmake --install "$BUILD_DIR" --prefix "$BUILD_DIR/install" >/dev/null
+cmake -S "$KVSIFT_ROOT/tests/consumer" -B "$BUILD_DIR/consumer" -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_PREFIX_PATH="$BUILD_DIR/install" >/dev/null
+cmake --build "$BUILD_DIR/consumer" -j "$JOBS" >/dev/null
+"$BUILD_DIR/consumer/kvsift_consumer"
+
+echo "== benchmark smoke run"
+for b in "$BUILD_DIR"/bench/bench_*; do
+  [ -x "$b" ] || continue
+  "$b" --benchmark_min_time=0.001 >/dev/null
+  echo "ok  $(basename "$b")"
+done
+echo "== all checks passed"
