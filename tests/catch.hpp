@@ -15,8 +15,8 @@ inline StringContainsMatcher Contains(const std::string& str,
   return ContainsSubstring(str, cs);
 }
 }  // namespace Catch::Matchers
+using Catch::Approx;
 #else
 #include <catch2/catch.hpp>
+using Catch::Detail::Approx;
 #endif
-
-using Catch::Approx;

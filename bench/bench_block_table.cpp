@@ -1,0 +1,118 @@
+// ThoughtBlockTable operations (ALGORITHMS.md §3.4) on the CPU: appending tokens (with the staged
+// quantization of 16-slot key groups), soft eviction plus slot reuse, and the reference paged
+// decode attention. Shapes are R1-Qwen-7B-like: 4 KV heads, 28 query heads, head_dim 128.
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "kvsift/paged/paged_attention.hpp"
+#include "kvsift/paged/thought_block_table.hpp"
+
+namespace {
+
+constexpr std::int32_t kKvHeads = 4, kQHeads = 28, kHeadDim = 128;
+
+kvsift::ThoughtBlockTableConfig make_config(bool quantized, std::int32_t block_size) {
+  kvsift::ThoughtBlockTableConfig c;
+  c.kv_heads = kKvHeads;
+  c.head_dim = kHeadDim;
+  c.block_size = block_size;
+  c.num_blocks = 4096;
+  if (!quantized) {
+    c.reasoning = c.execution = c.transition = kvsift::BlockFormat::f32;
+  }
+  return c;
+}
+
+std::vector<float> random_tokens(std::int64_t n, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> x(static_cast<std::size_t>(n * kKvHeads * kHeadDim));
+  for (float& v : x) v = normal(rng);
+  return x;
+}
+
+// Fills a sequence with `n` tokens in segments of 128 whose types cycle R, E, T.
+void fill(kvsift::ThoughtBlockTable& t, std::int32_t seq, const std::vector<float>& k,
+          const std::vector<float>& v, std::int64_t n) {
+  const std::int64_t stride = kKvHeads * kHeadDim;
+  for (std::int64_t i = 0; i < n; ++i) {
+    if (i % 128 == 0) t.open_segment(seq, static_cast<kvsift::ThoughtType>((i / 128) % 3));
+    t.append(seq, &k[i * stride], &v[i * stride], kKvHeads, kHeadDim);
+  }
+}
+
+// Args: tokens, quantized (0/1), block size.
+void BM_Append(benchmark::State& state) {
+  const std::int64_t n = state.range(0);
+  const auto k = random_tokens(n, 1), v = random_tokens(n, 2);
+  for (auto _ : state) {
+    kvsift::ThoughtBlockTable t(make_config(state.range(1) != 0, state.range(2)));
+    const std::int32_t seq = t.create_sequence();
+    fill(t, seq, k, v, n);
+    benchmark::DoNotOptimize(t.length(seq));
+  }
+  state.SetItemsProcessed(state.iterations() * n);
+}
+BENCHMARK(BM_Append)->Args({1024, 0, 32})->Args({1024, 1, 16})->Args({1024, 1, 32});
+
+// One TBE-like round: evict a quarter of each head (different tokens per head), then append as
+// many new tokens, which all land in the holes. Args: tokens, quantized.
+void BM_EvictAndReuse(benchmark::State& state) {
+  const std::int64_t n = state.range(0);
+  const auto k = random_tokens(n, 3), v = random_tokens(n, 4);
+  kvsift::ThoughtBlockTable t(make_config(state.range(1) != 0, 32));
+  const std::int32_t seq = t.create_sequence();
+  fill(t, seq, k, v, n);
+  std::mt19937 rng(5);
+  const std::int64_t stride = kKvHeads * kHeadDim;
+  for (auto _ : state) {
+    // Evict within the open segment's type so the refill reuses the holes.
+    for (std::int32_t h = 0; h < kKvHeads; ++h) {
+      auto tokens = t.resident_tokens(seq, h, t.num_segments(seq) - 1);
+      std::shuffle(tokens.begin(), tokens.end(), rng);
+      std::vector<std::int32_t> victims;
+      for (std::size_t i = 0; i < 16; ++i) victims.push_back(tokens[i].position);
+      t.evict_positions(seq, h, victims);
+    }
+    for (int i = 0; i < 16; ++i) t.append(seq, &k[i * stride], &v[i * stride], kKvHeads, kHeadDim);
+  }
+  state.SetItemsProcessed(state.iterations() * 16);
+  state.counters["blocks"] = t.num_blocks(seq);
+}
+BENCHMARK(BM_EvictAndReuse)->Args({1024, 0})->Args({1024, 1});
+
+// Decode attention of one query token. Args: tokens, quantized, evicted fraction (percent).
+void BM_PagedAttention(benchmark::State& state) {
+  const std::int64_t n = state.range(0);
+  const auto k = random_tokens(n, 6), v = random_tokens(n, 7);
+  kvsift::ThoughtBlockTable t(make_config(state.range(1) != 0, 32));
+  const std::int32_t seq = t.create_sequence();
+  fill(t, seq, k, v, n);
+  std::mt19937 rng(8);
+  for (std::int32_t h = 0; h < kKvHeads; ++h) {
+    std::vector<std::int32_t> victims;
+    for (std::int32_t p = 0; p < n; ++p)
+      if (static_cast<std::int64_t>(rng() % 100) < state.range(2)) victims.push_back(p);
+    t.evict_positions(seq, h, victims);
+  }
+  std::vector<float> query(kQHeads * kHeadDim, 0.1f), out(query.size());
+  for (auto _ : state) {
+    kvsift::paged_decode_attention(t, seq, query.data(), kQHeads, kHeadDim, 0.088f, out.data());
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.SetItemsProcessed(state.iterations() * n);
+  state.counters["resident_MiB"] = static_cast<double>(t.resident_bytes().total()) / (1 << 20);
+}
+BENCHMARK(BM_PagedAttention)
+    ->Args({4096, 0, 0})
+    ->Args({4096, 1, 0})
+    ->Args({4096, 1, 50})
+    ->Unit(benchmark::kMicrosecond);
+
+}  // namespace
+
+BENCHMARK_MAIN();

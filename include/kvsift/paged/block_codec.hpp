@@ -1,0 +1,230 @@
+// How one KV head of one Continuous Thinking block stores its tokens (ALGORITHMS.md §3.2, §3.4).
+// A block holds tokens of one thought type, so it has one format: full precision (f32, for tests
+// and for R16-style runs) or one of TBQ's quantized formats (NVFP4, FP8 E4M3 + E8M0, ternary).
+// Quantized blocks use the KIVI layout (kivi_layout.hpp) over the block's [slots, head_dim] grid:
+//   keys   per channel: a group = 16 consecutive slots of one channel (GroupAxis::token)
+//   values per token:   a group = 16 consecutive channels of one slot   (GroupAxis::channel)
+// Byte layout of one (block, head), S = slots per block, D = head_dim:
+//   f32        keys [S, D] f32 | values [S, D] f32
+//   quantized  key codes [S/16 · D, cb] | key scales [S/16 · D] | value codes [S · D/16, cb] |
+//              value scales [S · D/16]          (cb = code_bytes_per_group(format))
+// Every writer below touches only the bits of the slot it writes (or, for seal_key_group, the slot
+// group it seals), which is what lets the table reuse evicted slots while the survivors' bytes stay
+// bit-identical (§3.4: nothing is gathered or moved).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <string_view>
+
+#include "kvsift/core/error.hpp"
+#include "kvsift/quant/e2m1.hpp"
+#include "kvsift/quant/e4m3.hpp"
+#include "kvsift/quant/e8m0.hpp"
+#include "kvsift/quant/format.hpp"
+#include "kvsift/quant/group_codec.hpp"
+#include "kvsift/quant/kivi_layout.hpp"
+#include "kvsift/quant/ternary.hpp"
+
+namespace kvsift {
+
+enum class BlockFormat : std::uint8_t { f32, nvfp4, fp8, ternary };
+
+inline constexpr std::string_view block_format_name(BlockFormat f) {
+  switch (f) {
+    case BlockFormat::f32:
+      return "f32";
+    case BlockFormat::nvfp4:
+      return "nvfp4";
+    case BlockFormat::fp8:
+      return "fp8";
+    case BlockFormat::ternary:
+      return "ternary";
+  }
+  return "unknown";
+}
+
+// Accepts the names above and TBQ's bit-width shorthand: "32"/"16" (full precision), "8", "4", "2".
+inline BlockFormat parse_block_format(std::string_view name) {
+  if (name == "f32" || name == "full" || name == "32" || name == "16") return BlockFormat::f32;
+  if (name == "nvfp4" || name == "fp4" || name == "4") return BlockFormat::nvfp4;
+  if (name == "fp8" || name == "e4m3" || name == "8") return BlockFormat::fp8;
+  if (name == "ternary" || name == "2") return BlockFormat::ternary;
+  KVSIFT_FAIL("unknown block format '", std::string(name),
+              "' (expected f32, nvfp4, fp8 or ternary, or 32/16, 4, 8, 2)");
+}
+
+inline constexpr bool is_quantized(BlockFormat f) { return f != BlockFormat::f32; }
+
+inline constexpr QuantFormat quant_format_of(BlockFormat f) {
+  return f == BlockFormat::fp8       ? QuantFormat::fp8
+         : f == BlockFormat::ternary ? QuantFormat::ternary
+                                     : QuantFormat::nvfp4;
+}
+
+// Geometry and byte offsets of one (block, head) in one format.
+struct BlockHeadLayout {
+  BlockFormat format = BlockFormat::f32;
+  std::int64_t slots = 0;     // S, a multiple of 16
+  std::int64_t head_dim = 0;  // D, a multiple of 16
+
+  std::int64_t key_groups() const { return slots / kQuantGroupSize * head_dim; }
+  std::int64_t value_groups() const { return slots * (head_dim / kQuantGroupSize); }
+  std::int64_t code_bytes() const { return code_bytes_per_group(quant_format_of(format)); }
+
+  // Bytes of element codes (raw floats for f32) and of group scales.
+  std::int64_t codes_bytes() const {
+    if (!is_quantized(format)) return 2 * slots * head_dim * 4;
+    return (key_groups() + value_groups()) * code_bytes();
+  }
+  std::int64_t scales_bytes() const {
+    return is_quantized(format) ? key_groups() + value_groups() : 0;
+  }
+  std::int64_t bytes() const { return codes_bytes() + scales_bytes(); }
+
+  std::int64_t key_codes_offset() const { return 0; }
+  std::int64_t key_scales_offset() const { return key_groups() * code_bytes(); }
+  std::int64_t value_codes_offset() const { return key_scales_offset() + key_groups(); }
+  std::int64_t value_scales_offset() const {
+    return value_codes_offset() + value_groups() * code_bytes();
+  }
+  // f32 layout
+  std::int64_t f32_keys_offset() const { return 0; }
+  std::int64_t f32_values_offset() const { return slots * head_dim * 4; }
+};
+
+namespace detail {
+// Replaces the code of element i (0..15) of one packed group, leaving every other element's bits.
+inline void set_element_code(QuantFormat format, std::uint8_t* codes, int i, std::uint8_t code) {
+  switch (format) {
+    case QuantFormat::nvfp4: {
+      const int shift = (i & 1) * 4;
+      codes[i >> 1] =
+          static_cast<std::uint8_t>((codes[i >> 1] & ~(0xfu << shift)) | ((code & 0xfu) << shift));
+      return;
+    }
+    case QuantFormat::fp8:
+      codes[i] = code;
+      return;
+    case QuantFormat::ternary: {
+      const int shift = (i & 3) * 2;
+      codes[i >> 2] =
+          static_cast<std::uint8_t>((codes[i >> 2] & ~(0x3u << shift)) | ((code & 0x3u) << shift));
+      return;
+    }
+  }
+}
+
+// The code of x in a group whose scale is already fixed: the nearest representable value under that
+// scale, saturating (NVFP4 at ±6·s/g, FP8 at ±448·s, ternary at ±α). A zero scale encodes zero.
+inline std::uint8_t encode_with_scale(QuantFormat format, float x, std::uint8_t scale_code,
+                                      float global_factor) {
+  switch (format) {
+    case QuantFormat::nvfp4: {
+      const float scale = e4m3_to_float(scale_code);
+      return scale > 0.0f ? e2m1_from_float(x * global_factor / scale) : 0;
+    }
+    case QuantFormat::fp8: {
+      // 1/s = 2^-e is E8M0 code 254 - code, exact (fp8_group.hpp).
+      const float inv = e8m0_to_float(static_cast<std::uint8_t>(254 - scale_code));
+      return e4m3_from_float(x * inv);
+    }
+    case QuantFormat::ternary: {
+      // Nearest of {-α, 0, +α}; the midpoint α/2 goes to 0.
+      const float alpha = e4m3_to_float(scale_code);
+      const float a = x < 0.0f ? -x : x;
+      if (!(alpha > 0.0f) || !(a > 0.5f * alpha)) return kTernaryZero;
+      return x < 0.0f ? kTernaryMinus : kTernaryPlus;
+    }
+  }
+  return 0;
+}
+}  // namespace detail
+
+// Writes the value row of `slot` (per-token groups: every group belongs to this slot alone).
+inline void write_value_row(const BlockHeadLayout& L, std::uint8_t* base, std::int64_t slot,
+                            const float* value,  // [D]
+                            float global_factor) {
+  if (!is_quantized(L.format)) {
+    std::memcpy(base + L.f32_values_offset() + slot * L.head_dim * 4, value,
+                static_cast<std::size_t>(L.head_dim) * 4);
+    return;
+  }
+  const QuantFormat q = quant_format_of(L.format);
+  const std::int64_t per_token = L.head_dim / kQuantGroupSize;
+  for (std::int64_t cb = 0; cb < per_token; ++cb) {
+    const std::int64_t g = slot * per_token + cb;  // KiviGrid channel-axis numbering
+    base[L.value_scales_offset() + g] =
+        quantize_group(q, value + cb * kQuantGroupSize, 1, kQuantGroupSize, global_factor,
+                       base + L.value_codes_offset() + g * L.code_bytes());
+  }
+}
+
+// f32 blocks: the key row of `slot`.
+inline void write_key_row_f32(const BlockHeadLayout& L, std::uint8_t* base, std::int64_t slot,
+                              const float* key) {  // [D]
+  std::memcpy(base + L.f32_keys_offset() + slot * L.head_dim * 4, key,
+              static_cast<std::size_t>(L.head_dim) * 4);
+}
+
+// Quantized blocks: quantizes slot group `group` (slots 16·group .. 16·group + 15) of the keys,
+// one group per channel, computing fresh scales (TBQ's "quantize once 16 tokens have arrived").
+inline void seal_key_group(const BlockHeadLayout& L, std::uint8_t* base, std::int64_t group,
+                           const float* keys,  // [16, D]
+                           float global_factor) {
+  const QuantFormat q = quant_format_of(L.format);
+  for (std::int64_t c = 0; c < L.head_dim; ++c) {
+    const std::int64_t g = group * L.head_dim + c;  // KiviGrid token-axis numbering
+    base[L.key_scales_offset() + g] =
+        quantize_group(q, keys + c, L.head_dim, kQuantGroupSize, global_factor,
+                       base + L.key_codes_offset() + g * L.code_bytes());
+  }
+}
+
+// Quantized blocks: writes the key of `slot` into its already sealed slot group, under the scales
+// the group has (our choice, see docs/continuous_thinking.md: re-scaling would change survivors).
+inline void write_key_in_sealed_group(const BlockHeadLayout& L, std::uint8_t* base,
+                                      std::int64_t slot, const float* key,  // [D]
+                                      float global_factor) {
+  const QuantFormat q = quant_format_of(L.format);
+  const std::int64_t group = slot / kQuantGroupSize;
+  const int i = static_cast<int>(slot % kQuantGroupSize);
+  for (std::int64_t c = 0; c < L.head_dim; ++c) {
+    const std::int64_t g = group * L.head_dim + c;
+    const std::uint8_t scale = base[L.key_scales_offset() + g];
+    detail::set_element_code(q, base + L.key_codes_offset() + g * L.code_bytes(), i,
+                             detail::encode_with_scale(q, key[c], scale, global_factor));
+  }
+}
+
+// Dequantizes one (block, head): keys and values [S, D] f32. Key slot groups whose bit is clear in
+// `sealed_groups` hold no codes yet (their keys live in the table's staging buffer) and are left
+// untouched in `keys`.
+inline void dequantize_block_head(const BlockHeadLayout& L, const std::uint8_t* base,
+                                  std::uint32_t sealed_groups, float global_factor,
+                                  float* keys,      // [S, D]
+                                  float* values) {  // [S, D]
+  const std::int64_t n = L.slots * L.head_dim;
+  if (!is_quantized(L.format)) {
+    std::memcpy(keys, base + L.f32_keys_offset(), static_cast<std::size_t>(n) * 4);
+    std::memcpy(values, base + L.f32_values_offset(), static_cast<std::size_t>(n) * 4);
+    return;
+  }
+  const QuantFormat q = quant_format_of(L.format);
+  const KiviGrid key_grid{L.slots, L.head_dim, GroupAxis::token};
+  for (std::int64_t g = 0; g < L.key_groups(); ++g) {
+    if (!((sealed_groups >> (g / L.head_dim)) & 1u)) continue;
+    dequantize_group(q, base + L.key_codes_offset() + g * L.code_bytes(),
+                     base[L.key_scales_offset() + g], global_factor, kQuantGroupSize,
+                     keys + key_grid.group_offset(g), key_grid.group_stride());
+  }
+  const KiviGrid value_grid{L.slots, L.head_dim, GroupAxis::channel};
+  for (std::int64_t g = 0; g < L.value_groups(); ++g) {
+    dequantize_group(q, base + L.value_codes_offset() + g * L.code_bytes(),
+                     base[L.value_scales_offset() + g], global_factor, kQuantGroupSize,
+                     values + value_grid.group_offset(g), value_grid.group_stride());
+  }
+}
+
+}  // namespace kvsift

@@ -1,0 +1,20 @@
+// FullKV (ALGORITHMS.md §1.4): keeps everything; the reference for memory and recall.
+#pragma once
+
+#include <string_view>
+
+#include "kvsift/policy/policy.hpp"
+
+namespace kvsift {
+
+class FullKV final : public Policy {
+ public:
+  std::string_view name() const override { return "fullkv"; }
+  bool should_compress(const KVCacheView&) const override { return false; }
+  KeepPlan select(const StepInputs& in) override {
+    in.kv.validate();
+    return KeepPlan::keep_all(in.kv);
+  }
+};
+
+}  // namespace kvsift

@@ -1,0 +1,121 @@
+// R-KV (redundancy-aware KV compression for reasoning models), ALGORITHMS.md §1.3: joint score
+// score_j = λ·a_j − (1−λ)·R_j of window importance (§1.1) and key redundancy (§1.2); keep the
+// budget − W best per (sequence, KV head) plus the window.
+//
+// Decode: call select() for every layer when should_compress() (resident length reaches
+// budget + buffer). Prefill: a prompt longer than the budget is compressed by calling select()
+// directly after the prompt's KV is written, with the prompt's last W queries; select() compresses
+// every sequence over the budget whatever the trigger says.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include "kvsift/backend/cpu/key_redundancy.hpp"
+#include "kvsift/backend/cpu/score_tensor.hpp"
+#include "kvsift/backend/cpu/select_topk.hpp"
+#include "kvsift/backend/cpu/window_importance.hpp"
+#include "kvsift/core/error.hpp"
+#include "kvsift/policy/budget_trigger.hpp"
+#include "kvsift/policy/policy.hpp"
+
+namespace kvsift {
+
+struct RKVConfig {
+  int budget = 1024;        // tokens per (sequence, KV head) after a compression
+  int window = 8;           // observation window W, always kept
+  int buffer = 128;         // decode steps between compressions (>= window)
+  int kernel = 7;           // max-pooling kernel of the importance (odd)
+  float mix_lambda = 0.1f;  // λ; R-KV's class default 0.07 is a value, not the default (§1.3)
+  float threshold = 0.5f;   // redundancy cosine threshold
+  int sink = 0;             // first tokens always kept (R-KV passes 4 but ignores it)
+  RedundancyMode redundancy = RedundancyMode::sound;  // faithful: the reference's column-0 quirk
+  GqaReduce gqa = GqaReduce::max;
+
+  void validate() const {
+    KVSIFT_CHECK(window >= 1, "RKVConfig: window must be >= 1, got ", window);
+    KVSIFT_CHECK(sink >= 0, "RKVConfig: sink must be >= 0, got ", sink);
+    KVSIFT_CHECK(budget > window + sink, "RKVConfig: budget (", budget,
+                 ") must exceed window + sink (", window, " + ", sink, ")");
+    KVSIFT_CHECK(buffer >= window, "RKVConfig: buffer (", buffer, ") must be >= window (", window,
+                 ")");
+    KVSIFT_CHECK(mix_lambda >= 0.0f && mix_lambda <= 1.0f,
+                 "RKVConfig: mix_lambda must be in [0, 1], got ", mix_lambda);
+    importance_config().validate();
+    redundancy_config().validate();
+  }
+  WindowImportanceConfig importance_config() const {
+    WindowImportanceConfig c;
+    c.window = window;
+    c.kernel = kernel;
+    c.gqa = gqa;
+    return c;
+  }
+  KeyRedundancyConfig redundancy_config() const { return {threshold, redundancy}; }
+  TopKSelection selection() const { return {budget, window, sink}; }
+};
+
+// Every intermediate of the R-KV score, [batch, kv_heads, capacity] each.
+struct RKVScores {
+  cpu::ScoreTensor importance;       // a, count S_b − W
+  cpu::ScoreTensor redundancy_full;  // R over all S_b tokens, count S_b
+  cpu::ScoreTensor redundancy;       // R without the window, count S_b − W
+  cpu::ScoreTensor score;            // λ·a − (1−λ)·R, count S_b − W
+};
+
+namespace cpu {
+
+// Scores of the sequences marked in `active` ([batch] or nullptr: all).
+//   kv.keys  [batch, kv_heads, capacity, head_dim]
+//   queries  [batch, q_heads, window, head_dim]
+inline RKVScores rkv_scores(const KVCacheView& kv, const TensorView& queries, const RKVConfig& cfg,
+                            const std::uint8_t* active = nullptr) {
+  cfg.validate();
+  RKVScores s;
+  s.importance = window_importance(kv, queries, cfg.importance_config(), active);
+  s.redundancy_full = redundancy_full(kv, cfg.redundancy_config(), active);
+  s.redundancy = slice_window(s.redundancy_full, cfg.window);
+  s.score = ScoreTensor(kv.batch(), kv.kv_heads(), kv.capacity());
+  for (std::int64_t b = 0; b < kv.batch(); ++b) {
+    const std::int32_t n = s.importance.count(b);
+    for (std::int64_t h = 0; h < kv.kv_heads(); ++h) {
+      const float* a = s.importance.row(b, h);
+      const float* r = s.redundancy.row(b, h);
+      float* out = s.score.row(b, h);
+      for (std::int32_t j = 0; j < n; ++j)
+        out[j] = cfg.mix_lambda * a[j] - (1.0f - cfg.mix_lambda) * r[j];
+    }
+    s.score.set_count(b, n);
+  }
+  return s;
+}
+
+}  // namespace cpu
+
+class RKV final : public Policy {
+ public:
+  explicit RKV(const RKVConfig& cfg) : cfg_(cfg) { cfg_.validate(); }
+
+  std::string_view name() const override { return "rkv"; }
+  const RKVConfig& config() const { return cfg_; }
+
+  bool should_compress(const KVCacheView& kv) const override {
+    return reaches_budget_plus_buffer(kv, cfg_.budget, cfg_.buffer);
+  }
+
+  // Scores and plans the sequences over budget; the others keep everything.
+  KeepPlan select(const StepInputs& in) override {
+    in.kv.validate();
+    const std::vector<std::uint8_t> over = cpu::sequences_over_budget(in.kv, cfg_.budget);
+    if (std::find(over.begin(), over.end(), 1) == over.end()) return KeepPlan::keep_all(in.kv);
+    const RKVScores s = cpu::rkv_scores(in.kv, in.window_queries, cfg_, over.data());
+    return cpu::plan_from_scores(in.kv, &s.score, cfg_.selection());
+  }
+
+ private:
+  RKVConfig cfg_;
+};
+
+}  // namespace kvsift

@@ -1,0 +1,57 @@
+// make_policy / policy_names: the baselines by name, mapped from the shared PolicyOptions.
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvsift/core/error.hpp"
+#include "kvsift/policy/full_kv.hpp"
+#include "kvsift/policy/h2o.hpp"
+#include "kvsift/policy/registry.hpp"
+#include "kvsift/policy/rkv.hpp"
+#include "kvsift/policy/snapkv.hpp"
+#include "kvsift/policy/streaming_llm.hpp"
+
+namespace kvsift {
+
+std::vector<std::string> policy_names() { return {"fullkv", "streaming", "h2o", "snapkv", "rkv"}; }
+
+std::unique_ptr<Policy> make_policy(std::string_view name, const PolicyOptions& o) {
+  if (name == "fullkv") return std::make_unique<FullKV>();
+  if (name == "streaming") {
+    StreamingLLMConfig c;
+    c.budget = o.budget;
+    c.sink = o.sink;
+    c.buffer = o.buffer;
+    return std::make_unique<StreamingLLM>(c);
+  }
+  if (name == "h2o") {
+    H2OConfig c;  // recent = budget / 2, H2O's default
+    c.budget = o.budget;
+    c.buffer = o.buffer;
+    return std::make_unique<H2O>(c);
+  }
+  if (name == "snapkv") {
+    SnapKVConfig c;  // pooling, reduction and GQA stay SnapKV's (avg, sum, mean)
+    c.budget = o.budget;
+    c.window = o.window;
+    c.kernel = o.kernel;
+    c.buffer = o.buffer;
+    return std::make_unique<SnapKV>(c);
+  }
+  if (name == "rkv") {
+    RKVConfig c;  // options.sink is StreamingLLM's; R-KV keeps no sinks by default
+    c.budget = o.budget;
+    c.window = o.window;
+    c.buffer = o.buffer;
+    c.kernel = o.kernel;
+    c.mix_lambda = o.mix_lambda;
+    c.threshold = o.threshold;
+    return std::make_unique<RKV>(c);
+  }
+  std::string known;
+  for (const std::string& n : policy_names()) known += (known.empty() ? "" : ", ") + n;
+  KVSIFT_FAIL("unknown policy '", std::string(name), "' (known: ", known, ")");
+}
+
+}  // namespace kvsift

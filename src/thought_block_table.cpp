@@ -1,0 +1,508 @@
+// ThoughtBlockTable (ALGORITHMS.md §3.4): allocation, soft eviction and the staged quantization
+// of key groups. See include/kvsift/paged/thought_block_table.hpp and docs/continuous_thinking.md.
+#include "kvsift/paged/thought_block_table.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <utility>
+
+namespace kvsift {
+
+namespace {
+constexpr int kThoughtTypes = 3;
+
+int lowest_set_bit(std::uint64_t m) {
+  int i = 0;
+  while (!((m >> i) & 1u)) ++i;
+  return i;
+}
+
+bool bit(const std::uint64_t* mask, std::int32_t slot) {
+  return (mask[slot / 64] >> (slot % 64)) & 1u;
+}
+}  // namespace
+
+void ThoughtBlockTableConfig::validate() const {
+  KVSIFT_CHECK(kv_heads > 0, "ThoughtBlockTableConfig: kv_heads must be > 0, got ", kv_heads);
+  KVSIFT_CHECK(head_dim > 0 && head_dim % kQuantGroupSize == 0,
+               "ThoughtBlockTableConfig: head_dim (", head_dim, ") must be a positive multiple of ",
+               kQuantGroupSize);
+  KVSIFT_CHECK(
+      block_size >= kQuantGroupSize && block_size <= 256 && block_size % kQuantGroupSize == 0,
+      "ThoughtBlockTableConfig: block_size (", block_size, ") must be a multiple of ",
+      kQuantGroupSize, " in [", kQuantGroupSize,
+      ", 256], so every 16-token key group lies inside one block");
+  KVSIFT_CHECK(num_blocks > 0, "ThoughtBlockTableConfig: num_blocks must be > 0, got ", num_blocks);
+  KVSIFT_CHECK(
+      global_factors.empty() || static_cast<std::int64_t>(global_factors.size()) == kv_heads,
+      "ThoughtBlockTableConfig: global_factors has ", global_factors.size(),
+      " entries, expected 0 or kv_heads = ", kv_heads);
+  for (std::size_t h = 0; h < global_factors.size(); ++h) {
+    KVSIFT_CHECK(std::isfinite(global_factors[h]) && global_factors[h] > 0.0f,
+                 "ThoughtBlockTableConfig: global_factors[", h, "] = ", global_factors[h],
+                 " must be finite and > 0");
+  }
+}
+
+ThoughtBlockTable::ThoughtBlockTable(ThoughtBlockTableConfig config) : config_(std::move(config)) {
+  config_.validate();
+  mask_words_ = (config_.block_size + 63) / 64;
+  frames_.resize(static_cast<std::size_t>(config_.num_blocks));
+  // A stack with the lowest frame id on top: blocks are handed out in id order.
+  for (std::int32_t f = config_.num_blocks - 1; f >= 0; --f) free_frames_.push_back(f);
+}
+
+// --- sequences -------------------------------------------------------------------------------
+
+std::int32_t ThoughtBlockTable::create_sequence() {
+  std::size_t id = 0;
+  while (id < sequences_.size() && sequences_[id].active) ++id;
+  if (id == sequences_.size()) sequences_.emplace_back();
+  Sequence& s = sequences_[id];
+  s = Sequence{};
+  s.active = true;
+  const bool any_quantized = is_quantized(config_.reasoning) || is_quantized(config_.execution) ||
+                             is_quantized(config_.transition);
+  if (any_quantized) {
+    s.staging.assign(static_cast<std::size_t>(kThoughtTypes * config_.kv_heads), Staging{});
+    s.staging_keys.assign(static_cast<std::size_t>(kThoughtTypes) * config_.kv_heads *
+                              kQuantGroupSize * config_.head_dim,
+                          0.0f);
+  }
+  return static_cast<std::int32_t>(id);
+}
+
+void ThoughtBlockTable::release_sequence(std::int32_t seq) {
+  Sequence& s = sequence(seq, "release_sequence");
+  // Pushed in reverse so the lowest frame id of the sequence is handed out next.
+  for (auto it = s.blocks.rbegin(); it != s.blocks.rend(); ++it) {
+    frames_[static_cast<std::size_t>(*it)].owner = -1;
+    free_frames_.push_back(*it);
+  }
+  s = Sequence{};
+}
+
+bool ThoughtBlockTable::has_sequence(std::int32_t seq) const {
+  return seq >= 0 && static_cast<std::size_t>(seq) < sequences_.size() &&
+         sequences_[static_cast<std::size_t>(seq)].active;
+}
+
+const ThoughtBlockTable::Sequence& ThoughtBlockTable::sequence(std::int32_t seq,
+                                                               const char* fn) const {
+  KVSIFT_CHECK(has_sequence(seq), "ThoughtBlockTable::", fn, ": unknown sequence ", seq, " (",
+               std::count_if(sequences_.begin(), sequences_.end(),
+                             [](const Sequence& s) { return s.active; }),
+               " sequences are active)");
+  return sequences_[static_cast<std::size_t>(seq)];
+}
+
+ThoughtBlockTable::Sequence& ThoughtBlockTable::sequence(std::int32_t seq, const char* fn) {
+  return const_cast<Sequence&>(static_cast<const ThoughtBlockTable*>(this)->sequence(seq, fn));
+}
+
+void ThoughtBlockTable::check_head(std::int32_t head, const char* fn) const {
+  KVSIFT_CHECK(head >= 0 && head < config_.kv_heads, "ThoughtBlockTable::", fn, ": kv head ", head,
+               " outside [0, ", config_.kv_heads, ")");
+}
+
+const ThoughtBlockTable::Frame& ThoughtBlockTable::frame(const Sequence& s, std::int32_t seq,
+                                                         std::int32_t block, const char* fn) const {
+  KVSIFT_CHECK(block >= 0 && static_cast<std::size_t>(block) < s.blocks.size(),
+               "ThoughtBlockTable::", fn, ": block ", block, " of sequence ", seq, " outside [0, ",
+               s.blocks.size(), ")");
+  return frames_[static_cast<std::size_t>(s.blocks[static_cast<std::size_t>(block)])];
+}
+
+void ThoughtBlockTable::check_address(const Sequence& s, std::int32_t seq, SlotAddress a,
+                                      const char* fn) const {
+  frame(s, seq, a.block, fn);
+  KVSIFT_CHECK(a.slot >= 0 && a.slot < config_.block_size, "ThoughtBlockTable::", fn, ": slot ",
+               a.slot, " of block ", a.block, " outside [0, block_size = ", config_.block_size,
+               ")");
+}
+
+// --- segments --------------------------------------------------------------------------------
+
+std::int32_t ThoughtBlockTable::open_segment(std::int32_t seq, ThoughtType type) {
+  Sequence& s = sequence(seq, "open_segment");
+  KVSIFT_CHECK(static_cast<int>(type) < kThoughtTypes,
+               "ThoughtBlockTable::open_segment: unknown thought type code ",
+               static_cast<int>(type));
+  s.segment_starts.push_back(s.length);
+  s.segment_types.push_back(type);
+  return static_cast<std::int32_t>(s.segment_starts.size()) - 1;
+}
+
+std::int32_t ThoughtBlockTable::num_segments(std::int32_t seq) const {
+  return static_cast<std::int32_t>(sequence(seq, "num_segments").segment_starts.size());
+}
+
+ThoughtType ThoughtBlockTable::segment_type(std::int32_t seq, std::int32_t segment) const {
+  const Sequence& s = sequence(seq, "segment_type");
+  KVSIFT_CHECK(segment >= 0 && static_cast<std::size_t>(segment) < s.segment_types.size(),
+               "ThoughtBlockTable::segment_type: segment ", segment, " of sequence ", seq,
+               " outside [0, ", s.segment_types.size(), ")");
+  return s.segment_types[static_cast<std::size_t>(segment)];
+}
+
+std::int32_t ThoughtBlockTable::segment_start(std::int32_t seq, std::int32_t segment) const {
+  const Sequence& s = sequence(seq, "segment_start");
+  KVSIFT_CHECK(segment >= 0 && static_cast<std::size_t>(segment) < s.segment_starts.size(),
+               "ThoughtBlockTable::segment_start: segment ", segment, " of sequence ", seq,
+               " outside [0, ", s.segment_starts.size(), ")");
+  return s.segment_starts[static_cast<std::size_t>(segment)];
+}
+
+std::int32_t ThoughtBlockTable::length(std::int32_t seq) const {
+  return sequence(seq, "length").length;
+}
+
+// --- tokens ----------------------------------------------------------------------------------
+
+std::int32_t ThoughtBlockTable::take_frame(std::int32_t seq, ThoughtType type) {
+  KVSIFT_CHECK(!free_frames_.empty(), "ThoughtBlockTable::append: block pool exhausted: all ",
+               config_.num_blocks, " blocks are in use (sequence ", seq, " needs a new ",
+               thought_type_name(type), " block)");
+  const std::int32_t id = free_frames_.back();
+  free_frames_.pop_back();
+  Frame& f = frames_[static_cast<std::size_t>(id)];
+  const std::int64_t H = config_.kv_heads, S = config_.block_size;
+  f.type = type;
+  f.format = config_.format_of(type);
+  f.owner = seq;
+  f.data.assign(static_cast<std::size_t>(H * layout(f.format).bytes()), 0);
+  // Every slot starts free: a never-written slot counts as evicted.
+  std::vector<std::uint64_t> head_mask(static_cast<std::size_t>(mask_words_), 0);
+  for (std::int32_t slot = 0; slot < S; ++slot)
+    head_mask[slot / 64] |= std::uint64_t{1} << (slot % 64);
+  f.free.clear();
+  for (std::int64_t h = 0; h < H; ++h)
+    f.free.insert(f.free.end(), head_mask.begin(), head_mask.end());
+  // Full-precision blocks have nothing to stage: their key groups count as sealed from the start.
+  f.sealed.assign(static_cast<std::size_t>(H), is_quantized(f.format) ? 0u : ~0u);
+  f.position.assign(static_cast<std::size_t>(H * S), -1);
+  f.segment.assign(static_cast<std::size_t>(H * S), -1);
+  return id;
+}
+
+SlotAddress ThoughtBlockTable::lowest_free_slot(const Sequence& s, ThoughtType type,
+                                                std::int32_t head) const {
+  for (std::size_t b = 0; b < s.blocks.size(); ++b) {
+    const Frame& f = frames_[static_cast<std::size_t>(s.blocks[b])];
+    if (f.type != type) continue;
+    const std::uint64_t* mask = &f.free[static_cast<std::size_t>(head) * mask_words_];
+    for (std::int32_t w = 0; w < mask_words_; ++w) {
+      if (mask[w] != 0) {
+        return SlotAddress{static_cast<std::int32_t>(b), w * 64 + lowest_set_bit(mask[w])};
+      }
+    }
+  }
+  return SlotAddress{};
+}
+
+void ThoughtBlockTable::write_slot(Sequence& s, std::int32_t head, SlotAddress a, const float* key,
+                                   const float* value) {
+  Frame& f = frames_[static_cast<std::size_t>(s.blocks[static_cast<std::size_t>(a.block)])];
+  const BlockHeadLayout L = layout(f.format);
+  std::uint8_t* base = f.data.data() + head * L.bytes();
+  const float g = config_.global_factor(head);
+  write_value_row(L, base, a.slot, value, g);
+  if (!is_quantized(f.format)) {
+    write_key_row_f32(L, base, a.slot, key);
+    return;
+  }
+  const std::int32_t group = a.slot / kQuantGroupSize;
+  if ((f.sealed[static_cast<std::size_t>(head)] >> group) & 1u) {
+    write_key_in_sealed_group(L, base, a.slot, key, g);
+    return;
+  }
+  // The group is still being filled for the first time: keep the key in full precision until all
+  // 16 slots have arrived, then quantize the group together (TBQ §3.2).
+  const std::size_t si = staging_index(f.type, head);
+  Staging& st = s.staging[si];
+  KVSIFT_CHECK(st.written == 0 || (st.block == a.block && st.group == group),
+               "ThoughtBlockTable internal error: kv head ", head, " stages block ", st.block,
+               " group ", st.group, " but writes block ", a.block, " group ", group);
+  st.block = a.block;
+  st.group = group;
+  float* rows = &s.staging_keys[si * kQuantGroupSize * config_.head_dim];
+  const int row = a.slot % kQuantGroupSize;
+  std::memcpy(rows + row * config_.head_dim, key, static_cast<std::size_t>(config_.head_dim) * 4);
+  st.written |= 1u << row;
+  if (st.written == (1u << kQuantGroupSize) - 1) {
+    seal_key_group(L, base, group, rows, g);
+    f.sealed[static_cast<std::size_t>(head)] |= 1u << group;
+    st = Staging{};
+  }
+}
+
+std::int32_t ThoughtBlockTable::append(std::int32_t seq, const float* key, const float* value,
+                                       std::int64_t kv_heads, std::int64_t head_dim,
+                                       SlotAddress* where) {
+  Sequence& s = sequence(seq, "append");
+  KVSIFT_CHECK(kv_heads == config_.kv_heads && head_dim == config_.head_dim,
+               "ThoughtBlockTable::append: token is [kv_heads=", kv_heads, ", head_dim=", head_dim,
+               "], table expects [kv_heads=", config_.kv_heads, ", head_dim=", config_.head_dim,
+               "]");
+  KVSIFT_CHECK(key != nullptr && value != nullptr,
+               "ThoughtBlockTable::append: key and value must not be null");
+  KVSIFT_CHECK(!s.segment_starts.empty(), "ThoughtBlockTable::append: sequence ", seq,
+               " has no open segment (call open_segment first)");
+  const std::int64_t n = kv_heads * head_dim;
+  for (std::int64_t i = 0; i < n; ++i) {
+    KVSIFT_CHECK(std::isfinite(key[i]) && std::isfinite(value[i]),
+                 "ThoughtBlockTable::append: kv head ", i / head_dim, " channel ", i % head_dim,
+                 " is not finite (key ", key[i], ", value ", value[i], ")");
+  }
+  const ThoughtType type = s.segment_types.back();
+  std::vector<SlotAddress> chosen(static_cast<std::size_t>(config_.kv_heads));
+  bool need_block = false;
+  for (std::int32_t h = 0; h < config_.kv_heads; ++h) {
+    chosen[static_cast<std::size_t>(h)] = lowest_free_slot(s, type, h);
+    need_block = need_block || chosen[static_cast<std::size_t>(h)].block < 0;
+  }
+  if (need_block) {
+    // Only heads without a free slot use the new block; the others keep filling their holes.
+    s.blocks.push_back(take_frame(seq, type));
+    const std::int32_t b = static_cast<std::int32_t>(s.blocks.size()) - 1;
+    for (SlotAddress& a : chosen) {
+      if (a.block < 0) a = SlotAddress{b, 0};
+    }
+  }
+  const std::int32_t position = s.length;
+  const std::int32_t segment = static_cast<std::int32_t>(s.segment_starts.size()) - 1;
+  for (std::int32_t h = 0; h < config_.kv_heads; ++h) {
+    const SlotAddress a = chosen[static_cast<std::size_t>(h)];
+    write_slot(s, h, a, key + h * head_dim, value + h * head_dim);
+    Frame& f = frames_[static_cast<std::size_t>(s.blocks[static_cast<std::size_t>(a.block)])];
+    const std::size_t i = static_cast<std::size_t>(h) * config_.block_size + a.slot;
+    f.position[i] = position;
+    f.segment[i] = segment;
+    f.free[static_cast<std::size_t>(h) * mask_words_ + a.slot / 64] &=
+        ~(std::uint64_t{1} << (a.slot % 64));
+    if (where != nullptr) where[h] = a;
+  }
+  s.length = position + 1;
+  return position;
+}
+
+void ThoughtBlockTable::evict(std::int32_t seq, std::int32_t head, SlotAddress a) {
+  const Sequence& s = sequence(seq, "evict");
+  check_head(head, "evict");
+  check_address(s, seq, a, "evict");
+  Frame& f = frames_[static_cast<std::size_t>(s.blocks[static_cast<std::size_t>(a.block)])];
+  std::uint64_t& word = f.free[static_cast<std::size_t>(head) * mask_words_ + a.slot / 64];
+  const std::uint64_t b = std::uint64_t{1} << (a.slot % 64);
+  KVSIFT_CHECK(!(word & b), "ThoughtBlockTable::evict: slot ", a.slot, " of block ", a.block,
+               " in kv head ", head, " of sequence ", seq,
+               " is not live (already evicted or never written)");
+  word |= b;  // soft eviction: the bit is all that changes
+}
+
+void ThoughtBlockTable::evict_positions(std::int32_t seq, std::int32_t head,
+                                        const std::vector<std::int32_t>& positions) {
+  sequence(seq, "evict_positions");
+  check_head(head, "evict_positions");
+  std::vector<ResidentToken> live = resident_tokens(seq, head);
+  std::sort(live.begin(), live.end(),
+            [](const ResidentToken& x, const ResidentToken& y) { return x.position < y.position; });
+  std::vector<SlotAddress> targets;
+  targets.reserve(positions.size());
+  std::vector<std::int32_t> sorted = positions;
+  std::sort(sorted.begin(), sorted.end());
+  for (std::size_t i = 0; i < sorted.size(); ++i) {
+    KVSIFT_CHECK(i == 0 || sorted[i] != sorted[i - 1],
+                 "ThoughtBlockTable::evict_positions: ", "position ", sorted[i],
+                 " is listed twice (kv head ", head, ", sequence ", seq, ")");
+    const auto it =
+        std::lower_bound(live.begin(), live.end(), sorted[i],
+                         [](const ResidentToken& t, std::int32_t p) { return t.position < p; });
+    KVSIFT_CHECK(it != live.end() && it->position == sorted[i],
+                 "ThoughtBlockTable::evict_positions: position ", sorted[i],
+                 " is not resident in kv head ", head, " of sequence ", seq, " (length ",
+                 length(seq), ")");
+    targets.push_back(it->address);
+  }
+  for (const SlotAddress& a : targets) evict(seq, head, a);
+}
+
+// --- inspection ------------------------------------------------------------------------------
+
+std::int32_t ThoughtBlockTable::num_blocks(std::int32_t seq) const {
+  return static_cast<std::int32_t>(sequence(seq, "num_blocks").blocks.size());
+}
+
+BlockInfo ThoughtBlockTable::block_info(std::int32_t seq, std::int32_t block) const {
+  const Sequence& s = sequence(seq, "block_info");
+  const Frame& f = frame(s, seq, block, "block_info");
+  return BlockInfo{s.blocks[static_cast<std::size_t>(block)], f.type, f.format};
+}
+
+const std::uint64_t* ThoughtBlockTable::free_mask(std::int32_t seq, std::int32_t block,
+                                                  std::int32_t head) const {
+  const Sequence& s = sequence(seq, "free_mask");
+  check_head(head, "free_mask");
+  return &frame(s, seq, block, "free_mask").free[static_cast<std::size_t>(head) * mask_words_];
+}
+
+bool ThoughtBlockTable::is_live(std::int32_t seq, std::int32_t head, SlotAddress a) const {
+  const Sequence& s = sequence(seq, "is_live");
+  check_head(head, "is_live");
+  check_address(s, seq, a, "is_live");
+  return !bit(free_mask(seq, a.block, head), a.slot);
+}
+
+std::vector<std::uint64_t> ThoughtBlockTable::segment_mask(std::int32_t seq, std::int32_t block,
+                                                           std::int32_t head,
+                                                           std::int32_t segment) const {
+  const Sequence& s = sequence(seq, "segment_mask");
+  check_head(head, "segment_mask");
+  const Frame& f = frame(s, seq, block, "segment_mask");
+  std::vector<std::uint64_t> mask(static_cast<std::size_t>(mask_words_), 0);
+  const std::uint64_t* free = &f.free[static_cast<std::size_t>(head) * mask_words_];
+  for (std::int32_t slot = 0; slot < config_.block_size; ++slot) {
+    if (!bit(free, slot) &&
+        f.segment[static_cast<std::size_t>(head) * config_.block_size + slot] == segment) {
+      mask[slot / 64] |= std::uint64_t{1} << (slot % 64);
+    }
+  }
+  return mask;
+}
+
+std::vector<ResidentToken> ThoughtBlockTable::resident_tokens(std::int32_t seq, std::int32_t head,
+                                                              std::int32_t segment) const {
+  const Sequence& s = sequence(seq, "resident_tokens");
+  check_head(head, "resident_tokens");
+  std::vector<ResidentToken> out;
+  for (std::size_t b = 0; b < s.blocks.size(); ++b) {
+    const Frame& f = frames_[static_cast<std::size_t>(s.blocks[b])];
+    const std::uint64_t* free = &f.free[static_cast<std::size_t>(head) * mask_words_];
+    for (std::int32_t slot = 0; slot < config_.block_size; ++slot) {
+      if (bit(free, slot)) continue;
+      const std::size_t i = static_cast<std::size_t>(head) * config_.block_size + slot;
+      if (segment >= 0 && f.segment[i] != segment) continue;
+      out.push_back(ResidentToken{SlotAddress{static_cast<std::int32_t>(b), slot}, f.position[i],
+                                  f.segment[i]});
+    }
+  }
+  return out;
+}
+
+std::int64_t ThoughtBlockTable::live_tokens(std::int32_t seq, std::int32_t head) const {
+  const Sequence& s = sequence(seq, "live_tokens");
+  check_head(head, "live_tokens");
+  std::int64_t live = 0;
+  for (std::int32_t frame_id : s.blocks) {
+    const Frame& f = frames_[static_cast<std::size_t>(frame_id)];
+    for (std::int32_t slot = 0; slot < config_.block_size; ++slot) {
+      live += !bit(&f.free[static_cast<std::size_t>(head) * mask_words_], slot);
+    }
+  }
+  return live;
+}
+
+void ThoughtBlockTable::segment_keys(std::int32_t seq, std::int32_t head, std::int32_t segment,
+                                     std::vector<float>& keys,
+                                     std::vector<std::int32_t>& positions) const {
+  KVSIFT_CHECK(segment >= 0 && segment < num_segments(seq),
+               "ThoughtBlockTable::segment_keys: ", "segment ", segment, " of sequence ", seq,
+               " outside [0, ", num_segments(seq), ")");
+  const std::vector<ResidentToken> tokens = resident_tokens(seq, head, segment);
+  const std::size_t D = static_cast<std::size_t>(config_.head_dim);
+  const std::size_t block_elems = static_cast<std::size_t>(config_.block_size) * D;
+  keys.resize(tokens.size() * D);
+  positions.resize(tokens.size());
+  std::vector<float> block_keys(block_elems), block_values(block_elems);
+  std::int32_t loaded = -1;  // tokens come in block order: dequantize each block once
+  for (std::size_t i = 0; i < tokens.size(); ++i) {
+    const SlotAddress a = tokens[i].address;
+    if (a.block != loaded) {
+      dequantize_block(seq, a.block, head, block_keys.data(), block_values.data());
+      loaded = a.block;
+    }
+    std::copy_n(&block_keys[static_cast<std::size_t>(a.slot) * D], D, &keys[i * D]);
+    positions[i] = tokens[i].position;
+  }
+}
+
+void ThoughtBlockTable::dequantize_block(std::int32_t seq, std::int32_t block, std::int32_t head,
+                                         float* keys, float* values) const {
+  const Sequence& s = sequence(seq, "dequantize_block");
+  check_head(head, "dequantize_block");
+  const Frame& f = frame(s, seq, block, "dequantize_block");
+  const BlockHeadLayout L = layout(f.format);
+  const std::uint32_t sealed = f.sealed[static_cast<std::size_t>(head)];
+  const std::int64_t D = config_.head_dim;
+  if (is_quantized(f.format)) {
+    // Key rows of groups still being filled come from the staging buffer (zeros where unwritten).
+    for (std::int64_t g = 0; g < config_.block_size / kQuantGroupSize; ++g) {
+      if (!((sealed >> g) & 1u)) {
+        std::fill(keys + g * kQuantGroupSize * D, keys + (g + 1) * kQuantGroupSize * D, 0.0f);
+      }
+    }
+    const std::size_t si = staging_index(f.type, head);
+    const Staging& st = s.staging[si];
+    if (st.block == block) {
+      const float* rows = &s.staging_keys[si * kQuantGroupSize * D];
+      for (int i = 0; i < kQuantGroupSize; ++i) {
+        if ((st.written >> i) & 1u) {
+          std::memcpy(keys + (st.group * kQuantGroupSize + i) * D, rows + i * D,
+                      static_cast<std::size_t>(D) * 4);
+        }
+      }
+    }
+  }
+  dequantize_block_head(L, f.data.data() + head * L.bytes(), sealed, config_.global_factor(head),
+                        keys, values);
+}
+
+void ThoughtBlockTable::read_token(std::int32_t seq, std::int32_t head, SlotAddress a, float* key,
+                                   float* value) const {
+  KVSIFT_CHECK(is_live(seq, head, a), "ThoughtBlockTable::read_token: slot ", a.slot, " of block ",
+               a.block, " in kv head ", head, " of sequence ", seq, " is not live");
+  const std::size_t n = static_cast<std::size_t>(config_.block_size) * config_.head_dim;
+  std::vector<float> keys(n), values(n);
+  dequantize_block(seq, a.block, head, keys.data(), values.data());
+  const std::size_t row = static_cast<std::size_t>(a.slot) * config_.head_dim;
+  std::copy_n(&keys[row], config_.head_dim, key);
+  std::copy_n(&values[row], config_.head_dim, value);
+}
+
+const std::vector<std::uint8_t>& ThoughtBlockTable::block_storage(std::int32_t seq,
+                                                                  std::int32_t block) const {
+  const Sequence& s = sequence(seq, "block_storage");
+  return frame(s, seq, block, "block_storage").data;
+}
+
+// --- memory ----------------------------------------------------------------------------------
+
+TableBytes ThoughtBlockTable::resident_bytes() const {
+  TableBytes out;
+  const std::int64_t H = config_.kv_heads, S = config_.block_size;
+  // Per block: type, format (1 B each), owner (4 B); per head: eviction mask, sealed bits (4 B),
+  // position and segment id per slot (4 B each).
+  const std::int64_t block_metadata = 1 + 1 + 4 + H * (mask_words_ * 8 + 4 + S * 8);
+  bool any_nvfp4 = false;
+  for (const Frame& f : frames_) {
+    if (f.owner < 0) continue;
+    const BlockHeadLayout L = layout(f.format);
+    out.codes += H * L.codes_bytes();
+    out.scales += H * L.scales_bytes();
+    out.metadata += block_metadata;
+    any_nvfp4 = any_nvfp4 || f.format == BlockFormat::nvfp4;
+  }
+  if (any_nvfp4) out.metadata += H * 4;  // the fp32 global factor g per KV head
+  for (const Sequence& s : sequences_) {
+    if (!s.active) continue;
+    // Page table (4 B per block), segment starts and types (5 B per segment), length, staging
+    // bookkeeping (block, group, written: 12 B each).
+    out.metadata += 4 * static_cast<std::int64_t>(s.blocks.size()) +
+                    5 * static_cast<std::int64_t>(s.segment_starts.size()) + 4 +
+                    12 * static_cast<std::int64_t>(s.staging.size());
+    out.staging += 4 * static_cast<std::int64_t>(s.staging_keys.size());
+  }
+  return out;
+}
+
+}  // namespace kvsift

@@ -1,0 +1,514 @@
+// ThoughtBlockTable (ALGORITHMS.md §3.4): allocation by hand-worked examples, soft eviction that
+// moves no byte, slot reuse that leaves survivors bit-identical, quantization against the quant/
+// whole-tensor path, byte accounting, and the error messages.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "catch.hpp"
+#include "kvsift/paged/thought_block_table.hpp"
+#include "kvsift/policy/segment_evictor.hpp"
+#include "kvsift/quant/quantized_tensor.hpp"
+
+using namespace kvsift;
+using Catch::Matchers::Contains;
+
+namespace {
+
+ThoughtBlockTableConfig full_precision(std::int32_t heads, std::int32_t dim, std::int32_t slots,
+                                       std::int32_t blocks) {
+  ThoughtBlockTableConfig c;
+  c.kv_heads = heads;
+  c.head_dim = dim;
+  c.block_size = slots;
+  c.num_blocks = blocks;
+  c.reasoning = c.execution = c.transition = BlockFormat::f32;
+  return c;
+}
+
+// A token whose every element encodes (position, head, channel), so reads can be checked exactly.
+std::vector<float> token_rows(std::int32_t position, std::int32_t heads, std::int32_t dim,
+                              float sign) {
+  std::vector<float> x(static_cast<std::size_t>(heads * dim));
+  for (std::int32_t h = 0; h < heads; ++h)
+    for (std::int32_t d = 0; d < dim; ++d)
+      x[h * dim + d] = sign * (position * 1000.0f + h * 100 + d);
+  return x;
+}
+
+std::int32_t append_marked(ThoughtBlockTable& t, std::int32_t seq, SlotAddress* where = nullptr) {
+  const std::int32_t pos = t.length(seq);
+  const auto& c = t.config();
+  const std::vector<float> k = token_rows(pos, c.kv_heads, c.head_dim, 1.0f);
+  const std::vector<float> v = token_rows(pos, c.kv_heads, c.head_dim, -1.0f);
+  return t.append(seq, k.data(), v.data(), c.kv_heads, c.head_dim, where);
+}
+
+bool same(SlotAddress a, std::int32_t block, std::int32_t slot) {
+  return a.block == block && a.slot == slot;
+}
+
+std::vector<float> random_rows(std::mt19937& rng, std::size_t n, float scale = 1.0f) {
+  std::normal_distribution<float> normal(0.0f, scale);
+  std::vector<float> x(n);
+  for (float& v : x) v = normal(rng);
+  return x;
+}
+
+}  // namespace
+
+TEST_CASE("config validation names the offending values", "[thought_block_table]") {
+  ThoughtBlockTableConfig c;
+  REQUIRE_NOTHROW(c.validate());
+  c.block_size = 24;
+  REQUIRE_THROWS_WITH(c.validate(), Contains("block_size (24)") && Contains("multiple of 16"));
+  c = ThoughtBlockTableConfig{};
+  c.block_size = 512;
+  REQUIRE_THROWS_WITH(c.validate(), Contains("block_size (512)"));
+  c = ThoughtBlockTableConfig{};
+  c.head_dim = 20;
+  REQUIRE_THROWS_WITH(c.validate(), Contains("head_dim (20)"));
+  c = ThoughtBlockTableConfig{};
+  c.num_blocks = 0;
+  REQUIRE_THROWS_WITH(c.validate(), Contains("num_blocks must be > 0, got 0"));
+  c = ThoughtBlockTableConfig{};
+  c.kv_heads = 2;
+  c.global_factors = {1.0f};
+  REQUIRE_THROWS_WITH(c.validate(),
+                      Contains("global_factors has 1 entries") && Contains("kv_heads = 2"));
+  c.global_factors = {1.0f, -3.0f};
+  REQUIRE_THROWS_WITH(c.validate(), Contains("global_factors[1] = -3"));
+  REQUIRE_THROWS_AS(ThoughtBlockTable(c), Error);
+}
+
+TEST_CASE("tokens fill the lowest free slot of their type, per kv head", "[thought_block_table]") {
+  ThoughtBlockTable t(full_precision(2, 16, 16, 8));
+  const std::int32_t seq = t.create_sequence();
+  REQUIRE(t.open_segment(seq, ThoughtType::reasoning) == 0);
+  std::vector<SlotAddress> where(2);
+  for (int i = 0; i < 20; ++i) {
+    REQUIRE(append_marked(t, seq, where.data()) == i);
+    REQUIRE(same(where[0], i / 16, i % 16));
+    REQUIRE(same(where[1], i / 16, i % 16));
+  }
+  REQUIRE(t.num_blocks(seq) == 2);
+  REQUIRE(t.used_blocks() == 2);
+  // Heads evict different tokens (TBE is per (layer, KV head)).
+  t.evict_positions(seq, 0, {10, 3});
+  t.evict(seq, 1, SlotAddress{0, 5});
+  REQUIRE(t.free_mask(seq, 0, 0)[0] == ((1u << 3) | (1u << 10)));
+  REQUIRE(t.free_mask(seq, 0, 1)[0] == (1u << 5));
+  // Block 1 has slots 0..3 written; 4..15 never written count as free.
+  REQUIRE(t.free_mask(seq, 1, 0)[0] == 0xfff0u);
+
+  append_marked(t, seq, where.data());  // position 20
+  REQUIRE(same(where[0], 0, 3));
+  REQUIRE(same(where[1], 0, 5));
+  append_marked(t, seq, where.data());  // 21
+  REQUIRE(same(where[0], 0, 10));
+  REQUIRE(same(where[1], 1, 4));
+  append_marked(t, seq, where.data());  // 22
+  REQUIRE(same(where[0], 1, 4));
+  REQUIRE(same(where[1], 1, 5));
+
+  // A new thought type never lands in another type's hole: it takes a new block.
+  t.evict(seq, 0, SlotAddress{0, 0});
+  REQUIRE(t.open_segment(seq, ThoughtType::execution) == 1);
+  append_marked(t, seq, where.data());  // 23
+  REQUIRE(same(where[0], 2, 0));
+  REQUIRE(same(where[1], 2, 0));
+  REQUIRE(t.block_info(seq, 2).type == ThoughtType::execution);
+  REQUIRE(t.block_info(seq, 0).type == ThoughtType::reasoning);
+  // Back to reasoning: the hole at (0, 0) in head 0 is reused first.
+  REQUIRE(t.open_segment(seq, ThoughtType::reasoning) == 2);
+  REQUIRE(t.segment_start(seq, 2) == 24);
+  append_marked(t, seq, where.data());  // 24
+  REQUIRE(same(where[0], 0, 0));
+  REQUIRE(same(where[1], 1, 6));
+  REQUIRE(t.num_blocks(seq) == 3);
+
+  // The reused slots now hold the new tokens' data and metadata.
+  std::vector<float> k(16), v(16);
+  t.read_token(seq, 0, SlotAddress{0, 0}, k.data(), v.data());
+  REQUIRE(k[7] == 24 * 1000.0f + 7);
+  REQUIRE(v[7] == -(24 * 1000.0f + 7));
+  t.read_token(seq, 1, SlotAddress{0, 5}, k.data(), v.data());
+  REQUIRE(k[0] == 20 * 1000.0f + 100);
+  const std::vector<ResidentToken> seg2 = t.resident_tokens(seq, 0, 2);
+  REQUIRE(seg2.size() == 1);
+  REQUIRE(seg2[0].position == 24);
+  REQUIRE(t.segment_mask(seq, 0, 0, 2)[0] == 1u);
+  REQUIRE(t.segment_mask(seq, 0, 0, 0)[0] == (0xffffu & ~1u));  // 3 and 10 reused by segment 0
+  REQUIRE(t.live_tokens(seq, 0) == 25 - 3);  // 25 appended, 3 evicted (their slots reused)
+  REQUIRE(t.live_tokens(seq, 1) == 25 - 1);
+}
+
+TEST_CASE("a new block is taken only when some head has no free slot", "[thought_block_table]") {
+  ThoughtBlockTable t(full_precision(2, 16, 16, 4));
+  const std::int32_t seq = t.create_sequence();
+  t.open_segment(seq, ThoughtType::transition);
+  for (int i = 0; i < 16; ++i) append_marked(t, seq);
+  REQUIRE(t.num_blocks(seq) == 1);
+  // Head 0 frees a slot, head 1 frees nothing: the next token needs a block for head 1 only.
+  t.evict(seq, 0, SlotAddress{0, 9});
+  std::vector<SlotAddress> where(2);
+  append_marked(t, seq, where.data());
+  REQUIRE(t.num_blocks(seq) == 2);
+  REQUIRE(same(where[0], 0, 9));
+  REQUIRE(same(where[1], 1, 0));
+  REQUIRE(t.free_mask(seq, 1, 0)[0] == 0xffffu);  // untouched in head 0
+  REQUIRE(t.free_mask(seq, 1, 1)[0] == 0xfffeu);
+  // Head 0 goes on in the new block now that its old one is full again.
+  append_marked(t, seq, where.data());
+  REQUIRE(same(where[0], 1, 0));
+  REQUIRE(same(where[1], 1, 1));
+  REQUIRE(t.num_blocks(seq) == 2);
+}
+
+TEST_CASE("eviction moves no byte of any block", "[thought_block_table]") {
+  std::mt19937 rng(7);
+  for (const BlockFormat fmt :
+       {BlockFormat::f32, BlockFormat::nvfp4, BlockFormat::ternary, BlockFormat::fp8}) {
+    ThoughtBlockTableConfig c;
+    c.kv_heads = 3;
+    c.head_dim = 32;
+    c.block_size = 32;
+    c.num_blocks = 16;
+    c.reasoning = c.execution = c.transition = fmt;
+    ThoughtBlockTable t(c);
+    const std::int32_t seq = t.create_sequence();
+    t.open_segment(seq, ThoughtType::reasoning);
+    for (int i = 0; i < 100; ++i) {  // 100 tokens: 3 sealed key groups per block, one staged
+      const std::vector<float> k = random_rows(rng, 96), v = random_rows(rng, 96);
+      t.append(seq, k.data(), v.data(), 3, 32);
+    }
+    std::vector<std::vector<std::uint8_t>> before;
+    std::vector<std::vector<float>> reads_before;
+    for (std::int32_t b = 0; b < t.num_blocks(seq); ++b) before.push_back(t.block_storage(seq, b));
+    std::vector<float> k(32), v(32);
+    for (std::int32_t h = 0; h < 3; ++h) {
+      for (const ResidentToken& r : t.resident_tokens(seq, h)) {
+        t.read_token(seq, h, r.address, k.data(), v.data());
+        reads_before.push_back(k);
+        reads_before.push_back(v);
+      }
+    }
+    // Evict a random half of every head, chosen independently per head.
+    std::vector<std::vector<std::int32_t>> evicted(3);
+    for (std::int32_t h = 0; h < 3; ++h) {
+      for (std::int32_t p = 0; p < 100; ++p)
+        if (rng() % 2) evicted[h].push_back(p);
+      t.evict_positions(seq, h, evicted[h]);
+    }
+    for (std::int32_t b = 0; b < t.num_blocks(seq); ++b)
+      REQUIRE(t.block_storage(seq, b) == before[b]);
+    // Every survivor reads back bit-identically (staged keys included).
+    std::size_t i = 0;
+    for (std::int32_t h = 0; h < 3; ++h) {
+      std::int64_t live = 0;
+      for (std::int32_t p = 0; p < 100; ++p) {
+        // resident_tokens lists slots in (block, slot) order = position order before any reuse.
+        const bool gone = std::binary_search(evicted[h].begin(), evicted[h].end(), p);
+        if (gone) {
+          i += 2;
+          continue;
+        }
+        const std::int32_t block = p / 32, slot = p % 32;
+        t.read_token(seq, h, SlotAddress{block, slot}, k.data(), v.data());
+        REQUIRE(k == reads_before[i++]);
+        REQUIRE(v == reads_before[i++]);
+        ++live;
+      }
+      REQUIRE(t.live_tokens(seq, h) == live);
+    }
+  }
+}
+
+TEST_CASE("reusing a slot leaves every surviving token bit-identical", "[thought_block_table]") {
+  std::mt19937 rng(11);
+  ThoughtBlockTableConfig c;  // default R4 E4 T2
+  c.kv_heads = 2;
+  c.head_dim = 16;
+  c.block_size = 16;
+  c.num_blocks = 8;
+  ThoughtBlockTable t(c);
+  const std::int32_t seq = t.create_sequence();
+  t.open_segment(seq, ThoughtType::reasoning);
+  for (int i = 0; i < 16; ++i) {
+    const std::vector<float> k = random_rows(rng, 32), v = random_rows(rng, 32);
+    t.append(seq, k.data(), v.data(), 2, 16);
+  }
+  t.open_segment(seq, ThoughtType::transition);
+  for (int i = 0; i < 16; ++i) {
+    const std::vector<float> k = random_rows(rng, 32), v = random_rows(rng, 32);
+    t.append(seq, k.data(), v.data(), 2, 16);
+  }
+  auto snapshot = [&](std::int32_t h) {
+    std::vector<std::vector<float>> out;
+    std::vector<float> k(16), v(16);
+    for (const ResidentToken& r : t.resident_tokens(seq, h)) {
+      t.read_token(seq, h, r.address, k.data(), v.data());
+      out.push_back(k);
+      out.push_back(v);
+    }
+    return out;
+  };
+  t.evict_positions(seq, 0, {2, 7, 20});
+  t.evict_positions(seq, 1, {0, 30});
+  const auto before0 = snapshot(0), before1 = snapshot(1);
+  const auto tokens0 = t.resident_tokens(seq, 0), tokens1 = t.resident_tokens(seq, 1);
+  // The first new T token reuses (1, 4) in head 0 and (1, 14) in head 1; a new R token reuses
+  // (0, 2) in head 0 and (0, 0) in head 1. All four sit in already quantized key groups.
+  std::vector<SlotAddress> where(2);
+  auto append_random = [&] {
+    const std::vector<float> k = random_rows(rng, 32, 3.0f), v = random_rows(rng, 32);
+    t.append(seq, k.data(), v.data(), 2, 16, where.data());
+  };
+  append_random();
+  REQUIRE(same(where[0], 1, 4));
+  REQUIRE(same(where[1], 1, 14));
+  append_random();  // no T hole left in either head: a new T block
+  REQUIRE(same(where[0], 2, 0));
+  REQUIRE(same(where[1], 2, 0));
+  REQUIRE(t.num_blocks(seq) == 3);
+  t.open_segment(seq, ThoughtType::reasoning);
+  append_random();
+  REQUIRE(same(where[0], 0, 2));
+  REQUIRE(same(where[1], 0, 0));
+  // The old tokens are where they were and decode to the same bits.
+  std::vector<float> k(16), v(16);
+  for (std::int32_t h = 0; h < 2; ++h) {
+    const auto& tokens = h == 0 ? tokens0 : tokens1;
+    const auto& before = h == 0 ? before0 : before1;
+    for (std::size_t i = 0; i < tokens.size(); ++i) {
+      REQUIRE(t.is_live(seq, h, tokens[i].address));
+      t.read_token(seq, h, tokens[i].address, k.data(), v.data());
+      REQUIRE(k == before[2 * i]);
+      REQUIRE(v == before[2 * i + 1]);
+    }
+  }
+}
+
+TEST_CASE("quantized blocks match the quant/ whole-tensor path", "[thought_block_table]") {
+  std::mt19937 rng(3);
+  const std::int32_t S = 32, D = 32;
+  for (const BlockFormat fmt : {BlockFormat::nvfp4, BlockFormat::fp8, BlockFormat::ternary}) {
+    ThoughtBlockTableConfig c;
+    c.kv_heads = 1;
+    c.head_dim = D;
+    c.block_size = S;
+    c.num_blocks = 2;
+    c.execution = fmt;
+    c.global_factors = {fmt == BlockFormat::nvfp4 ? 37.0f : 1.0f};
+    ThoughtBlockTable t(c);
+    const std::int32_t seq = t.create_sequence();
+    t.open_segment(seq, ThoughtType::execution);
+    // Channel magnitudes differ (the outlier channels KIVI's per-channel keys are made for).
+    std::vector<float> K(S * D), V = random_rows(rng, S * D);
+    for (std::int32_t s = 0; s < S; ++s)
+      for (std::int32_t d = 0; d < D; ++d) K[s * D + d] = random_rows(rng, 1)[0] * (1 + d % 5);
+    std::vector<float> k(D), v(D);
+    for (std::int32_t s = 0; s < S; ++s) {
+      t.append(seq, &K[s * D], &V[s * D], 1, D);
+      if (s == 20) {
+        // Slots 16..20 wait for their group: keys still exact in full precision.
+        t.read_token(seq, 0, SlotAddress{0, 18}, k.data(), v.data());
+        REQUIRE(std::equal(k.begin(), k.end(), &K[18 * D]));
+      }
+    }
+    const QuantFormat qf = quant_format_of(fmt);
+    const float g = c.global_factors[0];
+    const QuantizedTensor qk = quantize_tensor(K.data(), S, D, qf, GroupAxis::token, g);
+    const QuantizedTensor qv = quantize_tensor(V.data(), S, D, qf, GroupAxis::channel, g);
+    const std::vector<float> k_hat = dequantize_tensor(qk), v_hat = dequantize_tensor(qv);
+    std::vector<float> keys(S * D), values(S * D);
+    t.dequantize_block(seq, 0, 0, keys.data(), values.data());
+    REQUIRE(keys == k_hat);
+    REQUIRE(values == v_hat);
+
+    // Reuse slot 5: its key is encoded under the group's existing per-channel scales, checked
+    // against a brute-force nearest-representable search.
+    t.evict(seq, 0, SlotAddress{0, 5});
+    std::vector<float> x = random_rows(rng, D, 4.0f), y = random_rows(rng, D);
+    t.append(seq, x.data(), y.data(), 1, D);
+    t.read_token(seq, 0, SlotAddress{0, 5}, k.data(), v.data());
+    for (std::int32_t d = 0; d < D; ++d) {
+      const std::uint8_t sc = qk.scales[static_cast<std::size_t>(d)];  // group (slots 0..15, d)
+      std::vector<float> grid;
+      if (fmt == BlockFormat::nvfp4) {
+        for (float m : {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f})
+          for (float sign : {1.0f, -1.0f}) grid.push_back(sign * m * e4m3_to_float(sc) / g);
+      } else if (fmt == BlockFormat::ternary) {
+        for (float m : {-1.0f, 0.0f, 1.0f}) grid.push_back(m * e4m3_to_float(sc));
+      } else {
+        for (int code = 0; code < 256; ++code)
+          if (!e4m3_is_nan(static_cast<std::uint8_t>(code)))
+            grid.push_back(e4m3_to_float(static_cast<std::uint8_t>(code)) * e8m0_to_float(sc));
+      }
+      float best = grid[0];
+      for (float cand : grid)
+        if (std::fabs(cand - x[d]) < std::fabs(best - x[d])) best = cand;
+      INFO("format " << block_format_name(fmt) << " channel " << d << " x " << x[d]);
+      REQUIRE(std::fabs(std::fabs(k[d] - x[d]) - std::fabs(best - x[d])) <= 1e-6f);
+    }
+    // Values are per token: the reused slot's value groups are freshly quantized.
+    std::vector<float> y_rows(16 * D, 0.0f);  // y as row 0 of a 16-token tensor
+    std::copy(y.begin(), y.end(), y_rows.begin());
+    const std::vector<float> y_hat =
+        dequantize_tensor(quantize_tensor(y_rows.data(), 16, D, qf, GroupAxis::channel, g));
+    REQUIRE(std::equal(v.begin(), v.end(), y_hat.begin()));
+  }
+}
+
+TEST_CASE("resident bytes count codes, scales, metadata and staging", "[thought_block_table]") {
+  ThoughtBlockTableConfig c;  // R4 E4 T2
+  c.kv_heads = 2;
+  c.head_dim = 16;
+  c.block_size = 16;
+  c.num_blocks = 4;
+  ThoughtBlockTable t(c);
+  const TableBytes empty = t.resident_bytes();
+  REQUIRE(empty.total() == 0);
+  const std::int32_t seq = t.create_sequence();
+  std::vector<float> k(32, 0.5f), v(32, -0.25f);
+  t.open_segment(seq, ThoughtType::reasoning);
+  t.append(seq, k.data(), v.data(), 2, 16);
+  t.open_segment(seq, ThoughtType::transition);
+  t.append(seq, k.data(), v.data(), 2, 16);
+  const TableBytes b = t.resident_bytes();
+  // NVFP4 block, per head: 16 key groups + 16 value groups, 8 code bytes and 1 scale each.
+  // Ternary block, per head: 32 groups, 4 code bytes and 1 scale each.
+  REQUIRE(b.codes == 2 * (32 * 8) + 2 * (32 * 4));
+  REQUIRE(b.scales == 2 * 32 + 2 * 32);
+  // Per block: type + format + owner (6) and per head mask (8) + sealed bits (4) + 16 slots x
+  // (position + segment) (128); one global factor per head; the sequence: 2 page-table entries,
+  // 2 segments, its length and 6 staging records.
+  REQUIRE(b.metadata == 2 * (6 + 2 * (8 + 4 + 128)) + 2 * 4 + (2 * 4 + 2 * 5 + 4 + 6 * 12));
+  REQUIRE(b.staging == 3 * 2 * 16 * 16 * 4);
+  // Same tokens in full precision: 16 slots x 16 channels x (key + value) x 4 bytes per head.
+  ThoughtBlockTable f(full_precision(2, 16, 16, 4));
+  const std::int32_t s2 = f.create_sequence();
+  f.open_segment(s2, ThoughtType::reasoning);
+  f.append(s2, k.data(), v.data(), 2, 16);
+  REQUIRE(f.resident_bytes().codes == 2 * 16 * 16 * 2 * 4);
+  REQUIRE(f.resident_bytes().scales == 0);
+  REQUIRE(f.resident_bytes().staging == 0);
+}
+
+TEST_CASE("sequences share the pool; released blocks are handed out again",
+          "[thought_block_table]") {
+  ThoughtBlockTable t(full_precision(1, 16, 16, 3));
+  const std::int32_t a = t.create_sequence(), b = t.create_sequence();
+  REQUIRE(a == 0);
+  REQUIRE(b == 1);
+  t.open_segment(a, ThoughtType::reasoning);
+  t.open_segment(b, ThoughtType::reasoning);
+  for (int i = 0; i < 17; ++i) append_marked(t, a);
+  append_marked(t, b);
+  REQUIRE(t.free_blocks() == 0);
+  REQUIRE(t.block_info(a, 1).frame == 1);
+  REQUIRE(t.block_info(b, 0).frame == 2);
+  t.release_sequence(a);
+  REQUIRE(t.free_blocks() == 2);
+  REQUIRE_FALSE(t.has_sequence(a));
+  REQUIRE(t.create_sequence() == 0);  // the lowest unused id
+  t.open_segment(0, ThoughtType::execution);
+  append_marked(t, 0);
+  REQUIRE(t.block_info(0, 0).frame == 0);
+  REQUIRE(t.block_info(0, 0).type == ThoughtType::execution);
+  std::vector<float> k(16), v(16);
+  t.read_token(0, 0, SlotAddress{0, 0}, k.data(), v.data());
+  REQUIRE(k[3] == 3.0f);  // position 0 of the new sequence, not the old data
+}
+
+TEST_CASE("errors name the values and change nothing", "[thought_block_table]") {
+  ThoughtBlockTable t(full_precision(2, 16, 16, 2));
+  const std::int32_t seq = t.create_sequence();
+  std::vector<float> k(32, 1.0f), v(32, 1.0f);
+  REQUIRE_THROWS_WITH(t.append(seq, k.data(), v.data(), 2, 16),
+                      Contains("sequence 0 has no open segment"));
+  t.open_segment(seq, ThoughtType::reasoning);
+  REQUIRE_THROWS_WITH(
+      t.append(seq, k.data(), v.data(), 2, 8),
+      Contains("[kv_heads=2, head_dim=8]") && Contains("expects [kv_heads=2, head_dim=16]"));
+  REQUIRE_THROWS_WITH(t.append(seq, k.data(), v.data(), 4, 8), Contains("kv_heads=4"));
+  k[17] = std::numeric_limits<float>::quiet_NaN();
+  REQUIRE_THROWS_WITH(t.append(seq, k.data(), v.data(), 2, 16),
+                      Contains("kv head 1 channel 1 is not finite"));
+  k[17] = 1.0f;
+  REQUIRE(t.length(seq) == 0);
+
+  for (int i = 0; i < 32; ++i) t.append(seq, k.data(), v.data(), 2, 16);
+  REQUIRE_THROWS_WITH(t.append(seq, k.data(), v.data(), 2, 16),
+                      Contains("block pool exhausted") && Contains("all 2 blocks") &&
+                          Contains("sequence 0 needs a new R block"));
+  REQUIRE(t.length(seq) == 32);
+  // Only head 0 has a hole: the token still needs a block for head 1, so nothing is written.
+  t.evict(seq, 0, SlotAddress{1, 3});
+  REQUIRE_THROWS_WITH(t.append(seq, k.data(), v.data(), 2, 16), Contains("pool exhausted"));
+  REQUIRE_FALSE(t.is_live(seq, 0, SlotAddress{1, 3}));
+  REQUIRE(t.length(seq) == 32);
+
+  REQUIRE_THROWS_WITH(t.evict(seq, 0, SlotAddress{1, 3}),
+                      Contains("slot 3 of block 1 in kv head 0 of sequence 0 is not live"));
+  REQUIRE_THROWS_WITH(t.evict(seq, 0, SlotAddress{2, 0}),
+                      Contains("block 2 of sequence 0 outside [0, 2)"));
+  REQUIRE_THROWS_WITH(t.evict(seq, 0, SlotAddress{0, 16}),
+                      Contains("slot 16 of block 0 outside [0, block_size = 16)"));
+  REQUIRE_THROWS_WITH(t.evict(seq, 2, SlotAddress{0, 0}), Contains("kv head 2 outside [0, 2)"));
+  // evict_positions checks every position before setting any bit.
+  REQUIRE_THROWS_WITH(t.evict_positions(seq, 0, {4, 19}),
+                      Contains("position 19 is not resident in kv head 0 of sequence 0"));
+  REQUIRE(t.is_live(seq, 0, SlotAddress{0, 4}));
+  REQUIRE_THROWS_WITH(t.evict_positions(seq, 1, {4, 4}), Contains("position 4 is listed twice"));
+  REQUIRE(t.is_live(seq, 1, SlotAddress{0, 4}));
+  REQUIRE_THROWS_WITH(t.evict_positions(seq, 1, {40}), Contains("position 40 is not resident"));
+
+  REQUIRE_THROWS_WITH(t.append(5, k.data(), v.data(), 2, 16), Contains("unknown sequence 5"));
+  REQUIRE_THROWS_WITH(t.open_segment(-1, ThoughtType::reasoning), Contains("unknown sequence -1"));
+  t.release_sequence(seq);
+  REQUIRE_THROWS_WITH(t.num_blocks(seq), Contains("unknown sequence 0 (0 sequences are active)"));
+  REQUIRE_THROWS_WITH(t.release_sequence(seq), Contains("unknown sequence 0"));
+}
+
+TEST_CASE("TBE's eviction marks for a segment apply per head as bits", "[thought_block_table]") {
+  std::mt19937 rng(21);
+  ThoughtBlockTable t(full_precision(2, 16, 16, 8));
+  const std::int32_t seq = t.create_sequence();
+  t.open_segment(seq, ThoughtType::reasoning);
+  std::vector<std::vector<float>> keys_by_head(2);
+  for (int i = 0; i < 8; ++i) append_marked(t, seq);  // segment 0: positions 0..7
+  t.open_segment(seq, ThoughtType::execution);
+  for (int i = 0; i < 40; ++i) {  // segment 1: positions 8..47
+    const std::vector<float> k = random_rows(rng, 32), v = random_rows(rng, 32);
+    t.append(seq, k.data(), v.data(), 2, 16);
+    for (int h = 0; h < 2; ++h)
+      keys_by_head[h].insert(keys_by_head[h].end(), &k[h * 16], &k[h * 16 + 16]);
+  }
+  t.evict_positions(seq, 1, {9, 30});  // heads already differ before TBE runs
+  for (std::int32_t h = 0; h < 2; ++h) {
+    std::vector<float> keys;
+    std::vector<std::int32_t> positions;
+    t.segment_keys(seq, h, 1, keys, positions);
+    REQUIRE(positions.size() == (h == 0 ? 40u : 38u));
+    for (std::size_t i = 0; i < positions.size(); ++i) {
+      const std::size_t row = static_cast<std::size_t>(positions[i] - 8) * 16;
+      REQUIRE(std::equal(&keys[i * 16], &keys[i * 16 + 16], &keys_by_head[h][row]));
+    }
+    const std::vector<std::int32_t> marks = segment_eviction_marks(
+        keys.data(), positions.data(), static_cast<std::int64_t>(positions.size()), 16, 8);
+    t.evict_positions(seq, h, marks);
+    REQUIRE(t.resident_tokens(seq, h, 1).size() == 8);
+    REQUIRE(t.resident_tokens(seq, h, 0).size() == 8);  // the other segment is untouched
+  }
+  REQUIRE_THROWS_WITH(
+      [&] {
+        std::vector<float> k;
+        std::vector<std::int32_t> p;
+        t.segment_keys(seq, 0, 2, k, p);
+      }(),
+      Contains("segment 2 of sequence 0 outside [0, 2)"));
+}
