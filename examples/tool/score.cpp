@@ -21,11 +21,16 @@
 #include "kvsift/policy/streaming_llm.hpp"
 
 namespace kvsift::tool {
+
+// `--policy skipkv` has its own flags (--pad-mode) and inputs (sentences): score_skipkv.cpp.
+int run_score_skipkv(const std::vector<std::string>& argv);
+
 namespace {
 
 void print_help() {
   std::printf(
-      "usage: kvsift score --policy {rkv,snapkv,h2o,streaming,fullkv} --case IN.safetensors\n"
+      "usage: kvsift score --policy {rkv,snapkv,h2o,streaming,fullkv,skipkv} --case "
+      "IN.safetensors\n"
       "                    --out OUT.safetensors [--budget N] [--window W] [--kernel K]\n"
       "                    [--lambda L] [--threshold T] [--redundancy faithful|sound]\n\n"
       "Reads queries [B,Hq,W,D], keys and values [B,Hkv,S,D] (f32, f16 or bf16) and an optional\n"
@@ -40,7 +45,9 @@ void print_help() {
       "--window defaults to the queries' W. SnapKV's own defaults (kernel 5, avg pooling, summed\n"
       "window, mean over GQA groups) apply unless the case or a flag sets kernel. H2O observes "
       "the\n"
-      "W window queries as W decode steps.\n");
+      "W window queries as W decode steps.\n"
+      "--policy skipkv also takes --pad-mode and reads sentences; see\n"
+      "'kvsift score --policy skipkv --help'.\n");
 }
 
 StDType storage_st_dtype(DType t) {
@@ -179,6 +186,12 @@ void put_plan(SafetensorsFile& out, Case& c, const KeepPlan& plan, std::int64_t 
 }
 
 int run_score(const std::vector<std::string>& argv) {
+  for (std::size_t i = 0; i < argv.size(); ++i) {
+    if (argv[i] == "--policy=skipkv" ||
+        (argv[i] == "--policy" && i + 1 < argv.size() && argv[i + 1] == "skipkv")) {
+      return run_score_skipkv(argv);
+    }
+  }
   const Args a(
       argv,
       {"policy", "case", "out", "budget", "window", "kernel", "lambda", "threshold", "redundancy"},
@@ -252,7 +265,8 @@ int run_score(const std::vector<std::string>& argv) {
   } else if (policy == "fullkv") {
     plan = FullKV().select(in);
   } else {
-    KVSIFT_FAIL("unknown --policy '", policy, "' (known: rkv, snapkv, h2o, streaming, fullkv)");
+    KVSIFT_FAIL("unknown --policy '", policy,
+                "' (known: rkv, snapkv, h2o, streaming, fullkv, skipkv)");
   }
   plan.validate();
   put_plan(out, c, plan, window);

@@ -30,6 +30,8 @@
 #include "kvsift/policy/streaming_llm.hpp"
 
 #include "kvsift/policy/batch_grouper.hpp"
+#include "kvsift/policy/sentence_scorer.hpp"
+#include "kvsift/policy/skipkv.hpp"
 #include "kvsift/policy/sentence_tracker.hpp"
 #include "kvsift/policy/steering.hpp"
 
@@ -39,6 +41,7 @@
 #include "kvsift/policy/segment_evictor.hpp"
 #include "kvsift/policy/sparsity_calibration.hpp"
 #include "kvsift/policy/thought_classifier.hpp"
+#include "kvsift/policy/thinkv.hpp"
 #include "kvsift/policy/thought_type.hpp"
 
 #include "kvsift/quant/format.hpp"

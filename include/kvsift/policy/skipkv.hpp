@@ -1,0 +1,317 @@
+// SkipKV: the whole pipeline of ALGORITHMS.md §2 as one object a host drives per step.
+//   observe(seq, tokens, hidden)  every appended token (prompt and decode) of every sequence:
+//                                 sentences, check labels, embeddings (§2.1), steering gate (§2.5)
+//   should_compress(lengths)      the decode trigger: a sequence reaches budget + buffer (§1.3)
+//   select(StepInputs)            per layer: eq. 6 scores with the sentence penalty, top-k plan,
+//                                 range bookkeeping before and after eviction (§2.2-2.4)
+//   steering_strength(seq)        α = α0 + γ·N_o as of the last trigger (§2.5)
+// It composes SentenceTracker (one per sequence), SegmentTable (one per layer), SentenceScorer
+// and, when given a vector, SteeringController; it adds only the orchestration.
+//
+// Plan bookkeeping (design): select() both returns the plan and records it in the layer's range
+// map, on the contract that the host applies it (compact(), or its own page remap) before the
+// next token is appended. That cannot desync silently: the pipeline knows how long each layer's
+// cache must be — the plan's kept length plus the tokens observed since — and the next select()
+// of that layer throws kvsift::Error if the cache holds anything else (a plan not applied, applied
+// twice, tokens appended but not observed). Before a layer's first plan the cache must hold every
+// observed position, pads included.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "kvsift/core/error.hpp"
+#include "kvsift/core/keep_plan.hpp"
+#include "kvsift/core/segment_table.hpp"
+#include "kvsift/core/step_inputs.hpp"
+#include "kvsift/policy/budget_trigger.hpp"
+#include "kvsift/policy/policy.hpp"
+#include "kvsift/policy/sentence_scorer.hpp"
+#include "kvsift/policy/sentence_tracker.hpp"
+#include "kvsift/policy/steering.hpp"
+
+namespace kvsift {
+
+struct SkipKVConfig {
+  // What the pipeline tracks.
+  // Sequences (one SentenceTracker each). 0: as many as observe() / add_padding() name before
+  // the first select() (for hosts that create the policy by name, before the batch is known).
+  std::int64_t batch = 1;
+  std::int64_t layers = 0;    // decoder layers; 0: any layer index >= 0 is accepted
+  std::int64_t kv_heads = 0;  // KV heads per layer; 0: taken from the first cache seen
+  // Eviction (ALGORITHMS.md §4 defaults).
+  int budget = 1024;        // tokens per (sequence, KV head) after a compression
+  int window = 8;           // observation window W, always kept
+  int buffer = 128;         // decode steps between compressions (>= window)
+  int kernel = 7;           // max-pooling kernel of the importance (odd)
+  float mix_lambda = 0.1f;  // λ of λ·a − (1−λ)·R
+  float threshold = 0.5f;   // key-redundancy cosine threshold
+  RedundancyMode redundancy = RedundancyMode::sound;
+  GqaReduce gqa = GqaReduce::max;
+  PadMode pad_mode = PadMode::exclude;  // faithful: pads +100, force-kept (the reference)
+  // Sentences (§2.1-2.2).
+  SentenceTokens tokens = SentenceTokens::r1_qwen();  // delimiter and keyword ids
+  std::int64_t hidden_size = 0;  // final-norm last-layer width; 0: no embeddings, no marks
+  float tau = 0.95f;             // PSS threshold τ
+  // Steering (§2.5): α0, γ, the steered layer and the gate's token ids.
+  SteeringConfig steering;
+
+  void validate() const {
+    KVSIFT_CHECK(batch >= 0,
+                 "SkipKVConfig: batch must be >= 0 (0: from the sequences observed), got ", batch);
+    KVSIFT_CHECK(layers >= 0, "SkipKVConfig: layers must be >= 0 (0: any), got ", layers);
+    KVSIFT_CHECK(kv_heads >= 0, "SkipKVConfig: kv_heads must be >= 0 (0: from the cache), got ",
+                 kv_heads);
+    KVSIFT_CHECK(buffer >= window, "SkipKVConfig: buffer (", buffer, ") must be >= window (",
+                 window, ")");
+    scorer_config().validate();
+    tracker_config().validate();
+    steering.validate();
+  }
+  SentenceScorerConfig scorer_config() const {
+    SentenceScorerConfig c;
+    c.budget = budget;
+    c.window = window;
+    c.kernel = kernel;
+    c.mix_lambda = mix_lambda;
+    c.threshold = threshold;
+    c.redundancy = redundancy;
+    c.gqa = gqa;
+    c.pad_mode = pad_mode;
+    return c;
+  }
+  SentenceTrackerConfig tracker_config() const { return {tokens, hidden_size, tau}; }
+};
+
+class SkipKV final : public Policy {
+ public:
+  // Without a steering vector: steering_strength() is still reported, apply_steering() does
+  // nothing.
+  explicit SkipKV(const SkipKVConfig& cfg) : cfg_(validated(cfg)), scorer_(cfg_.scorer_config()) {
+    trackers_.assign(static_cast<std::size_t>(cfg_.batch), SentenceTracker(cfg_.tracker_config()));
+    checks_at_trigger_.assign(static_cast<std::size_t>(cfg_.batch), 0);
+  }
+  // The controller tracks a fixed batch, so here cfg.batch must be > 0.
+  SkipKV(const SkipKVConfig& cfg, SteeringVector vector) : SkipKV(cfg) {
+    KVSIFT_CHECK(cfg_.batch > 0, "SkipKV: steering needs a fixed batch, config batch is ",
+                 cfg_.batch);
+    steer_.emplace(cfg_.steering, std::move(vector), cfg_.batch);
+  }
+
+  std::string_view name() const override { return "skipkv"; }
+  const SkipKVConfig& config() const { return cfg_; }
+  const SentenceScorer& scorer() const { return scorer_; }
+
+  // ---- every step --------------------------------------------------------------------------
+
+  // Left padding of sequence `seq` (its pad count), before any of its tokens is observed.
+  void add_padding(std::int64_t seq, std::int64_t pads) {
+    tracker_mut(seq, "add_padding").add_padding(pads);
+  }
+
+  // The tokens appended to sequence `seq` this step (prompt or decode), after their K/V are in
+  // the cache. `last_hidden`: [n, hidden_size], the final-norm last-layer states of those tokens
+  // (f32/f16/bf16 on the CPU, any strides; batch_row() cuts one out of a batched output).
+  void observe(std::int64_t seq, const std::int32_t* tokens, std::int64_t n,
+               const TensorView& last_hidden) {
+    tracker_mut(seq, "observe").observe(tokens, n, last_hidden);
+    after_observe(seq, tokens, n);
+  }
+  // Segmentation only (hidden_size == 0).
+  void observe(std::int64_t seq, const std::int32_t* tokens, std::int64_t n) {
+    tracker_mut(seq, "observe").observe(tokens, n);
+    after_observe(seq, tokens, n);
+  }
+  void observe(std::int64_t seq, const std::vector<std::int32_t>& tokens) {
+    observe(seq, tokens.data(), static_cast<std::int64_t>(tokens.size()));
+  }
+
+  // ---- the trigger -------------------------------------------------------------------------
+
+  // `lengths` [n] resident tokens per sequence: true once any reaches budget + buffer.
+  bool should_compress(const std::int32_t* lengths, std::int64_t n) const {
+    KVSIFT_CHECK(n >= 0 && (n == 0 || lengths != nullptr),
+                 "SkipKV::should_compress: bad lengths (n = ", n, ")");
+    for (std::int64_t b = 0; b < n; ++b)
+      if (lengths[b] >= cfg_.budget + cfg_.buffer) return true;
+    return false;
+  }
+  bool should_compress(const std::vector<std::int32_t>& lengths) const {
+    return should_compress(lengths.data(), static_cast<std::int64_t>(lengths.size()));
+  }
+  bool should_compress(const KVCacheView& kv) const override {
+    return reaches_budget_plus_buffer(kv, cfg_.budget, cfg_.buffer);
+  }
+
+  // ---- per layer ---------------------------------------------------------------------------
+
+  // Plans layer `in.layer` and records the plan in its range map; the host must apply it before
+  // appending more tokens (see the header comment). The first select() after new tokens were
+  // observed is the trigger: it marks redundant sentences (§2.2) and updates the steering
+  // strength (§2.5) once for all layers. Sequences over the budget are compressed whatever the
+  // trigger says (prefill compression of a long prompt).
+  //   in.kv              [batch, kv_heads, capacity, head_dim]
+  //   in.window_queries  [batch, q_heads, window, head_dim]
+  KeepPlan select(const StepInputs& in) override {
+    const KVCacheView& kv = in.kv;
+    kv.validate();
+    KVSIFT_CHECK(kv.batch() == batch(), "SkipKV::select: cache batch (", kv.batch(),
+                 ") != ", cfg_.batch > 0 ? "config batch (" : "sequences observed (", batch(), ")");
+    frozen_ = true;  // the range maps are sized now
+    KVSIFT_CHECK(in.layer >= 0 && (cfg_.layers == 0 || in.layer < cfg_.layers),
+                 "SkipKV::select: layer ", in.layer, " outside [0, ", cfg_.layers, ")");
+    if (kv_heads_ == 0) kv_heads_ = cfg_.kv_heads;
+    KVSIFT_CHECK(kv_heads_ == 0 || kv.kv_heads() == kv_heads_, "SkipKV::select: layer ", in.layer,
+                 " cache has ", kv.kv_heads(), " kv heads, expected ", kv_heads_);
+    kv_heads_ = kv.kv_heads();
+    LayerState& st = layer_state(in.layer);
+    check_lengths(in.layer, kv, st);
+    if (pending_trigger_) begin_trigger();
+
+    const std::int64_t heads = kv.kv_heads();
+    SentencePenalties penalties(static_cast<std::size_t>(batch() * heads));
+    for (std::int64_t b = 0; b < batch(); ++b) {
+      const SentenceTracker& t = trackers_[b];
+      // §2.3 before eviction: sentences closed since this layer's last eviction.
+      st.table.append_closed(0, b, t.sentences(), t.position(), kv.length(b));
+      for (std::int64_t h = 0; h < heads; ++h)
+        penalties[b * heads + h] = st.table.penalty_ranges(0, b, h, t.sentences());
+    }
+    KeepPlan plan = scorer_.select(kv, in.window_queries, penalties);
+    // §2.3 after eviction, recorded now on the contract that the host applies the plan.
+    st.table.apply_plan(0, plan);
+    for (std::int64_t b = 0; b < batch(); ++b) {
+      st.length_after_plan[b] = plan.kept_length(b);
+      st.position_at_plan[b] = trackers_[b].position();
+    }
+    st.planned = true;
+    return plan;
+  }
+
+  // ---- steering ----------------------------------------------------------------------------
+
+  // α_b = α0 + γ·N_o with N_o the check sentences of `seq` at the last trigger (α0 before any).
+  float steering_strength(std::int64_t seq) const {
+    check_seq(seq, "steering_strength");
+    if (steer_) return steer_->strength(seq);
+    return cfg_.steering.alpha0 + cfg_.steering.gamma * static_cast<float>(checks_at_trigger_[seq]);
+  }
+  // h[b, last] += α_b·v at the steered layer for gated rows (SteeringController::apply);
+  // `hidden` [batch, seq, hidden]. Returns the rows steered; 0 without a steering vector.
+  std::int64_t apply_steering(int layer, const TensorView& hidden) const {
+    return steer_ ? steer_->apply(layer, hidden) : 0;
+  }
+  bool has_steering_vector() const { return steer_.has_value(); }
+
+  // ---- inspection --------------------------------------------------------------------------
+
+  const SentenceTracker& tracker(std::int64_t seq) const {
+    check_seq(seq, "tracker");
+    return trackers_[seq];
+  }
+  // The range map of `layer` (one layer, batch, kv_heads); throws before its first select().
+  const SegmentTable& segments(int layer) const {
+    KVSIFT_CHECK(layer >= 0 && layer < static_cast<int>(layers_.size()) && layers_[layer],
+                 "SkipKV::segments: layer ", layer, " has not been selected yet");
+    return layers_[layer]->table;
+  }
+  std::int64_t triggers() const { return triggers_; }  // compression triggers so far
+  std::int64_t batch() const { return static_cast<std::int64_t>(trackers_.size()); }
+
+ private:
+  struct LayerState {
+    SegmentTable table;                           // (1 layer, batch, kv_heads)
+    std::vector<std::int64_t> length_after_plan;  // [batch] kept by this layer's last plan
+    std::vector<std::int64_t> position_at_plan;   // [batch] tracker position at that plan
+    bool planned = false;
+  };
+
+  static SkipKVConfig validated(const SkipKVConfig& c) {
+    c.validate();
+    return c;
+  }
+
+  void check_seq(std::int64_t seq, const char* fn) const {
+    KVSIFT_CHECK(seq >= 0 && seq < batch(), "SkipKV::", fn, ": sequence ", seq,
+                 " outside [0, batch = ", batch(), ")");
+  }
+  SentenceTracker& tracker_mut(std::int64_t seq, const char* fn) {
+    if (cfg_.batch == 0 && !frozen_ && seq >= batch() && seq < kMaxAutoBatch) {
+      trackers_.resize(static_cast<std::size_t>(seq + 1), SentenceTracker(cfg_.tracker_config()));
+      checks_at_trigger_.resize(static_cast<std::size_t>(seq + 1), 0);
+    }
+    check_seq(seq, fn);
+    return trackers_[seq];
+  }
+
+  void after_observe(std::int64_t seq, const std::int32_t* tokens, std::int64_t n) {
+    if (steer_) steer_->observe(seq, tokens, n);
+    if (n > 0) pending_trigger_ = true;
+  }
+
+  // Once per trigger, for every sequence: §2.2 marks, then N_o for §2.5.
+  void begin_trigger() {
+    for (std::int64_t b = 0; b < batch(); ++b) {
+      trackers_[b].mark_redundant();
+      checks_at_trigger_[b] = trackers_[b].check_count();
+      if (steer_) steer_->update_strength(b, checks_at_trigger_[b]);
+    }
+    pending_trigger_ = false;
+    ++triggers_;
+  }
+
+  LayerState& layer_state(int layer) {
+    if (static_cast<std::size_t>(layer) >= layers_.size()) layers_.resize(layer + 1);
+    std::optional<LayerState>& slot = layers_[layer];
+    if (!slot) {
+      LayerState st{SegmentTable(1, batch(), kv_heads_),
+                    std::vector<std::int64_t>(static_cast<std::size_t>(batch()), 0),
+                    std::vector<std::int64_t>(static_cast<std::size_t>(batch()), 0), false};
+      for (std::int64_t b = 0; b < batch(); ++b)
+        st.table.set_first_position(b, trackers_[b].padding());
+      slot.emplace(std::move(st));
+    }
+    return *slot;
+  }
+
+  // The cache must hold exactly what the recorded plans and observed tokens say; before the
+  // layer's first plan, every observed position with the tracker's pad count as its left pads.
+  void check_lengths(int layer, const KVCacheView& kv, const LayerState& st) const {
+    for (std::int64_t b = 0; b < batch(); ++b) {
+      const SentenceTracker& t = trackers_[b];
+      const std::int64_t expected = st.length_after_plan[b] + t.position() - st.position_at_plan[b];
+      KVSIFT_CHECK(kv.length(b) == expected, "SkipKV::select: layer ", layer, " sequence ", b,
+                   " holds ", kv.length(b), " tokens, expected ", expected,
+                   st.planned ? " (its last plan kept " : " (observed positions: ",
+                   st.planned ? st.length_after_plan[b] : t.position(),
+                   st.planned ? ", plus tokens observed since); was the plan applied and every "
+                                "token observed?"
+                              : "); observe() every token appended to the cache");
+      if (!st.planned && kv.valid_mask != nullptr) {
+        std::int64_t pads = 0;
+        for (std::int64_t j = 0; j < kv.length(b); ++j) pads += kv.is_valid(b, j) ? 0 : 1;
+        KVSIFT_CHECK(pads == t.padding(), "SkipKV::select: sequence ", b, " has ", pads,
+                     " pads in valid_mask but add_padding() gave ", t.padding());
+      }
+    }
+  }
+
+  SkipKVConfig cfg_;
+  SentenceScorer scorer_;
+  std::vector<SentenceTracker> trackers_;        // [batch]
+  std::vector<std::int64_t> checks_at_trigger_;  // [batch] N_o at the last trigger
+  std::optional<SteeringController> steer_;
+  std::vector<std::optional<LayerState>> layers_;  // [layers seen]
+  std::int64_t kv_heads_ = 0;
+  bool pending_trigger_ = false;
+  bool frozen_ = false;  // batch fixed: a select() has run
+  // Auto-sizing (batch = 0) stops here, so a stray sequence index cannot allocate without bound.
+  static constexpr std::int64_t kMaxAutoBatch = 1 << 16;
+  std::int64_t triggers_ = 0;
+};
+
+}  // namespace kvsift

@@ -1,0 +1,164 @@
+// ThinKV: the whole pipeline of ALGORITHMS.md §3 for one sequence, driven step by step by a host
+// (the engine). It wires together
+//  - the thought classifier (§3.1): per-step attention sparsity of the calibrated layers L*, one
+//    R/E/T label per τ = 128-step refresh interval (policy/thought_classifier.hpp);
+//  - Think Before you Quantize (§3.2): each layer's ThoughtBlockTable stores a token at the
+//    precision of its thought type (R4 E4 T2 by default; paged/block_codec.hpp);
+//  - Think Before you Evict (§3.3): the SegmentEvictor's Rule 1 / Rule 2 demotions, each applied
+//    per (layer, KV head) by k-means on the segment's resident keys (policy/segment_evictor.hpp);
+//  - Continuous Thinking (§3.4): eviction only sets bits in the table; nothing is gathered.
+//
+// One ThinKV object serves one sequence and owns one ThoughtBlockTable per layer (each with its
+// own pool of `pool_blocks` blocks). A batch is a vector of ThinKV objects, one per sequence: TBE's
+// decisions are per sequence anyway, and no state is shared between sequences (our choice: the
+// simplest object an engine can drive; docs/thinkv.md, "The ThinKV pipeline").
+//
+// Driving it (every tensor is host fp32, post-RoPE keys as engines store them):
+//   ThinKV kv(config);                              // validates the config
+//   for each layer: kv.prefill(layer, K, V, n);     // the prompt: segment 0, protected
+//   each decode step:
+//     for each layer: kv.append(layer, k, v);       // the step's new token, typed by label()
+//                     kv.attention(layer, q, out);  // optional: paged decode attention
+//                     kv.observe_query(layer, q);   // on L* layers (or observe_attention /
+//                                                   //   observe_sparsity)
+//     kv.end_step();                                // classify, Rule 1 / 2, soft evictions
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <vector>
+
+#include "kvsift/paged/block_codec.hpp"
+#include "kvsift/paged/thought_block_table.hpp"
+#include "kvsift/policy/kmeans_select.hpp"
+#include "kvsift/policy/segment_evictor.hpp"
+#include "kvsift/policy/thought_classifier.hpp"
+#include "kvsift/policy/thought_type.hpp"
+
+namespace kvsift {
+
+struct ThinKVConfig {
+  // Model geometry. Defaults: DeepSeek-R1-Distill-Qwen-7B (28 layers, 28 query heads, 4 KV heads).
+  int num_layers = 28;
+  int kv_heads = 4;
+  int q_heads = 28;    // a multiple of kv_heads (grouped-query attention)
+  int head_dim = 128;  // a multiple of 16 (quantization groups, §3.2)
+
+  int budget = 1024;  // k: tokens per (layer, KV head), prompt included, above which Rule 2 runs
+  int refresh = 128;  // τ: decode steps per thought label = tokens per segment (§4)
+
+  // Thresholds θ1 < θ2 and the calibrated layers L*: model-specific, no defaults. Run
+  // `kvsift calibrate` and copy its output here (docs/thinkv.md §3).
+  float theta1 = std::numeric_limits<float>::quiet_NaN();
+  float theta2 = std::numeric_limits<float>::quiet_NaN();
+  std::vector<int> calibrated_layers;  // L*, each in [0, num_layers)
+
+  std::vector<int> schedule{64, 32, 16, 8, 4};  // R: tokens kept after the n-th demotion (§4)
+  bool evict_prompt = false;                    // the prompt (segment 0) is protected (§3.3)
+  int kmeans_iterations = 10;                   // Lloyd iterations at most (§3.3)
+
+  // Continuous Thinking block table (§3.4) and TBQ precision per type (§3.2, default R4 E4 T2).
+  int block_size = 32;     // slots per block: a multiple of 16 in [16, 256]
+  int pool_blocks = 1024;  // blocks per layer's pool
+  BlockFormat reasoning = BlockFormat::nvfp4;
+  BlockFormat execution = BlockFormat::nvfp4;
+  BlockFormat transition = BlockFormat::ternary;
+  // NVFP4 global factor g per (layer, KV head): empty = 1 everywhere, else [num_layers, kv_heads].
+  std::vector<float> global_factors;
+
+  // Throws kvsift::Error naming the field and its value.
+  void validate() const;
+
+  // The pieces' own configs, derived from this one.
+  ThoughtClassifierConfig classifier_config() const;
+  SegmentEvictorConfig evictor_config() const;
+  ThoughtBlockTableConfig table_config(int layer) const;
+};
+
+class ThinKV {
+ public:
+  explicit ThinKV(ThinKVConfig config);
+
+  const ThinKVConfig& config() const { return config_; }
+
+  // --- prompt ----------------------------------------------------------------------------------
+  // Appends `n` prompt tokens of one layer to segment 0 (may be called in chunks). Only before the
+  // first decode append; every layer must end up with the same prompt length.
+  void prefill(int layer,
+               const float* keys,    // [n, kv_heads, head_dim] post-RoPE
+               const float* values,  // [n, kv_heads, head_dim]
+               std::int64_t n);
+
+  // --- one decode step -------------------------------------------------------------------------
+  // The step's new token of one layer, written into that layer's table with the current label
+  // (a new segment opens at every refresh boundary). Each layer exactly once per step.
+  void append(int layer,
+              const float* key,     // [kv_heads, head_dim] post-RoPE
+              const float* value);  // [kv_heads, head_dim]
+
+  // Whether `layer` is in L*: only those layers' sparsities are needed.
+  bool needs_sparsity(int layer) const;
+  // The step's attention sparsity of one layer (§3.1), three ways; each returns false (and does
+  // nothing) for a layer outside L*. Every L* layer must be reported once per step.
+  //  - the host already knows it (a number in [0, 1]);
+  bool observe_sparsity(int layer, float sparsity);
+  //  - from the step's attention rows: probs [q_heads, n] (any non-negative weights; n = the
+  //    keys the host attended to), averaged over query heads;
+  bool observe_attention(int layer, const float* probs, std::int64_t n);
+  //  - from the step's post-RoPE query against this layer's resident keys as stored (dequantized),
+  //    logits q·k/sqrt(D). Call it after append() so the new token is among the keys.
+  bool observe_query(int layer, const float* query);  // query: [q_heads, head_dim]
+
+  // Closes the step (every layer appended, every L* layer observed): advances the classifier,
+  // runs TBE (Rule 1 at a new T segment, Rule 2 over budget) and applies each demotion to every
+  // (layer, KV head) as eviction bits: k-means survivors of the segment's resident keys
+  // (segment_keys → segment_eviction_marks → evict_positions). No data moves. Returns what TBE did.
+  EvictionStep end_step();
+
+  // --- attention -------------------------------------------------------------------------------
+  // Paged decode attention over the layer's resident tokens (softmax scale 1/sqrt(head_dim)).
+  void attention(int layer,
+                 const float* query,  // [q_heads, head_dim] post-RoPE
+                 float* out) const;   // [q_heads, head_dim]
+
+  // --- state -----------------------------------------------------------------------------------
+  ThoughtType label() const { return classifier_.label(); }  // type of the next decode token
+  std::int64_t steps() const { return steps_; }              // decode steps ended
+  std::int32_t length() const;  // tokens appended so far (prompt + decode), as FullKV holds them
+  // Segments as TBE sees them (segment i = table segment i of every layer); the prompt only
+  // before the first decode step.
+  std::vector<Segment> segments() const;
+  std::int32_t resident_tokens() const;  // per (layer, KV head): the same in all of them
+  const ThoughtClassifier& classifier() const { return classifier_; }
+  const ThoughtBlockTable& table(int layer) const;
+  std::int32_t sequence_id() const { return seq_; }  // the sequence id inside every table
+
+  // Memory: the tables' bytes summed over layers (codes, scales, metadata, staging), an fp16
+  // FullKV of the same tokens (K and V, 2 bytes per element), and the ratio of the two.
+  TableBytes resident_bytes() const;
+  std::int64_t fullkv_fp16_bytes() const;
+  double resident_fraction() const;
+
+  // (layer, step) pairs with some eviction (ThinKV reports ≈5%).
+  const EvictionCounter& eviction_counter() const { return counter_; }
+  double eviction_fraction() const { return counter_.fraction(); }
+
+ private:
+  void check_layer(int layer, const char* fn) const;
+  void start_decode();
+  void apply_change(const SegmentChange& change);
+
+  ThinKVConfig config_;
+  ThoughtClassifier classifier_;
+  std::vector<ThoughtBlockTable> tables_;  // [num_layers]
+  std::int32_t seq_ = 0;
+  std::optional<SegmentEvictor> evictor_;  // created at the first decode append
+  std::vector<bool> appended_;             // [num_layers] this step's token is in
+  std::vector<bool> opened_;               // [num_layers] this step opened the layer's segment
+  std::int64_t steps_ = 0;
+  EvictionCounter counter_;
+  KMeansSelectConfig kmeans_;
+};
+
+}  // namespace kvsift
