@@ -19,14 +19,14 @@ constexpr int kThreads = 256;
 constexpr int kRowsPerThread = 4;  // independent loads in flight per thread
 
 template <class Unit>
-__global__ void compact_rows_kernel(char* __restrict__ base,      // cache tensor (K or V)
-                                    std::int64_t stride_b,         // bytes between sequences
-                                    std::int64_t stride_h,         // bytes between heads
-                                    std::int64_t stride_s,         // bytes between slots
+__global__ void compact_rows_kernel(char* __restrict__ base,  // cache tensor (K or V)
+                                    std::int64_t stride_b,    // bytes between sequences
+                                    std::int64_t stride_h,    // bytes between heads
+                                    std::int64_t stride_s,    // bytes between slots
                                     int units_per_row, int slice_units, int kv_heads,
-                                    const std::int64_t* __restrict__ indptr,  // [B*H + 1]
+                                    const std::int64_t* __restrict__ indptr,   // [B*H + 1]
                                     const std::int32_t* __restrict__ slots) {  // [nnz]
-  const int row = blockIdx.x;  // (b, h) flattened
+  const int row = blockIdx.x;                                                  // (b, h) flattened
   const int b = row / kv_heads, h = row % kv_heads;
   const int unit = blockIdx.y * slice_units + threadIdx.x % slice_units;
   const int rows_per_pass = kThreads / slice_units;
@@ -50,7 +50,8 @@ __global__ void compact_rows_kernel(char* __restrict__ base,      // cache tenso
 #pragma unroll
     for (int k = 0; k < kRowsPerThread; ++k) {
       const std::int64_t i = t0 + k * rows_per_pass + lane_row;
-      if (src[k] >= 0 && src[k] != i) reinterpret_cast<Unit*>(head_base + i * stride_s)[unit] = buf[k];
+      if (src[k] >= 0 && src[k] != i)
+        reinterpret_cast<Unit*>(head_base + i * stride_s)[unit] = buf[k];
     }
     __syncthreads();
   }
@@ -86,8 +87,8 @@ void launch_rows(const TensorView& t, int kv_heads, std::int64_t rows, const std
 }
 
 // Widest access unit that divides the row and every stride: 16-byte accesses when possible.
-void launch_tensor(const TensorView& t, int kv_heads, std::int64_t rows,
-                   const std::int64_t* indptr, const std::int32_t* slots, cudaStream_t stream) {
+void launch_tensor(const TensorView& t, int kv_heads, std::int64_t rows, const std::int64_t* indptr,
+                   const std::int32_t* slots, cudaStream_t stream) {
   const std::int64_t esz = static_cast<std::int64_t>(dtype_size(t.dtype));
   auto fits = [&](std::int64_t w) {
     return (t.shape[3] * esz) % w == 0 && (t.stride[0] * esz) % w == 0 &&

@@ -425,6 +425,10 @@ TEST_CASE("a demo run matches a brute-force oracle for a policy of known residen
   REQUIRE(first.compress_ms >= 0.0);
   // Every compression evicts 16 tokens per (layer, sequence, head).
   REQUIRE(first.evictions.evicted() == 4 * 16 * g.layers * g.batch * g.kv_heads);
+  // Each of the 4 compressions evicts in every (sequence, layer); no other step does.
+  REQUIRE(first.layer_steps == T * g.layers * g.batch);
+  REQUIRE(first.evicting_layer_steps == 4 * g.layers * g.batch);
+  REQUIRE(never.evicting_layer_steps == 0);
 
   std::ostringstream os;
   demo_table(r, cfg.recall_k).print(os);

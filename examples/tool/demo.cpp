@@ -1,6 +1,7 @@
 // `kvsift demo`: every policy over one synthetic chain-of-thought decode at one budget, as a table
 // of memory, compression cost and recall of FullKV's most attended tokens. The first command a
 // newcomer runs: seconds on one core, no model, no GPU. docs/demo.md explains how to read it.
+#include <algorithm>
 #include <cstdint>
 #include <fstream>
 #include <iostream>
@@ -18,6 +19,7 @@
 #include "demo_runner.hpp"
 #include "demo_sentences.hpp"
 #include "demo_table.hpp"
+#include "demo_thinkv.hpp"
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/policy/registry.hpp"
@@ -41,7 +43,7 @@ flags:
   --seed N          seed of the synthetic decode (default 1)
   --layers N        layers, each with its own cache and its own compressions (default 4)
   --dtype T         KV storage dtype: f16, bf16 or f32 (default f16)
-  --policies a,b,c  a subset of the policies, in this order (default: all registered)
+  --policies a,b,c  a subset of the policies, in this order (default: all registered, and thinkv)
   --window N        observation window W (default 8)
   --buffer N        decode steps between compressions once the budget is reached (default 128)
   --tokens SRC      where sentences end: 'auto' (the MATH-500 token streams when the data file is
@@ -68,9 +70,17 @@ std::string joined(const std::vector<std::string>& names) {
   return s;
 }
 
+// The registry's policies plus ThinKV, which is a per-sequence pipeline (policy/thinkv.hpp), not a
+// kvsift::Policy, so the registry does not know it.
+std::vector<std::string> demo_policy_names() {
+  std::vector<std::string> names = policy_names();
+  if (std::find(names.begin(), names.end(), "thinkv") == names.end()) names.push_back("thinkv");
+  return names;
+}
+
 // Checked up front so a bad name fails before any work, with the known names listed.
 std::vector<std::string> chosen_policies(const Args& args) {
-  const std::vector<std::string> known = policy_names();
+  const std::vector<std::string> known = demo_policy_names();
   if (!args.has("policies")) return known;
   std::vector<std::string> chosen = split_commas(args.str("policies", ""));
   std::set<std::string> seen;
@@ -83,11 +93,19 @@ std::vector<std::string> chosen_policies(const Args& args) {
   return chosen;
 }
 
-// The one place a policy name becomes a demo adapter (demo_adapters.hpp): policies with per-step
-// bookkeeping (H2O's accumulated attention; later SkipKV's sentence tracking and ThinKV's quantized
-// memory) get their own DemoPolicy; the rest need only the kvsift::Policy calls.
+// The one place a policy name becomes a demo adapter (demo_adapters.hpp, demo_thinkv.hpp): policies
+// with per-step bookkeeping (H2O's accumulated attention, ThinKV's own quantized tables; later
+// SkipKV's sentence tracking) get their own DemoPolicy; the rest need only the kvsift::Policy
+// calls. ThinKV's budget is the demo's (its k, tokens per layer and KV head).
 std::unique_ptr<demo::DemoPolicy> make_demo_policy(const std::string& name,
-                                                   const PolicyOptions& options) {
+                                                   const PolicyOptions& options,
+                                                   std::int64_t length) {
+  if (name == "thinkv") {
+    demo::ThinKVDemoOptions o;
+    o.budget = options.budget;
+    o.length = length;
+    return std::make_unique<demo::ThinKVPolicy>(o);
+  }
   return demo::adapt_policy(make_policy(name, options));
 }
 
@@ -158,9 +176,9 @@ void print_banner(const demo::DemoConfig& cfg, const demo::SyntheticDecode& deco
   std::cout << demo::wrap_text(os.str(), 100) << '\n';
 }
 
-void print_legend(const demo::DemoConfig& cfg) {
+void print_legend(const demo::DemoConfig& cfg, bool with_thinkv) {
   const std::string k = std::to_string(cfg.recall_k);
-  const std::vector<std::string> lines = {
+  std::vector<std::string> lines = {
       "resident KV: K+V bytes held after the last step, all layers (% FullKV: as a share of "
       "FullKV's); peak KV: the most held at any step.",
       "ms/compression: select() + compact() of all " + std::to_string(cfg.generator.layers) +
@@ -168,9 +186,27 @@ void print_legend(const demo::DemoConfig& cfg) {
       "recall@" + k + ": share of FullKV's top-" + k +
           " attended tokens still resident, over the " + std::to_string(cfg.recall_steps) +
           " queries after each compression ('-': never compressed, nothing was lost).",
+      "evicting layer-steps: share of (sequence, layer, decode step) triples in which a "
+      "compression evicted something.",
       "whole-sentence evictions: share of evicted tokens whose whole (closed) sentence left at "
-      "once; the rest left as fragments.",
-      "docs/demo.md explains the generator and the metrics."};
+      "once; the rest left as fragments."};
+  if (with_thinkv) {
+    lines.push_back(
+        "thinkv: its own paged tables, quantized by thought type (R4 E4 T2: NVFP4 / NVFP4 / "
+        "ternary), budget k = " +
+        std::to_string(cfg.budget) +
+        " tokens per (layer, KV head), tau = 128. Its resident KV counts codes + scales + "
+        "metadata + staging, against FullKV in " +
+        std::string(dtype_name(cfg.dtype)) +
+        " (soft eviction frees no block, so its peak is its end). It evicts inside end_step(): "
+        "compressions = steps in which TBE evicted in some sequence, ms = that end_step() time. "
+        "theta1/theta2: this decode has no real thought structure, so they are the 1/3 and 2/3 "
+        "quantiles of the attention sparsity of every layer over the first 128 steps (held at "
+        "full precision, then replayed into ThinKV); L* = all layers; later sparsities are "
+        "taken over ThinKV's resident tokens on the unquantized keys. Whole-sentence evictions "
+        "are not tracked for it.");
+  }
+  lines.push_back("docs/demo.md explains the generator and the metrics.");
   std::cout << '\n';
   for (const auto& line : lines) std::cout << demo::wrap_text(line, 100);
 }
@@ -210,7 +246,7 @@ int run_demo_command(const std::vector<std::string>& argv) {
   options.window = cfg.window;
   options.buffer = cfg.buffer;
   std::vector<std::unique_ptr<demo::DemoPolicy>> policies;
-  for (const auto& name : names) policies.push_back(make_demo_policy(name, options));
+  for (const auto& name : names) policies.push_back(make_demo_policy(name, options, length));
 
   SentenceSource src =
       sentence_source(args.str("tokens", "auto"), length, cfg.generator.batch, cfg.generator.seed);
@@ -218,7 +254,7 @@ int run_demo_command(const std::vector<std::string>& argv) {
   print_banner(cfg, decode, src);
   const demo::DemoResult result = demo::run_demo(cfg, decode, policies);
   demo::demo_table(result, cfg.recall_k).print(std::cout);
-  print_legend(cfg);
+  print_legend(cfg, std::find(names.begin(), names.end(), "thinkv") != names.end());
   return 0;
 }
 

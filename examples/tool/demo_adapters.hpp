@@ -1,6 +1,7 @@
 // Adapters for policies that need more from the demo than the trigger and select(): here H2O,
 // whose accumulated attention must see every decode step's queries. Later SkipKV (token ids and
-// hidden states per step) and ThinKV (quantized memory) adapters belong here too.
+// hidden states per step) belongs here too; ThinKV, which keeps its own storage, is in
+// demo_thinkv.hpp.
 #pragma once
 
 #include <memory>

@@ -19,6 +19,13 @@
 
 namespace kvsift::demo {
 
+// A compression a policy made on its own inside observe() (ThinKV evicts in its end_step()), for
+// the runner to count as it counts a trigger: `ms` is the time it took, summed over sequences.
+struct SelfCompression {
+  bool happened = false;
+  double ms = 0;
+};
+
 class DemoPolicy {
  public:
   virtual ~DemoPolicy() = default;
@@ -33,9 +40,28 @@ class DemoPolicy {
   // asks once per step (DESIGN.md, per-step contract).
   virtual bool should_compress(const KVCacheView& kv) = 0;
   virtual KeepPlan select(const StepInputs& in) = 0;
-  // Bytes one layer's cache holds. Default: resident tokens x (K + V) rows in the storage dtype.
-  virtual std::int64_t resident_bytes(const DemoLayerCache& cache) const {
+  // Bytes layer `layer` holds (its demo cache is `cache`). Default: resident tokens x (K + V)
+  // rows in the storage dtype.
+  virtual std::int64_t resident_bytes(const DemoLayerCache& cache, int layer) const {
+    (void)layer;
     return cache.resident_bytes();
+  }
+  // [n] ascending generation positions resident in (layer, sequence b, KV head h), for recall.
+  // Default: the demo cache's slots. A policy with its own storage (ThinKV) answers from it.
+  virtual const std::int32_t* resident_positions(const DemoLayerCache& cache, int layer, int b,
+                                                 int h, std::int64_t& n) const {
+    (void)layer;
+    n = cache.length(b);
+    return cache.positions(b, h);
+  }
+  // Whether observe() compressed in the step just observed. Default: never (the runner's trigger).
+  virtual SelfCompression self_compression() const { return {}; }
+  // (sequence, layer, step) triples with some eviction, and all of them, when the policy counts
+  // them itself (ThinKV's EvictionCounter); false: the runner counts its compactions.
+  virtual bool layer_step_evictions(std::int64_t& evicting, std::int64_t& total) const {
+    (void)evicting;
+    (void)total;
+    return false;
   }
   // Policy-specific columns for the table, as (header, cell) pairs, read after the run.
   virtual std::vector<std::pair<std::string, std::string>> extra_columns() const { return {}; }

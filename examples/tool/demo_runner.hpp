@@ -3,7 +3,9 @@
 // once per measured step. Per step and policy: append the token's K/V to every layer, push its
 // queries into the observation window, let the policy observe, measure recall if a compression
 // happened within the last `recall_steps` steps, then ask the trigger and, if it fires, select()
-// and compact() every layer (timed).
+// and compact() every layer (timed). A policy with its own storage (ThinKV) instead evicts inside
+// observe() and reports it (DemoPolicy::self_compression), and answers for its resident positions
+// and bytes itself.
 #pragma once
 
 #include <chrono>
@@ -51,11 +53,19 @@ struct PolicyReport {
   double recall_sum = 0;   // over (measured step, layer, sequence, query head)
   std::int64_t recall_samples = 0;
   EvictionShape evictions;  // over every compression, layer, sequence and KV head
+  // (sequence, layer, step) triples in which a compression evicted something, and all of them.
+  std::int64_t evicting_layer_steps = 0;
+  std::int64_t layer_steps = 0;
   std::vector<std::pair<std::string, std::string>> extra_columns;
 
   double ms_per_compression() const {
     return compressions ? compress_ms / static_cast<double>(compressions)
                         : std::numeric_limits<double>::quiet_NaN();
+  }
+  double evictions_per_layer_step() const {
+    return layer_steps
+               ? static_cast<double>(evicting_layer_steps) / static_cast<double>(layer_steps)
+               : std::numeric_limits<double>::quiet_NaN();
   }
   double recall() const {
     return recall_samples ? recall_sum / static_cast<double>(recall_samples)
@@ -115,19 +125,29 @@ inline DemoResult run_demo(const DemoConfig& cfg, SyntheticDecode& decode,
         run.windows[l].push(step, l);
       }
       policy.observe(step, run.caches);
+      run.report.layer_steps += static_cast<std::int64_t>(L) * B;
+      const SelfCompression self = policy.self_compression();
+      if (self.happened) {  // evicted inside observe(): recall is measured from the next step on
+        ++run.report.compressions;
+        run.report.compress_ms += self.ms;
+        run.last_compression = t;
+      }
 
       std::int64_t bytes = 0;
-      for (int l = 0; l < L; ++l) bytes += policy.resident_bytes(run.caches[l]);
+      for (int l = 0; l < L; ++l) bytes += policy.resident_bytes(run.caches[l], l);
       run.report.peak_bytes = std::max(run.report.peak_bytes, bytes);
 
-      if (run.last_compression >= 0 && t - run.last_compression <= cfg.recall_steps) {
+      if (run.last_compression >= 0 && t > run.last_compression &&
+          t - run.last_compression <= cfg.recall_steps) {
         if (top.empty()) top = reference.top_k(step, cfg.recall_k);
         for (int l = 0; l < L; ++l) {
           for (int b = 0; b < B; ++b) {
             for (int q = 0; q < Hq; ++q) {
+              std::int64_t n = 0;
+              const std::int32_t* resident =
+                  policy.resident_positions(run.caches[l], l, b, q / G, n);
               run.report.recall_sum +=
-                  recall_of(top[(static_cast<std::size_t>(l) * B + b) * Hq + q],
-                            run.caches[l].positions(b, q / G), run.caches[l].length(b));
+                  recall_of(top[(static_cast<std::size_t>(l) * B + b) * Hq + q], resident, n);
               ++run.report.recall_samples;
             }
           }
@@ -161,6 +181,8 @@ inline DemoResult run_demo(const DemoConfig& cfg, SyntheticDecode& decode,
         const auto t3 = Clock::now();
         run.report.compress_ms +=
             std::chrono::duration<double, std::milli>((t1 - t0) + (t3 - t2)).count();
+        for (int b = 0; b < B; ++b)
+          run.report.evicting_layer_steps += cache.length(b) < lengths_before[b];
         for (int b = 0; b < B; ++b) {
           for (int h = 0; h < Hkv; ++h) {
             const EvictionShape s = eviction_shape(
@@ -181,7 +203,8 @@ inline DemoResult run_demo(const DemoConfig& cfg, SyntheticDecode& decode,
   result.full_bytes = T * B * Hkv * D * 2 * static_cast<std::int64_t>(dtype_size(cfg.dtype)) * L;
   for (std::size_t p = 0; p < policies.size(); ++p) {
     PolicyReport& r = runs[p].report;
-    for (int l = 0; l < L; ++l) r.end_bytes += policies[p]->resident_bytes(runs[p].caches[l]);
+    for (int l = 0; l < L; ++l) r.end_bytes += policies[p]->resident_bytes(runs[p].caches[l], l);
+    policies[p]->layer_step_evictions(r.evicting_layer_steps, r.layer_steps);
     r.extra_columns = policies[p]->extra_columns();
     result.policies.push_back(std::move(r));
   }

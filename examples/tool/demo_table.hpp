@@ -80,6 +80,7 @@ inline TextTable demo_table(const DemoResult& result, int recall_k) {
                                      "% FullKV",
                                      "peak KV",
                                      "compressions",
+                                     "evicting layer-steps",
                                      "ms/compression",
                                      "recall@" + std::to_string(recall_k),
                                      "whole-sentence evictions"};
@@ -103,6 +104,7 @@ inline TextTable demo_table(const DemoResult& result, int recall_k) {
         format_fixed(share, 1) + "%",
         format_bytes(static_cast<double>(p.peak_bytes)),
         std::to_string(p.compressions),
+        p.layer_steps ? format_fixed(100.0 * p.evictions_per_layer_step(), 2) + "%" : "-",
         format_fixed(p.ms_per_compression(), 3),
         format_fixed(p.recall(), 3),
         evicted ? format_fixed(100.0 * static_cast<double>(p.evictions.whole_sentence_tokens) /

@@ -1,0 +1,301 @@
+// ThinKV in the demo (ALGORITHMS.md §3, docs/thinkv.md §5). ThinKV does not compact the demo's
+// contiguous caches: it keeps its own paged, quantized block tables, one kvsift::ThinKV object per
+// sequence, and evicts by setting bits inside its end_step(). So this adapter drives the pipeline
+// from observe() (append + observe_query on every layer, then end_step) and tells the runner what
+// the plain policies' caches tell it for free: which generation positions are resident (for
+// recall), how many bytes its tables hold (codes + scales + metadata + staging), and when it
+// evicted. Its trigger never fires: there is nothing to select() or compact().
+//
+// Thresholds θ1 < θ2 (§3.1): the synthetic generator has no real reasoning / execution /
+// transition structure, so there is nothing to calibrate them against offline. The adapter
+// calibrates them on the run itself: over the first `calibration_steps` decode steps it holds the
+// tokens in full precision, measures each step's attention sparsity of every layer against the
+// full history (attention_sparsity.hpp, the statistic `kvsift calibrate` uses), and sets θ1 / θ2
+// to the 1/3 and 2/3 quantiles of those samples — so the three labels are roughly equally likely
+// early on. It then builds the ThinKV objects and replays the buffered steps into them with the
+// measured sparsities (observe_sparsity).
+// After that, each step's sparsity is the same statistic over ThinKV's resident tokens (the
+// adapter's mirror of the tables' positions), but on the keys before quantization (the demo's
+// dtype-rounded keys), given through observe_sparsity. ThinKV::observe_query would use the keys as
+// stored; it dequantizes every block of the layer each step, which made the default demo ~45 s
+// instead of ~2 s. The labels can differ slightly from observe_query's where quantization moves a
+// logit across the 1% cut.
+// L* = every layer: the synthetic layers are statistically alike, so no layer is more telling.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "demo_cache.hpp"
+#include "demo_generator.hpp"
+#include "demo_policy.hpp"
+#include "kvsift/core/error.hpp"
+#include "kvsift/core/tensor_view.hpp"
+#include "kvsift/policy/attention_sparsity.hpp"
+#include "kvsift/policy/thinkv.hpp"
+
+namespace kvsift::demo {
+
+struct ThinKVDemoOptions {
+  int budget = 256;             // ThinKV's k: tokens per (layer, KV head), as the demo's budget
+  std::int64_t length = 2048;   // decode length: sizes each layer's block pool
+  int calibration_steps = 128;  // steps measured before θ1 / θ2 are set (one refresh interval)
+  int refresh = 128;            // τ (ALGORITHMS.md §4)
+
+  void validate() const {
+    KVSIFT_CHECK(budget >= 1, "ThinKVDemoOptions: budget must be >= 1, got ", budget);
+    KVSIFT_CHECK(length >= 1, "ThinKVDemoOptions: length must be >= 1, got ", length);
+    KVSIFT_CHECK(calibration_steps >= 1, "ThinKVDemoOptions: calibration_steps must be >= 1, got ",
+                 calibration_steps);
+    KVSIFT_CHECK(refresh >= 1, "ThinKVDemoOptions: refresh must be >= 1, got ", refresh);
+  }
+};
+
+// The q-quantile (0 <= q <= 1) of `samples` by nearest rank on the sorted copy.
+inline float quantile_of(std::vector<float> samples, double q) {
+  KVSIFT_CHECK(!samples.empty(), "quantile_of: no samples");
+  std::sort(samples.begin(), samples.end());
+  const auto i = static_cast<std::size_t>(q * static_cast<double>(samples.size() - 1) + 0.5);
+  return samples[std::min(i, samples.size() - 1)];
+}
+
+class ThinKVPolicy final : public DemoPolicy {
+ public:
+  explicit ThinKVPolicy(ThinKVDemoOptions options) : options_(options) { options_.validate(); }
+
+  std::string name() const override { return "thinkv"; }
+
+  void observe(const DecodeStep& step, const std::vector<DemoLayerCache>& caches) override {
+    last_ = SelfCompression{};
+    if (layers_ == 0) start(step, static_cast<int>(caches.size()));
+    if (kv_.empty()) {
+      calibrate_step(step, caches);
+      return;
+    }
+    decode_step(step);
+  }
+
+  bool should_compress(const KVCacheView&) override { return false; }
+  KeepPlan select(const StepInputs&) override {
+    KVSIFT_CHECK(false, "ThinKVPolicy::select: ThinKV evicts inside end_step(), never by select()");
+    return {};
+  }
+  SelfCompression self_compression() const override { return last_; }
+
+  // Before ThinKV starts, the calibration tokens are held as the demo's cache holds them.
+  std::int64_t resident_bytes(const DemoLayerCache& cache, int layer) const override {
+    if (kv_.empty()) return cache.resident_bytes();
+    std::int64_t bytes = 0;
+    for (const auto& kv : kv_) bytes += kv->table(layer).resident_bytes().total();
+    return bytes;
+  }
+  const std::int32_t* resident_positions(const DemoLayerCache& cache, int layer, int b, int h,
+                                         std::int64_t& n) const override {
+    if (kv_.empty()) {
+      n = cache.length(b);
+      return cache.positions(b, h);
+    }
+    const auto& p = positions_[index(layer, b, h)];
+    n = static_cast<std::int64_t>(p.size());
+    return p.data();
+  }
+  bool layer_step_evictions(std::int64_t& evicting, std::int64_t& total) const override {
+    evicting = total = 0;
+    for (const auto& kv : kv_) {
+      evicting += kv->eviction_counter().evicting();
+      total += kv->eviction_counter().total();
+    }
+    return true;
+  }
+  std::vector<std::pair<std::string, std::string>> extra_columns() const override {
+    std::int64_t tokens =
+        0;  // resident per (layer, KV head): the same in all, summed over sequences
+    for (const auto& kv : kv_) tokens += kv->resident_tokens();
+    return {{"tokens/head",
+             kv_.empty() ? "-" : std::to_string(tokens / static_cast<std::int64_t>(kv_.size()))},
+            {"theta1 / theta2 (calibrated)",
+             kv_.empty() ? "-" : format_theta(theta1_) + " / " + format_theta(theta2_)}};
+  }
+
+  // For tests and the banner.
+  const std::vector<std::unique_ptr<ThinKV>>& sequences() const { return kv_; }
+  float theta1() const { return theta1_; }
+  float theta2() const { return theta2_; }
+
+ private:
+  static std::string format_theta(float v) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.3f", v);
+    return buf;
+  }
+  std::size_t index(int layer, int b, int h) const {
+    return (static_cast<std::size_t>(layer) * batch_ + b) * kv_heads_ + h;
+  }
+
+  void start(const DecodeStep& step, int layers) {
+    layers_ = layers;
+    batch_ = step.batch;
+    kv_heads_ = step.kv_heads;
+    q_heads_ = step.q_heads;
+    head_dim_ = step.head_dim;
+  }
+
+  // One calibration step: buffer the K/V, record every layer's sparsity per sequence against the
+  // full history (the demo's cache is never compacted for ThinKV).
+  void calibrate_step(const DecodeStep& step, const std::vector<DemoLayerCache>& caches) {
+    keep_keys(step);
+    buffered_keys_.insert(buffered_keys_.end(), step.keys.begin(), step.keys.end());
+    buffered_values_.insert(buffered_values_.end(), step.values.begin(), step.values.end());
+    for (int l = 0; l < layers_; ++l) {
+      // [batch, q_heads, head_dim]: this step's queries of layer l.
+      const TensorView q =
+          TensorView::contiguous(const_cast<float*>(step.query(l, 0, 0)), DType::f32, Device::cpu,
+                                 {step.batch, step.q_heads, step.head_dim});
+      const std::vector<float> s = attention_sparsity(caches[l].view(), q);  // [batch]
+      for (int b = 0; b < batch_; ++b) sparsity_.push_back(s[b]);            // [step, layer, batch]
+    }
+    if (++calibrated_ < options_.calibration_steps) return;
+    theta1_ = quantile_of(sparsity_, 1.0 / 3.0);
+    theta2_ = quantile_of(sparsity_, 2.0 / 3.0);
+    if (!(theta1_ < theta2_)) theta2_ = std::min(1.0f, theta1_ + 1e-3f);
+    if (!(theta1_ < theta2_)) theta1_ = theta2_ - 1e-3f;
+    build_and_replay();
+  }
+
+  void build_and_replay() {
+    ThinKVConfig cfg;
+    cfg.num_layers = layers_;
+    cfg.kv_heads = kv_heads_;
+    cfg.q_heads = q_heads_;
+    cfg.head_dim = head_dim_;
+    cfg.budget = options_.budget;
+    cfg.refresh = options_.refresh;
+    cfg.theta1 = theta1_;
+    cfg.theta2 = theta2_;
+    for (int l = 0; l < layers_; ++l) cfg.calibrated_layers.push_back(l);
+    // Every token fits even if no slot were ever refilled, plus one partly filled block per
+    // segment (a segment opens a new block) and per type.
+    cfg.pool_blocks = static_cast<int>((options_.length + cfg.block_size - 1) / cfg.block_size +
+                                       options_.length / cfg.refresh + 8);
+    for (int b = 0; b < batch_; ++b) kv_.push_back(std::make_unique<ThinKV>(cfg));
+    positions_.assign(static_cast<std::size_t>(layers_) * batch_ * kv_heads_, {});
+
+    const std::size_t per_step = static_cast<std::size_t>(layers_) * batch_ * kv_heads_ * head_dim_;
+    for (int s = 0; s < calibrated_; ++s) {
+      const float* keys = buffered_keys_.data() + s * per_step;  // [layers, batch, kv_heads, D]
+      const float* values = buffered_values_.data() + s * per_step;
+      for (int b = 0; b < batch_; ++b) {
+        for (int l = 0; l < layers_; ++l) {
+          const std::size_t at = (static_cast<std::size_t>(l) * batch_ + b) * kv_heads_ * head_dim_;
+          kv_[b]->append(l, keys + at, values + at);
+          kv_[b]->observe_sparsity(
+              l, sparsity_[(static_cast<std::size_t>(s) * layers_ + l) * batch_ + b]);
+        }
+        finish_step(b, s);
+      }
+    }
+    buffered_keys_.clear();
+    buffered_keys_.shrink_to_fit();
+    buffered_values_.clear();
+    buffered_values_.shrink_to_fit();
+  }
+
+  // Every key of the decode in fp32 as the demo rounded it: [layers, batch, kv_heads, length, D].
+  void keep_keys(const DecodeStep& step) {
+    if (keys_.empty())
+      keys_.resize(static_cast<std::size_t>(layers_) * batch_ * kv_heads_ * options_.length *
+                   head_dim_);
+    KVSIFT_CHECK(step.position < options_.length, "ThinKVPolicy: step ", step.position,
+                 " beyond the decode length ", options_.length);
+    for (int l = 0; l < layers_; ++l)
+      for (int b = 0; b < batch_; ++b)
+        for (int h = 0; h < kv_heads_; ++h)
+          std::copy(step.key(l, b, h), step.key(l, b, h) + head_dim_,
+                    key_row(l, b, h, static_cast<std::int32_t>(step.position)));
+  }
+  float* key_row(int l, int b, int h, std::int32_t position) {
+    return keys_.data() + (index(l, b, h) * options_.length + position) * head_dim_;
+  }
+
+  // Attention sparsity (ALGORITHMS.md §3.1) of sequence b's queries of layer l over the resident
+  // tokens plus the new one at `position`, averaged over query heads. query: [q_heads, D]
+  float resident_sparsity(int l, int b, const float* query, std::int32_t position) {
+    const int group = q_heads_ / kv_heads_;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim_));
+    double sum = 0;
+    for (int q = 0; q < q_heads_; ++q) {
+      const int h = q / group;
+      const std::vector<std::int32_t>& p = positions_[index(l, b, h)];
+      logits_.resize(p.size() + 1);
+      const float* qv = query + static_cast<std::size_t>(q) * head_dim_;
+      for (std::size_t j = 0; j <= p.size(); ++j) {
+        const float* k = key_row(l, b, h, j < p.size() ? p[j] : position);
+        float dot = 0;
+        for (int d = 0; d < head_dim_; ++d) dot += qv[d] * k[d];
+        logits_[j] = dot * scale;
+      }
+      sum += sparsity_from_logits(logits_.data(), static_cast<std::int64_t>(logits_.size()));
+    }
+    return static_cast<float>(sum / q_heads_);
+  }
+
+  void decode_step(const DecodeStep& step) {
+    using Clock = std::chrono::steady_clock;
+    keep_keys(step);
+    const auto position = static_cast<std::int32_t>(step.position);
+    for (int b = 0; b < batch_; ++b) {
+      for (int l = 0; l < layers_; ++l) {
+        kv_[b]->append(l, step.key(l, b, 0), step.value(l, b, 0));  // [kv_heads, D]
+        kv_[b]->observe_sparsity(l, resident_sparsity(l, b, step.query(l, b, 0), position));
+      }
+      const auto t0 = Clock::now();
+      const bool evicted = finish_step(b, static_cast<std::int32_t>(step.position));
+      const auto t1 = Clock::now();
+      if (evicted) {
+        last_.happened = true;
+        last_.ms += std::chrono::duration<double, std::milli>(t1 - t0).count();
+      }
+    }
+  }
+
+  // end_step() of sequence b for the token at `position`; keeps the sorted resident positions of
+  // every (layer, KV head) in step with the table. Returns whether TBE evicted.
+  bool finish_step(int b, std::int32_t position) {
+    const EvictionStep s = kv_[b]->end_step();
+    for (int l = 0; l < layers_; ++l) {
+      for (int h = 0; h < kv_heads_; ++h) {
+        std::vector<std::int32_t>& p = positions_[index(l, b, h)];
+        if (!s.evicted()) {
+          p.push_back(position);
+          continue;
+        }
+        p.clear();
+        for (const auto& t : kv_[b]->table(l).resident_tokens(kv_[b]->sequence_id(), h))
+          p.push_back(t.position);
+        std::sort(p.begin(), p.end());
+      }
+    }
+    return s.evicted();
+  }
+
+  ThinKVDemoOptions options_;
+  int layers_ = 0, batch_ = 0, kv_heads_ = 0, q_heads_ = 0, head_dim_ = 0;
+  // Calibration: [step, layers, batch, kv_heads, D] tokens and [step, layers, batch] sparsities.
+  std::vector<float> buffered_keys_, buffered_values_, sparsity_;
+  std::vector<float> keys_;    // [layers, batch, kv_heads, length, D] every key, for sparsity
+  std::vector<float> logits_;  // scratch: one query head's row
+  int calibrated_ = 0;
+  float theta1_ = 0, theta2_ = 0;
+  std::vector<std::unique_ptr<ThinKV>> kv_;           // [batch], empty while calibrating
+  std::vector<std::vector<std::int32_t>> positions_;  // [layers, batch, kv_heads] sorted
+  SelfCompression last_;
+};
+
+}  // namespace kvsift::demo

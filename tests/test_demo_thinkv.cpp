@@ -1,0 +1,176 @@
+// The demo's ThinKV adapter (examples/tool/demo_thinkv.hpp) on a tiny run: what it tells the
+// runner — resident positions for recall, bytes, evicting layer-steps — must agree with each
+// ThinKV object's own accounting (its tables and EvictionCounter), and the calibrated thresholds
+// must be the 1/3 and 2/3 quantiles of sparsities recomputed here independently.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "../examples/tool/demo_cache.hpp"
+#include "../examples/tool/demo_generator.hpp"
+#include "../examples/tool/demo_runner.hpp"
+#include "../examples/tool/demo_sentences.hpp"
+#include "../examples/tool/demo_thinkv.hpp"
+#include "catch.hpp"
+
+using namespace kvsift;
+using namespace kvsift::demo;
+using Catch::Matchers::Contains;
+
+namespace {
+
+GeneratorConfig tiny_generator() {
+  GeneratorConfig g;
+  g.batch = 2;
+  g.layers = 2;
+  g.q_heads = 4;
+  g.kv_heads = 2;
+  g.head_dim = 16;  // ThinKV's quantization groups need a multiple of 16
+  g.seed = 5;
+  return g;
+}
+
+std::vector<SentencePlan> plans(int batch, std::int64_t length) {
+  std::vector<SentencePlan> out;
+  for (int b = 0; b < batch; ++b) out.push_back(synthetic_sentence_plan(length, 3 + b));
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("the ThinKV adapter's positions, bytes and evictions match ThinKV's own accounting",
+          "[demo][thinkv]") {
+  DemoConfig cfg;
+  cfg.generator = tiny_generator();
+  cfg.dtype = DType::f32;
+  cfg.budget = 96;
+  cfg.window = 4;
+  cfg.buffer = 16;
+  const std::int64_t T = 520;
+  ThinKVDemoOptions o;
+  o.budget = cfg.budget;
+  o.length = T;
+  o.calibration_steps = 32;
+  o.refresh = 32;
+  std::vector<std::unique_ptr<DemoPolicy>> policies;
+  policies.push_back(std::make_unique<ThinKVPolicy>(o));
+  const auto& adapter = static_cast<const ThinKVPolicy&>(*policies[0]);
+  SyntheticDecode decode(cfg.generator, plans(2, T));
+  const DemoResult r = run_demo(cfg, decode, policies);
+  const PolicyReport& rep = r.policies[0];
+  const GeneratorConfig& g = cfg.generator;
+
+  REQUIRE(adapter.sequences().size() == 2);
+  std::int64_t table_bytes = 0, evicting = 0, total = 0;
+  // The adapter never sees its demo caches' contents after calibration, so any cache will do for
+  // the calls that take one; a fresh empty one proves they are not read.
+  DemoLayerCache unused(g.batch, g.kv_heads, 1, g.head_dim, cfg.dtype);
+  for (int b = 0; b < 2; ++b) {
+    const ThinKV& kv = *adapter.sequences()[b];
+    REQUIRE(kv.length() == T);
+    REQUIRE(kv.resident_tokens() < T);  // something was evicted
+    table_bytes += kv.resident_bytes().total();
+    evicting += kv.eviction_counter().evicting();
+    total += kv.eviction_counter().total();
+    for (int l = 0; l < g.layers; ++l) {
+      for (int h = 0; h < g.kv_heads; ++h) {
+        std::vector<std::int32_t> expect;
+        for (const auto& t : kv.table(l).resident_tokens(kv.sequence_id(), h))
+          expect.push_back(t.position);
+        std::sort(expect.begin(), expect.end());
+        REQUIRE(static_cast<std::int32_t>(expect.size()) == kv.resident_tokens());
+        std::int64_t n = -1;
+        const std::int32_t* got = adapter.resident_positions(unused, l, b, h, n);
+        REQUIRE(std::vector<std::int32_t>(got, got + n) == expect);
+      }
+    }
+  }
+  std::int64_t adapter_bytes = 0;
+  for (int l = 0; l < g.layers; ++l) adapter_bytes += adapter.resident_bytes(unused, l);
+  REQUIRE(adapter_bytes == table_bytes);
+  REQUIRE(rep.end_bytes == table_bytes);
+  REQUIRE(rep.peak_bytes >= rep.end_bytes);
+  // One record per (sequence, layer, step), the replayed calibration steps included.
+  REQUIRE(total == 2 * g.layers * T);
+  REQUIRE(rep.layer_steps == total);
+  REQUIRE(rep.evicting_layer_steps == evicting);
+  REQUIRE(evicting > 0);
+  REQUIRE(rep.compressions > 0);
+  REQUIRE(rep.recall_samples > 0);
+  REQUIRE(rep.recall() >= 0.0);
+  REQUIRE(rep.recall() <= 1.0);
+}
+
+TEST_CASE("the ThinKV adapter calibrates theta1/theta2 as sparsity quantiles", "[demo][thinkv]") {
+  // Independent oracle: every layer's sparsity (share of keys whose softmax weight is below 1% of
+  // the row's largest, averaged over query heads) of the first C steps over the full history,
+  // written as a direct double-precision softmax.
+  const GeneratorConfig g = tiny_generator();
+  const int C = 20;
+  DemoConfig cfg;
+  cfg.generator = g;
+  cfg.dtype = DType::f32;
+  cfg.budget = 64;
+  cfg.window = 4;
+  ThinKVDemoOptions o;
+  o.budget = cfg.budget;
+  o.length = 40;
+  o.calibration_steps = C;
+  o.refresh = 16;
+  std::vector<std::unique_ptr<DemoPolicy>> policies;
+  policies.push_back(std::make_unique<ThinKVPolicy>(o));
+  SyntheticDecode decode(g, plans(2, 40));
+  run_demo(cfg, decode, policies);
+  const auto& adapter = static_cast<const ThinKVPolicy&>(*policies[0]);
+
+  SyntheticDecode again(g, plans(2, 40));
+  std::vector<DecodeStep> steps;
+  DecodeStep s;
+  while (!again.done()) {
+    again.next(s);
+    steps.push_back(s);
+  }
+  std::vector<double> samples;
+  const int G = g.q_heads / g.kv_heads;
+  for (int t = 0; t < C; ++t) {
+    for (int l = 0; l < g.layers; ++l) {
+      for (int b = 0; b < g.batch; ++b) {
+        double mean = 0;
+        for (int q = 0; q < g.q_heads; ++q) {
+          std::vector<double> w(t + 1);
+          for (int j = 0; j <= t; ++j) {
+            double dot = 0;
+            for (int d = 0; d < g.head_dim; ++d)
+              dot += double(steps[t].query(l, b, q)[d]) * steps[j].key(l, b, q / G)[d];
+            w[j] = dot / std::sqrt(double(g.head_dim));
+          }
+          const double m = *std::max_element(w.begin(), w.end());
+          int sparse = 0;
+          for (double x : w) sparse += std::exp(x - m) < 0.01;
+          mean += double(sparse) / (t + 1);
+        }
+        samples.push_back(mean / g.q_heads);
+      }
+    }
+  }
+  std::sort(samples.begin(), samples.end());
+  const auto at = [&](double q) { return samples[std::size_t(q * (samples.size() - 1) + 0.5)]; };
+  REQUIRE(std::fabs(adapter.theta1() - at(1.0 / 3.0)) < 1e-5);
+  // Tied quantiles (few, coarse samples) are split by 1e-3 so that theta1 < theta2 holds.
+  const double theta2 = at(2.0 / 3.0) > at(1.0 / 3.0) ? at(2.0 / 3.0) : at(1.0 / 3.0) + 1e-3;
+  REQUIRE(std::fabs(adapter.theta2() - theta2) < 1e-5);
+  REQUIRE(adapter.theta1() < adapter.theta2());
+}
+
+TEST_CASE("the ThinKV adapter rejects bad options and select()", "[demo][thinkv]") {
+  ThinKVDemoOptions o;
+  o.budget = 0;
+  REQUIRE_THROWS_WITH(o.validate(), Contains("budget must be >= 1, got 0"));
+  o = ThinKVDemoOptions{};
+  o.calibration_steps = -3;
+  REQUIRE_THROWS_WITH(ThinKVPolicy(o), Contains("calibration_steps must be >= 1, got -3"));
+  ThinKVPolicy ok{ThinKVDemoOptions{}};
+  REQUIRE_THROWS_WITH(ok.select(StepInputs{}), Contains("never by select()"));
+}
