@@ -1,0 +1,212 @@
+// One R-KV compression step on the GPU (score + select + plan download + kvsift::cuda::compact) at
+// R1-Llama-8B attention: 32 query / 8 KV heads, head_dim 128, bf16, budget 1024, S = budget + 128
+// (the decode trigger, ALGORITHMS.md §1.3), batch 1, 8, 32, 64.
+//
+// Prints per layer: scoring+selection (device time, CUDA events), plan download (host wall time),
+// compaction (device time, including its host-side plan checks), the whole layer (host wall time),
+// the layer times 32 layers, and the ratio to the HBM floor: reading K, V and the window queries
+// once and writing the kept K, V once, at the device-to-device copy bandwidth measured in the same
+// run.
+//
+// Two key distributions bracket the redundancy search (§1.2 cost note): "random" keys almost never
+// reach cosine 0.5, so every row scans the whole sequence (the worst case); "clustered" keys share
+// a direction per head, so nearly every row finds its last match in the first tile it sees.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "kvsift/backend/cuda/check.hpp"
+#include "kvsift/backend/cuda/compact.hpp"
+#include "kvsift/backend/cuda/rkv_scoring.hpp"
+#include "kvsift/core/dtype.hpp"
+
+using namespace kvsift;
+
+namespace {
+
+constexpr int kQHeads = 32, kKVHeads = 8, kHeadDim = 128, kBudget = 1024, kWindow = 8;
+constexpr int kSeq = kBudget + 128, kLayers = 32, kWarmup = 3, kReps = 20;
+
+template <class T>
+class DeviceArray {
+ public:
+  explicit DeviceArray(std::size_t n) : n_(n) {
+    KVSIFT_CUDA_CHECK(
+        cudaMalloc(reinterpret_cast<void**>(&p_), std::max<std::size_t>(n, 1) * sizeof(T)));
+  }
+  ~DeviceArray() { cudaFree(p_); }
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+  T* get() const { return p_; }
+  std::size_t size() const { return n_; }
+
+ private:
+  T* p_ = nullptr;
+  std::size_t n_;
+};
+
+// Cheap deterministic standard-normal-ish values (sum of uniforms), so setup stays fast at B=64.
+struct Noise {
+  std::uint64_t s = 0x9e3779b97f4a7c15ull;
+  float uniform() {
+    s = s * 6364136223846793005ull + 1442695040888963407ull;
+    return static_cast<float>(s >> 40) / 16777216.0f;
+  }
+  float normal() { return (uniform() + uniform() + uniform() + uniform() - 2.0f) * 1.7320508f; }
+};
+
+// One sequence's heads [kKVHeads, kSeq, kHeadDim], copied to every sequence of the batch.
+std::vector<bf16_t> make_sequence(bool clustered, Noise& noise) {
+  std::vector<bf16_t> out(static_cast<std::size_t>(kKVHeads) * kSeq * kHeadDim);
+  for (int h = 0; h < kKVHeads; ++h) {
+    std::vector<float> common(kHeadDim);
+    for (auto& x : common) x = clustered ? 2.0f * noise.normal() : 0.0f;
+    for (int i = 0; i < kSeq; ++i)
+      for (int d = 0; d < kHeadDim; ++d)
+        out[(static_cast<std::size_t>(h) * kSeq + i) * kHeadDim + d] =
+            from_float<bf16_t>(noise.normal() + common[d]);
+  }
+  return out;
+}
+
+float median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Device-to-device copy bandwidth (bytes read + written per second) on a 1 GiB buffer.
+double copy_bandwidth(cudaStream_t stream) {
+  const std::size_t bytes = std::size_t(1) << 30;
+  DeviceArray<char> a(bytes), b(bytes);
+  cudaEvent_t e0, e1;
+  KVSIFT_CUDA_CHECK(cudaEventCreate(&e0));
+  KVSIFT_CUDA_CHECK(cudaEventCreate(&e1));
+  std::vector<float> ms;
+  for (int r = 0; r < kWarmup + kReps; ++r) {
+    KVSIFT_CUDA_CHECK(cudaEventRecord(e0, stream));
+    KVSIFT_CUDA_CHECK(cudaMemcpyAsync(b.get(), a.get(), bytes, cudaMemcpyDeviceToDevice, stream));
+    KVSIFT_CUDA_CHECK(cudaEventRecord(e1, stream));
+    KVSIFT_CUDA_CHECK(cudaEventSynchronize(e1));
+    float t = 0;
+    KVSIFT_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
+    if (r >= kWarmup) ms.push_back(t);
+  }
+  KVSIFT_CUDA_CHECK(cudaEventDestroy(e0));
+  KVSIFT_CUDA_CHECK(cudaEventDestroy(e1));
+  return 2.0 * static_cast<double>(bytes) / (median(ms) * 1e-3);
+}
+
+void run(int batch, bool clustered, double bandwidth, cudaStream_t stream) {
+  const std::size_t cache_elems = static_cast<std::size_t>(batch) * kKVHeads * kSeq * kHeadDim;
+  DeviceArray<bf16_t> keys(cache_elems), values(cache_elems);
+  DeviceArray<bf16_t> queries(static_cast<std::size_t>(batch) * kQHeads * kWindow * kHeadDim);
+  Noise noise;
+  const std::vector<bf16_t> seq_k = make_sequence(clustered, noise);
+  const std::vector<bf16_t> seq_v = make_sequence(false, noise);
+  std::vector<bf16_t> q(queries.size());
+  for (auto& x : q) x = from_float<bf16_t>(noise.normal());
+  const std::size_t seq_bytes = seq_k.size() * sizeof(bf16_t);
+  for (int b = 0; b < batch; ++b) {
+    KVSIFT_CUDA_CHECK(
+        cudaMemcpy(keys.get() + b * seq_k.size(), seq_k.data(), seq_bytes, cudaMemcpyHostToDevice));
+    KVSIFT_CUDA_CHECK(cudaMemcpy(values.get() + b * seq_v.size(), seq_v.data(), seq_bytes,
+                                 cudaMemcpyHostToDevice));
+  }
+  KVSIFT_CUDA_CHECK(
+      cudaMemcpy(queries.get(), q.data(), q.size() * sizeof(bf16_t), cudaMemcpyHostToDevice));
+
+  std::vector<std::int32_t> lengths(batch, kSeq);
+  const KVCacheView kv = make_kv_cache_view(keys.get(), values.get(), DType::bf16, Device::cuda,
+                                            batch, kKVHeads, kSeq, kHeadDim, lengths.data());
+  const TensorView qv = TensorView::contiguous(queries.get(), DType::bf16, Device::cuda,
+                                               {batch, kQHeads, kWindow, kHeadDim});
+  cuda::RKVScoringConfig cfg;
+  cfg.budget = kBudget;
+  cfg.window = kWindow;
+  DeviceArray<char> ws(cuda::rkv_workspace_bytes(kv, qv, cfg));
+  DeviceArray<std::int32_t> slots(static_cast<std::size_t>(batch) * kKVHeads * kBudget);
+
+  cudaEvent_t e0, e1, e2, e3;
+  for (cudaEvent_t* e : {&e0, &e1, &e2, &e3}) KVSIFT_CUDA_CHECK(cudaEventCreate(e));
+  std::vector<float> t_select, t_plan, t_compact, t_total;
+  DeviceArray<char> compact_ws(std::size_t(batch) * kKVHeads * (kBudget * 4 + 64) + (1 << 20));
+  for (int r = 0; r < kWarmup + kReps; ++r) {
+    std::fill(lengths.begin(), lengths.end(), kSeq);  // compact() shortened them last time
+    // Each stage ends with a synchronisation, so the host intervals attribute time cleanly:
+    // selection (device work plus launch overhead), the plan download, the compaction.
+    const auto h0 = std::chrono::steady_clock::now();
+    KVSIFT_CUDA_CHECK(cudaEventRecord(e0, stream));
+    cuda::rkv_select(kv, qv, cfg, slots.get(), nullptr, ws.get(), ws.size(), stream);
+    KVSIFT_CUDA_CHECK(cudaEventRecord(e1, stream));
+    KVSIFT_CUDA_CHECK(cudaEventSynchronize(e1));
+    const auto h1 = std::chrono::steady_clock::now();
+    const KeepPlan plan = cuda::download_keep_plan(kv, slots.get(), kBudget, kWindow, stream);
+    const auto h2 = std::chrono::steady_clock::now();
+    KVSIFT_CHECK(cuda::compact_workspace_bytes(plan) <= compact_ws.size(),
+                 "bench: compact workspace too small");
+    KVSIFT_CUDA_CHECK(cudaEventRecord(e2, stream));
+    cuda::compact(kv, plan, compact_ws.get(), compact_ws.size(), stream);
+    KVSIFT_CUDA_CHECK(cudaEventRecord(e3, stream));
+    KVSIFT_CUDA_CHECK(cudaEventSynchronize(e3));
+    const auto h3 = std::chrono::steady_clock::now();
+    float sel = 0, cmp = 0;
+    KVSIFT_CUDA_CHECK(cudaEventElapsedTime(&sel, e0, e1));
+    KVSIFT_CUDA_CHECK(cudaEventElapsedTime(&cmp, e2, e3));
+    using ms = std::chrono::duration<float, std::milli>;
+    if (r >= kWarmup) {
+      t_select.push_back(sel);
+      t_plan.push_back(ms(h2 - h1).count());
+      t_compact.push_back(cmp);
+      t_total.push_back(ms(h3 - h0).count());
+    }
+  }
+  for (cudaEvent_t e : {e0, e1, e2, e3}) KVSIFT_CUDA_CHECK(cudaEventDestroy(e));
+
+  const double elem = 2.0;  // bf16
+  const double cache_bytes = static_cast<double>(cache_elems) * elem;
+  const double kept_bytes = static_cast<double>(batch) * kKVHeads * kBudget * kHeadDim * elem;
+  const double query_bytes = static_cast<double>(q.size()) * elem;
+  const double floor_ms = (2 * cache_bytes + query_bytes + 2 * kept_bytes) / bandwidth * 1e3;
+  const float layer = median(t_total);
+  std::printf("%-9s %5d %10.3f %10.3f %10.3f %10.3f %12.2f %9.3f %8.1fx\n",
+              clustered ? "clustered" : "random", batch, median(t_select), median(t_plan),
+              median(t_compact), layer, layer * kLayers, floor_ms, layer / floor_ms);
+}
+
+}  // namespace
+
+// Usage: gpu_bench_rkv [batch ...] (default 1 8 32 64).
+int main(int argc, char** argv) {
+  std::vector<int> batches;
+  for (int i = 1; i < argc; ++i) batches.push_back(std::atoi(argv[i]));
+  if (batches.empty()) batches = {1, 8, 32, 64};
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::printf("no CUDA device present: benchmark skipped\n");
+    return 0;
+  }
+  cudaDeviceProp prop{};
+  KVSIFT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  cudaStream_t stream;
+  KVSIFT_CUDA_CHECK(cudaStreamCreate(&stream));
+  const double bw = copy_bandwidth(stream);
+  std::printf("R-KV step on %s: Hq %d / Hkv %d, head_dim %d, bf16, budget %d, S %d, window %d\n",
+              prop.name, kQHeads, kKVHeads, kHeadDim, kBudget, kSeq, kWindow);
+  std::printf("device-to-device copy bandwidth: %.0f GB/s (read + write)\n", bw * 1e-9);
+  std::printf("median of %d reps after %d warm-up; ms per layer unless noted\n", kReps, kWarmup);
+  std::printf("%-9s %5s %10s %10s %10s %10s %12s %9s %9s\n", "keys", "batch", "score+sel",
+              "plan(host)", "compact", "layer", "32 layers", "HBM floor", "ratio");
+  for (bool clustered : {false, true})
+    for (int batch : batches) {
+      KVSIFT_CHECK(batch >= 1, "gpu_bench_rkv: batch must be >= 1, got ", batch);
+      run(batch, clustered, bw, stream);
+    }
+  KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
+  return 0;
+}

@@ -1,0 +1,338 @@
+// Key redundancy on the GPU (ALGORITHMS.md §1.2) without the S×S cosine matrix, through the
+// column-sum identity of the §1.2 cost note:
+//   sum_i C[i,j] = (sum_i k̂_i)·k̂_j − k̂_j·k̂_j − sum_{i: r_i = j} k̂_i·k̂_j.
+// Five kernels:
+//   1. normalize_keys_kernel: k̂_i = K_i / (||K_i|| + 1e-8) in fp32, pads zeroed (steps 1, 6),
+//      written once so the O(S²·D) search below streams plain floats (no conversion, no
+//      division per use). The one kernel templated on the storage dtype.
+//   2. last_match_kernel: for a tile of 64 rows, 64×64 cosine tiles from the sequence end
+//      backwards; a row's first match is its last one, r_i (step 3), and the block stops as soon
+//      as all its rows have matched. The spared cosine C[i, r_i] (and in faithful mode C[i, 0]
+//      of unmatched rows) is added to its column in 64-bit fixed point: integer atomics are
+//      exact, so the sum does not depend on the order blocks run in.
+//   3. unit_key_partial_sums_kernel: sum_i k̂_i over chunks of rows, in a fixed order.
+//   4. column_means_kernel: rbar_j = (total·k̂_j − k̂_j·k̂_j − spared_j) / S (step 4).
+//   5. redundancy_softmax_kernel: R = softmax(rbar) over all S (step 5), one block per (b, h).
+// Steps 3–4 are spread over many blocks: at batch 1 one block per (b, h) would leave the GPU
+// idle and be bound by memory latency.
+#include <cstdint>
+#include <cub/block/block_reduce.cuh>
+
+#include "kvsift/backend/cuda/check.hpp"
+#include "kvsift/core/dtype.hpp"
+#include "rkv_kernels.cuh"
+
+namespace kvsift::cuda::detail {
+namespace {
+
+constexpr int kWarps = kBlockThreads / 32;
+constexpr int kRowTile = 64;   // rows of one cosine tile of the last-match search (4 per thread)
+constexpr int kColTile = 64;   // columns of one cosine tile (4 per thread)
+constexpr int kDimChunk = 32;  // head_dim slice staged in shared memory at a time
+constexpr int kColumnsPerBlock = 64;          // columns of rbar per block of column_means_kernel
+constexpr double kFixedScale = 4294967296.0;  // 2^32: cosines in [-1, 1] to 32.32 fixed point
+
+struct KeyStrides {  // in elements
+  std::int64_t b, h, s;
+};
+
+struct MaxOp {
+  __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+
+__device__ __forceinline__ void add_fixed(unsigned long long* sum, float x) {
+  // Two's complement wrap-around makes the unsigned atomic a signed, exact, order-free sum.
+  atomicAdd(sum,
+            static_cast<unsigned long long>(__double2ll_rn(static_cast<double>(x) * kFixedScale)));
+}
+
+__device__ __forceinline__ float fixed_to_float(unsigned long long v) {
+  return static_cast<float>(static_cast<double>(static_cast<long long>(v)) / kFixedScale);
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+  for (int off = 16; off > 0; off /= 2) x += __shfl_down_sync(0xffffffffu, x, off);
+  return x;  // complete in lane 0
+}
+
+// One warp per (b, h, i): the norm, then the unit key, with the CPU reference's arithmetic
+// (x / (||K|| + 1e-8), a division, not a reciprocal multiply).
+template <class T>
+__global__ void __launch_bounds__(kBlockThreads)
+    normalize_keys_kernel(const T* __restrict__ keys,  // [batch, kv_heads, capacity, head_dim]
+                          KeyStrides ks,
+                          const std::uint8_t* __restrict__ valid,  // [batch, capacity] or nullptr
+                          std::int64_t capacity, int kv_heads, int length, int head_dim,
+                          std::int64_t rows,           // batch * kv_heads * length
+                          float* __restrict__ unit) {  // [batch, kv_heads, length, head_dim]
+  const std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  if (r >= rows) return;  // whole warps leave; no block barrier follows
+  const int lane = threadIdx.x % 32;
+  const int i = static_cast<int>(r % length);
+  const std::int64_t bh = r / length;
+  const int b = static_cast<int>(bh / kv_heads), h = static_cast<int>(bh % kv_heads);
+  const T* k = keys + b * ks.b + h * ks.h + i * ks.s;
+  float* out = unit + r * head_dim;
+  if (valid != nullptr && valid[b * capacity + i] == 0) {
+    for (int d = lane; d < head_dim; d += 32) out[d] = 0.0f;
+    return;
+  }
+  float sq = 0.0f;
+  for (int d = lane; d < head_dim; d += 32) {
+    const float x = to_float(k[d]);
+    sq = fmaf(x, x, sq);
+  }
+  for (int off = 16; off > 0; off /= 2) sq += __shfl_xor_sync(0xffffffffu, sq, off);
+  const float denom = sqrtf(sq) + 1e-8f;  // the butterfly leaves the same sum in every lane
+  for (int d = lane; d < head_dim; d += 32) out[d] = to_float(k[d]) / denom;
+}
+
+// Rows [first, first + kRows) x channels [d0, d0 + kDimChunk) of `unit`, transposed into `dst`;
+// entries past the sequence or head_dim are 0. Consecutive threads read consecutive channels.
+template <int kRows>
+__device__ __forceinline__ void stage_tile(float (*dst)[kRows + 4], const float* unit, int first,
+                                           int length, int d0, int head_dim) {
+  for (int e = threadIdx.x; e < kRows * kDimChunk; e += kBlockThreads) {
+    const int t = e / kDimChunk, d = e % kDimChunk, i = first + t;
+    dst[d][t] = (i < length && d0 + d < head_dim)
+                    ? unit[static_cast<std::int64_t>(i) * head_dim + d0 + d]
+                    : 0.0f;
+  }
+}
+
+// Grid (row tiles, kv_heads, batch). Thread (ty, tx) owns rows kRowsPerThread·ty.. and columns
+// 4tx..4tx+3 of each tile. (128-row tiles measured 5% faster at batch 64 on an H200 but 15%
+// slower at batch 1, where 64-row tiles give twice the blocks.)
+__global__ void __launch_bounds__(kBlockThreads)
+    last_match_kernel(const float* __restrict__ unit,  // [batch, kv_heads, length, head_dim]
+                      int length, int head_dim, float threshold, bool faithful,
+                      unsigned long long* __restrict__ spared) {  // [batch, kv_heads, length]
+  constexpr int kRowsPerThread = kRowTile / 16, kColsPerThread = kColTile / 16;
+  static_assert(kRowsPerThread % 4 == 0 && kColsPerThread == 4, "float4 shared loads");
+  __shared__ __align__(16) float rows_t[kDimChunk][kRowTile + 4];
+  __shared__ __align__(16) float cols_t[kDimChunk][kColTile + 4];
+  __shared__ int match[kRowTile];      // r_i of the tile's rows; -1 while still searching
+  __shared__ int tile_best[kRowTile];  // last match inside the current column tile, -1: none
+  const int b = blockIdx.z, h = blockIdx.y, kv_heads = gridDim.y;
+  const int i0 = blockIdx.x * kRowTile;
+  const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
+  const std::int64_t bh = static_cast<std::int64_t>(b) * kv_heads + h;
+  const float* ubase = unit + bh * length * head_dim;
+  unsigned long long* sp = spared + bh * length;
+  if (threadIdx.x < kRowTile) {
+    match[threadIdx.x] =
+        i0 + static_cast<int>(threadIdx.x) < length ? -1 : length;  // past end: done
+    tile_best[threadIdx.x] = -1;
+  }
+  for (int jt = (length - 1) / kColTile; jt >= 0; --jt) {
+    const int j0 = jt * kColTile;
+    float acc[kRowsPerThread][kColsPerThread];
+#pragma unroll
+    for (int r = 0; r < kRowsPerThread; ++r)
+#pragma unroll
+      for (int c = 0; c < kColsPerThread; ++c) acc[r][c] = 0.0f;
+    for (int d0 = 0; d0 < head_dim; d0 += kDimChunk) {
+      __syncthreads();  // previous slice consumed (and, the first time, match[] initialised)
+      stage_tile<kRowTile>(rows_t, ubase, i0, length, d0, head_dim);
+      stage_tile<kColTile>(cols_t, ubase, j0, length, d0, head_dim);
+      __syncthreads();
+#pragma unroll
+      for (int d = 0; d < kDimChunk; ++d) {
+        float av[kRowsPerThread];
+#pragma unroll
+        for (int r = 0; r < kRowsPerThread; r += 4) {
+          const float4 a = *reinterpret_cast<const float4*>(&rows_t[d][ty * kRowsPerThread + r]);
+          av[r] = a.x, av[r + 1] = a.y, av[r + 2] = a.z, av[r + 3] = a.w;
+        }
+        const float4 c = *reinterpret_cast<const float4*>(&cols_t[d][tx * kColsPerThread]);
+        const float cv[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+        for (int r = 0; r < kRowsPerThread; ++r)
+#pragma unroll
+          for (int q = 0; q < kColsPerThread; ++q) acc[r][q] = fmaf(av[r], cv[q], acc[r][q]);
+      }
+    }
+    // The last column of this tile above the threshold, per still-open row (max is order-free).
+#pragma unroll
+    for (int r = 0; r < kRowsPerThread; ++r) {
+      const int row = ty * kRowsPerThread + r, i = i0 + row;
+      if (match[row] >= 0) continue;
+#pragma unroll
+      for (int c = kColsPerThread - 1; c >= 0; --c) {
+        const int j = j0 + tx * kColsPerThread + c;
+        if (j < length && j != i && acc[r][c] > threshold) {
+          atomicMax(&tile_best[row], j);
+          break;
+        }
+      }
+    }
+    __syncthreads();
+    // The owner of (i, r_i) spares that cosine; faithful mode spares C[i, 0] of unmatched rows.
+#pragma unroll
+    for (int r = 0; r < kRowsPerThread; ++r) {
+      const int row = ty * kRowsPerThread + r, i = i0 + row;
+      if (match[row] >= 0) continue;
+#pragma unroll
+      for (int c = 0; c < kColsPerThread; ++c) {
+        const int j = j0 + tx * kColsPerThread + c;
+        if (j >= length) continue;
+        if (tile_best[row] == j) {
+          add_fixed(&sp[j], acc[r][c]);
+        } else if (faithful && j == 0 && tile_best[row] < 0 && i != 0) {
+          add_fixed(&sp[0], acc[r][c]);  // j == 0: this is the last tile, the row never matched
+        }
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x < kRowTile) {
+      if (match[threadIdx.x] < 0 && tile_best[threadIdx.x] >= 0)
+        match[threadIdx.x] = tile_best[threadIdx.x];
+      tile_best[threadIdx.x] = -1;
+    }
+    // Early exit: every row of the tile has found its last match.
+    if (__syncthreads_and(threadIdx.x >= kRowTile || match[threadIdx.x] >= 0)) break;
+  }
+}
+
+// Partial sums of k̂ over chunks of kKeySumRows rows: grid (chunks, kv_heads, batch). Warp w
+// sums rows w, w + 8, ... of the chunk for 32 × 8 channels per pass (lane + 32·m), then the 8 warp
+// sums are added in warp order, so the result does not depend on scheduling.
+__global__ void __launch_bounds__(kBlockThreads) unit_key_partial_sums_kernel(
+    const float* __restrict__ unit,  // [batch, kv_heads, length, head_dim]
+    int length, int head_dim,
+    float* __restrict__ partial) {              // [batch, kv_heads, chunks, head_dim]
+  constexpr int kPerLane = kBlockThreads / 32;  // channels per lane and pass
+  __shared__ float warp_sums[kWarps][kBlockThreads];
+  const int b = blockIdx.z, h = blockIdx.y, kv_heads = gridDim.y, chunk = blockIdx.x;
+  const int chunks = gridDim.x;
+  const std::int64_t bh = static_cast<std::int64_t>(b) * kv_heads + h;
+  const float* ubase = unit + bh * length * head_dim;
+  float* out = partial + (bh * chunks + chunk) * head_dim;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int first = chunk * kKeySumRows, last = min(length, first + kKeySumRows);
+  for (int d_base = 0; d_base < head_dim; d_base += kBlockThreads) {
+    float acc[kPerLane];
+#pragma unroll
+    for (int m = 0; m < kPerLane; ++m) acc[m] = 0.0f;
+    for (int i = first + warp; i < last; i += kWarps) {
+      const float* row = ubase + static_cast<std::int64_t>(i) * head_dim;
+#pragma unroll
+      for (int m = 0; m < kPerLane; ++m) {
+        const int d = d_base + lane + 32 * m;
+        if (d < head_dim) acc[m] += row[d];
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < kPerLane; ++m) warp_sums[warp][lane + 32 * m] = acc[m];
+    __syncthreads();
+    const int d = d_base + static_cast<int>(threadIdx.x);
+    if (d < head_dim) {
+      float t = 0.0f;
+      for (int w = 0; w < kWarps; ++w) t += warp_sums[w][threadIdx.x];
+      out[d] = t;
+    }
+    __syncthreads();  // warp_sums is rewritten by the next pass
+  }
+}
+
+// rbar_j = (total·k̂_j − k̂_j·k̂_j − spared_j) / S for kColumnsPerBlock columns: grid (column
+// blocks, kv_heads, batch). total = sum of the partial sums in chunk order; one warp per column.
+__global__ void __launch_bounds__(kBlockThreads)
+    column_means_kernel(const float* __restrict__ unit,  // [batch, kv_heads, length, head_dim]
+                        const unsigned long long* __restrict__ spared,  // [batch, kv_heads, length]
+                        const float* __restrict__ partial,  // [batch, kv_heads, chunks, head_dim]
+                        int chunks, int length, int head_dim,
+                        float* __restrict__ rbar) {  // [batch, kv_heads, length]
+  extern __shared__ float total[];                   // [head_dim]: sum_i k̂_i
+  const int b = blockIdx.z, h = blockIdx.y, kv_heads = gridDim.y;
+  const std::int64_t bh = static_cast<std::int64_t>(b) * kv_heads + h;
+  const float* ubase = unit + bh * length * head_dim;
+  const unsigned long long* sp = spared + bh * length;
+  const float* part = partial + bh * chunks * head_dim;
+  for (int d = threadIdx.x; d < head_dim; d += kBlockThreads) {
+    float t = 0.0f;
+    for (int c = 0; c < chunks; ++c) t += part[c * head_dim + d];
+    total[d] = t;
+  }
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int j0 = blockIdx.x * kColumnsPerBlock, j1 = min(length, j0 + kColumnsPerBlock);
+  for (int j = j0 + warp; j < j1; j += kWarps) {
+    const float* row = ubase + static_cast<std::int64_t>(j) * head_dim;
+    float dot = 0.0f, sq = 0.0f;
+    for (int d = lane; d < head_dim; d += 32) {
+      const float x = row[d];
+      dot = fmaf(x, total[d], dot);
+      sq = fmaf(x, x, sq);
+    }
+    dot = warp_sum(dot);
+    sq = warp_sum(sq);
+    if (lane == 0)
+      rbar[bh * length + j] = (dot - sq - fixed_to_float(sp[j])) / static_cast<float>(length);
+  }
+}
+
+// R = softmax(rbar) over all S, in place, one block per (b, h) (§1.2 step 5). The row is read
+// back after barriers by the same block, so it is not a read-only pointer.
+__global__ void __launch_bounds__(kBlockThreads)
+    redundancy_softmax_kernel(int length, float* redundancy) {  // [batch * kv_heads, length]
+  using Reduce = cub::BlockReduce<float, kBlockThreads>;
+  __shared__ typename Reduce::TempStorage reduce_tmp;
+  __shared__ float stat;
+  float* out = redundancy + static_cast<std::int64_t>(blockIdx.x) * length;
+  float m = -INFINITY;
+  for (int j = threadIdx.x; j < length; j += kBlockThreads) m = fmaxf(m, out[j]);
+  m = Reduce(reduce_tmp).Reduce(m, MaxOp{});
+  if (threadIdx.x == 0) stat = m;
+  __syncthreads();
+  m = stat;
+  float s = 0.0f;
+  for (int j = threadIdx.x; j < length; j += kBlockThreads) s += expf(out[j] - m);
+  s = Reduce(reduce_tmp).Sum(s);
+  __syncthreads();  // every thread has read `stat` as the max before it becomes the sum
+  if (threadIdx.x == 0) stat = s;
+  __syncthreads();
+  s = stat;
+  for (int j = threadIdx.x; j < length; j += kBlockThreads) out[j] = expf(out[j] - m) / s;
+}
+
+}  // namespace
+
+void launch_key_redundancy(const KVCacheView& kv, int length, float threshold, bool faithful,
+                           float* unit, unsigned long long* spared, float* partial,
+                           float* redundancy, cudaStream_t stream) {
+  const int batch = static_cast<int>(kv.batch()), kv_heads = static_cast<int>(kv.kv_heads());
+  const int head_dim = static_cast<int>(kv.head_dim());
+  const std::int64_t rows = static_cast<std::int64_t>(batch) * kv_heads * length;
+  const KeyStrides ks{kv.keys.stride[0], kv.keys.stride[1], kv.keys.stride[2]};
+  KVSIFT_CUDA_CHECK(
+      cudaMemsetAsync(spared, 0, static_cast<std::size_t>(rows) * sizeof(*spared), stream));
+  const int chunks = key_sum_chunks(length);
+  auto grid = [&](int x) {
+    return dim3(static_cast<unsigned>(x), static_cast<unsigned>(kv_heads),
+                static_cast<unsigned>(batch));
+  };
+  KVSIFT_DISPATCH_DTYPE(kv.dtype(), T, [&] {
+    normalize_keys_kernel<T>
+        <<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kBlockThreads, 0, stream>>>(
+            static_cast<const T*>(kv.keys.data), ks, kv.valid_mask, kv.capacity(), kv_heads, length,
+            head_dim, rows, unit);
+  });
+  KVSIFT_CUDA_CHECK(cudaGetLastError());
+  last_match_kernel<<<grid((length + kRowTile - 1) / kRowTile), kBlockThreads, 0, stream>>>(
+      unit, length, head_dim, threshold, faithful, spared);
+  KVSIFT_CUDA_CHECK(cudaGetLastError());
+  unit_key_partial_sums_kernel<<<grid(chunks), kBlockThreads, 0, stream>>>(unit, length, head_dim,
+                                                                           partial);
+  KVSIFT_CUDA_CHECK(cudaGetLastError());
+  const std::size_t total_bytes = static_cast<std::size_t>(head_dim) * sizeof(float);
+  column_means_kernel<<<grid((length + kColumnsPerBlock - 1) / kColumnsPerBlock), kBlockThreads,
+                        total_bytes, stream>>>(unit, spared, partial, chunks, length, head_dim,
+                                               redundancy);
+  KVSIFT_CUDA_CHECK(cudaGetLastError());
+  redundancy_softmax_kernel<<<static_cast<unsigned>(batch * kv_heads), kBlockThreads, 0, stream>>>(
+      length, redundancy);
+  KVSIFT_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace kvsift::cuda::detail

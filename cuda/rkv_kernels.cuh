@@ -1,0 +1,49 @@
+// Internal launchers of the R-KV CUDA pipeline, shared between cuda/*.cu (not installed). The
+// public entry points in kvsift/backend/cuda/rkv_scoring.hpp validate every argument first; these
+// launchers assume valid, device-resident inputs and only check the CUDA calls they make.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "kvsift/core/kv_cache_view.hpp"
+#include "kvsift/core/tensor_view.hpp"
+
+namespace kvsift::cuda::detail {
+
+inline constexpr int kBlockThreads = 256;  // every R-KV kernel runs 256-thread blocks
+inline constexpr int kKeySumRows = 128;    // rows per partial sum of the unit keys
+
+// Partial sums of the unit keys per (b, h) for a sequence of `length` tokens.
+inline int key_sum_chunks(int length) { return (length + kKeySumRows - 1) / kKeySumRows; }
+
+// Window importance a (ALGORITHMS.md §1.1) of all sequences, each of `length` tokens.
+//   queries     [batch, q_heads, window, head_dim], keys' dtype
+//   logits      [batch, kv_heads, window, length − window] scratch: GQA-max logits
+//   pre_pool    [batch, kv_heads, length − window] scratch: window-mean attention A
+//   importance  [batch, kv_heads, length − window] output a
+void launch_window_importance(const KVCacheView& kv, const TensorView& queries, int length,
+                              int kernel, float* logits, float* pre_pool, float* importance,
+                              cudaStream_t stream);
+
+// Key redundancy R over all `length` tokens (ALGORITHMS.md §1.2 steps 1–5, before the slice).
+//   unit        [batch, kv_heads, length, head_dim] scratch: k̂ = K / (||K|| + 1e-8), fp32
+//   spared      [batch, kv_heads, length] scratch: fixed-point sums of spared cosines per column
+//   partial     [batch, kv_heads, key_sum_chunks(length), head_dim] scratch: sums of k̂ per chunk
+//   redundancy  [batch, kv_heads, length] output R
+void launch_key_redundancy(const KVCacheView& kv, int length, float threshold, bool faithful,
+                           float* unit, unsigned long long* spared, float* partial,
+                           float* redundancy, cudaStream_t stream);
+
+// score[b, h, j] = λ·a[b, h, j] − (1−λ)·R[b, h, j] for j < n; `redundancy` rows hold `length`.
+//   importance, score [batch * kv_heads, n]; redundancy [batch * kv_heads, length]
+void launch_joint_score(const float* importance, const float* redundancy, int rows, int n,
+                        int length, float mix_lambda, float* score, cudaStream_t stream);
+
+// The no-op plan: rows 0 .. length − 1, then kUnusedSlot up to `budget`.
+//   slots [rows, budget]
+void launch_keep_all_slots(int rows, int length, int budget, std::int32_t* slots,
+                           cudaStream_t stream);
+
+}  // namespace kvsift::cuda::detail

@@ -1,0 +1,233 @@
+// Host side of the R-KV CUDA pipeline (ALGORITHMS.md §1.1–§1.3): validation, workspace layout,
+// the joint score λ·a − (1−λ)·R, and the download of selected slots into a KeepPlan.
+#include <cstdint>
+#include <vector>
+
+#include "kvsift/backend/cuda/check.hpp"
+#include "kvsift/backend/cuda/rkv_scoring.hpp"
+#include "kvsift/backend/cuda/workspace.hpp"
+#include "rkv_kernels.cuh"
+
+namespace kvsift::cuda {
+namespace detail {
+namespace {
+
+// Shared-memory bounds of the kernels' dynamic parts (window statistics, head_dim sums).
+constexpr int kMaxWindow = 4096;
+constexpr int kMaxHeadDim = 4096;
+
+__global__ void joint_score_kernel(const float* __restrict__ importance,  // [rows, n]
+                                   const float* __restrict__ redundancy,  // [rows, length]
+                                   std::int64_t total, int n, int length, float mix_lambda,
+                                   float* __restrict__ score) {  // [rows, n]
+  const std::int64_t e = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e >= total) return;
+  const std::int64_t row = e / n, j = e % n;
+  // The same expression as the CPU reference (policy/rkv.hpp), term by term.
+  score[e] = mix_lambda * importance[e] - (1.0f - mix_lambda) * redundancy[row * length + j];
+}
+
+}  // namespace
+
+void launch_joint_score(const float* importance, const float* redundancy, int rows, int n,
+                        int length, float mix_lambda, float* score, cudaStream_t stream) {
+  const std::int64_t total = static_cast<std::int64_t>(rows) * n;
+  if (total == 0) return;
+  joint_score_kernel<<<static_cast<unsigned>((total + kBlockThreads - 1) / kBlockThreads),
+                       kBlockThreads, 0, stream>>>(importance, redundancy, total, n, length,
+                                                   mix_lambda, score);
+  KVSIFT_CUDA_CHECK(cudaGetLastError());
+}
+
+namespace {
+
+struct CallShape {
+  std::int64_t batch = 0, kv_heads = 0, window = 0, length = 0, head_dim = 0;
+  std::int64_t n() const { return length > window ? length - window : 0; }
+  std::int64_t rows() const { return batch * kv_heads; }
+};
+
+// Everything rkv_* check before touching the device. `op` names the caller in messages.
+CallShape check_call(const KVCacheView& kv, const TensorView& queries, const RKVScoringConfig& cfg,
+                     const char* op) {
+  cfg.validate();
+  kv.validate();
+  KVSIFT_CHECK(kv.device() == Device::cuda, op, ": the cache is in host memory (device ",
+               device_name(kv.device()), "); use the CPU scorers");
+  KVSIFT_CHECK(queries.data != nullptr, op, ": queries have no data (null pointer)");
+  KVSIFT_CHECK(queries.device == Device::cuda, op, ": queries are in host memory");
+  KVSIFT_CHECK(queries.rank == 4, op, ": queries must be [batch, q_heads, window, head_dim], got ",
+               queries.shape_string());
+  KVSIFT_CHECK(queries.shape[0] == kv.batch(), op, ": queries batch (", queries.shape[0],
+               ") != keys batch (", kv.batch(), ")");
+  KVSIFT_CHECK(queries.shape[3] == kv.head_dim(), op, ": queries head_dim (", queries.shape[3],
+               ") != keys head_dim (", kv.head_dim(), ")");
+  KVSIFT_CHECK(kv.kv_heads() > 0 && queries.shape[1] > 0 && queries.shape[1] % kv.kv_heads() == 0,
+               op, ": queries q_heads (", queries.shape[1],
+               ") must be a positive multiple of kv_heads (", kv.kv_heads(), ")");
+  KVSIFT_CHECK(queries.shape[2] == cfg.window, op, ": queries hold ", queries.shape[2],
+               " window rows, config window is ", cfg.window);
+  KVSIFT_CHECK(queries.dtype == kv.dtype(), op, ": queries dtype ", dtype_name(queries.dtype),
+               " != keys dtype ", dtype_name(kv.dtype()),
+               " (this version needs one storage dtype)");
+  KVSIFT_CHECK(cfg.window <= kMaxWindow, op, ": window (", cfg.window, ") exceeds ", kMaxWindow);
+  KVSIFT_CHECK(kv.head_dim() >= 1 && kv.head_dim() <= kMaxHeadDim, op, ": head_dim (",
+               kv.head_dim(), ") must be in [1, ", kMaxHeadDim, "]");
+  KVSIFT_CHECK(kv.batch() <= 65535 && kv.kv_heads() <= 65535, op, ": batch (", kv.batch(),
+               ") and kv_heads (", kv.kv_heads(), ") must be <= 65535 (grid limits)");
+  KVSIFT_CHECK(kv.capacity() <= 0x7fffffff, op, ": capacity (", kv.capacity(),
+               ") must fit in int32 slot indices");
+  CallShape s;
+  s.batch = kv.batch();
+  s.kv_heads = kv.kv_heads();
+  s.window = cfg.window;
+  s.head_dim = kv.head_dim();
+  s.length = kv.batch() > 0 ? kv.lengths[0] : 0;
+  for (std::int64_t b = 1; b < kv.batch(); ++b) {
+    KVSIFT_CHECK(kv.lengths[b] == s.length, op, ": lengths[", b, "] = ", kv.lengths[b],
+                 " != lengths[0] = ", s.length,
+                 " (this version needs equal sequence lengths across the batch)");
+  }
+  return s;
+}
+
+std::size_t key_sums_count(const CallShape& s) {
+  return static_cast<std::size_t>(s.rows() * key_sum_chunks(static_cast<int>(s.length)) *
+                                  s.head_dim);
+}
+
+// The workspace pieces, carved in this order by every call so the sizes always agree.
+struct Workspace {
+  float* logits;               // [batch, kv_heads, window, n]
+  float* pre_pool;             // [batch, kv_heads, n]
+  float* importance;           // [batch, kv_heads, n]
+  float* unit_keys;            // [batch, kv_heads, S, head_dim]
+  unsigned long long* spared;  // [batch, kv_heads, S]
+  float* key_sums;             // [batch, kv_heads, key_sum_chunks(S), head_dim]
+  float* redundancy;           // [batch, kv_heads, S]
+  float* score;                // [batch, kv_heads, n]
+};
+
+Workspace carve_workspace(const CallShape& s, void* base, std::size_t bytes, const char* op) {
+  WorkspaceCarver carve(base, bytes, op);
+  const std::size_t rn = static_cast<std::size_t>(s.rows() * s.n());
+  const std::size_t rs = static_cast<std::size_t>(s.rows() * s.length);
+  Workspace w;
+  w.logits = carve.take<float>(rn * static_cast<std::size_t>(s.window));
+  w.pre_pool = carve.take<float>(rn);
+  w.importance = carve.take<float>(rn);
+  w.unit_keys = carve.take<float>(rs * static_cast<std::size_t>(s.head_dim));
+  w.spared = carve.take<unsigned long long>(rs);
+  w.key_sums = carve.take<float>(key_sums_count(s));
+  w.redundancy = carve.take<float>(rs);
+  w.score = carve.take<float>(rn);
+  return w;
+}
+
+std::size_t workspace_bytes_for(const CallShape& s) {
+  const std::size_t rn = static_cast<std::size_t>(s.rows() * s.n());
+  const std::size_t rs = static_cast<std::size_t>(s.rows() * s.length);
+  return align_up(rn * s.window * sizeof(float)) + 3 * align_up(rn * sizeof(float)) +
+         align_up(rs * s.head_dim * sizeof(float)) + align_up(rs * sizeof(float)) +
+         align_up(rs * sizeof(unsigned long long)) + align_up(key_sums_count(s) * sizeof(float));
+}
+
+// The scoring proper, after validation: writes `score` and, when given, importance/redundancy.
+void enqueue_scores(const KVCacheView& kv, const TensorView& queries, const RKVScoringConfig& cfg,
+                    const CallShape& s, const Workspace& w, float* score, float* importance,
+                    float* redundancy, cudaStream_t stream) {
+  float* a = importance != nullptr ? importance : w.importance;
+  float* r = redundancy != nullptr ? redundancy : w.redundancy;
+  const int length = static_cast<int>(s.length);
+  launch_window_importance(kv, queries, length, cfg.kernel, w.logits, w.pre_pool, a, stream);
+  launch_key_redundancy(kv, length, cfg.threshold, cfg.faithful, w.unit_keys, w.spared, w.key_sums,
+                        r, stream);
+  launch_joint_score(a, r, static_cast<int>(s.rows()), static_cast<int>(s.n()), length,
+                     cfg.mix_lambda, score, stream);
+}
+
+}  // namespace
+}  // namespace detail
+
+std::size_t rkv_workspace_bytes(const KVCacheView& kv, const TensorView& queries,
+                                const RKVScoringConfig& cfg) {
+  return detail::workspace_bytes_for(detail::check_call(kv, queries, cfg, "rkv_workspace_bytes"));
+}
+
+void rkv_score(const KVCacheView& kv, const TensorView& queries, const RKVScoringConfig& cfg,
+               const RKVScoreOutputs& out, void* workspace, std::size_t workspace_bytes,
+               cudaStream_t stream) {
+  const detail::CallShape s = detail::check_call(kv, queries, cfg, "rkv_score");
+  KVSIFT_CHECK(out.score != nullptr, "rkv_score: out.score must be a device pointer, got null");
+  if (s.batch == 0) return;
+  KVSIFT_CHECK(s.length > cfg.window, "rkv_score: length (", s.length, ") must exceed the window (",
+               cfg.window, ")");
+  const detail::Workspace w = detail::carve_workspace(s, workspace, workspace_bytes, "rkv_score");
+  detail::enqueue_scores(kv, queries, cfg, s, w, out.score, out.importance, out.redundancy, stream);
+}
+
+bool rkv_select(const KVCacheView& kv, const TensorView& queries, const RKVScoringConfig& cfg,
+                std::int32_t* slots, float* scores, void* workspace, std::size_t workspace_bytes,
+                cudaStream_t stream) {
+  const detail::CallShape s = detail::check_call(kv, queries, cfg, "rkv_select");
+  KVSIFT_CHECK(slots != nullptr, "rkv_select: slots must be a device pointer, got null");
+  if (s.batch == 0) return false;
+  if (s.length <= cfg.budget) {  // ALGORITHMS.md §1.3: at or below the budget nothing is evicted
+    detail::launch_keep_all_slots(static_cast<int>(s.rows()), static_cast<int>(s.length),
+                                  cfg.budget, slots, stream);
+    return false;
+  }
+  const detail::Workspace w = detail::carve_workspace(s, workspace, workspace_bytes, "rkv_select");
+  float* score = scores != nullptr ? scores : w.score;
+  detail::enqueue_scores(kv, queries, cfg, s, w, score, nullptr, nullptr, stream);
+  select_topk_slots(score, kv.valid_mask, static_cast<int>(s.batch), static_cast<int>(s.kv_heads),
+                    kv.capacity(), static_cast<int>(s.length), cfg.budget, cfg.window, slots,
+                    stream);
+  return true;
+}
+
+KeepPlan download_keep_plan(const KVCacheView& kv, const std::int32_t* slots, int budget,
+                            int window, cudaStream_t stream) {
+  kv.validate();
+  KVSIFT_CHECK(budget > 0 && window >= 0, "download_keep_plan: budget (", budget,
+               ") must be > 0 and window (", window, ") >= 0");
+  KVSIFT_CHECK(slots != nullptr || kv.batch() == 0,
+               "download_keep_plan: slots must be a device pointer, got null");
+  const std::int64_t batch = kv.batch(), heads = kv.kv_heads();
+  std::vector<std::int32_t> host(static_cast<std::size_t>(batch * heads * budget));
+  if (!host.empty()) {
+    KVSIFT_CUDA_CHECK(cudaMemcpyAsync(host.data(), slots, host.size() * sizeof(std::int32_t),
+                                      cudaMemcpyDeviceToHost, stream));
+  }
+  KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<std::int32_t> source(kv.lengths, kv.lengths + batch), kept(batch, 0);
+  auto row_length = [&](std::int64_t b, std::int64_t h) {
+    const std::int32_t* row = host.data() + (b * heads + h) * budget;
+    std::int64_t n = 0;
+    while (n < budget && row[n] != kUnusedSlot) {
+      KVSIFT_CHECK(row[n] != kNanScoreSlot, "download_keep_plan: row (b=", b, ", h=", h,
+                   ") has a NaN score");
+      ++n;
+    }
+    for (std::int64_t i = n; i < budget; ++i) {
+      KVSIFT_CHECK(row[i] == kUnusedSlot, "download_keep_plan: row (b=", b, ", h=", h,
+                   ") has slot ", row[i], " after an unused entry at ", n);
+    }
+    return n;
+  };
+  for (std::int64_t b = 0; b < batch; ++b) {
+    kept[b] = static_cast<std::int32_t>(row_length(b, 0));
+    for (std::int64_t h = 1; h < heads; ++h) {
+      const std::int64_t n = row_length(b, h);
+      KVSIFT_CHECK(n == kept[b], "download_keep_plan: heads of sequence ", b,
+                   " keep different counts (", kept[b], " vs ", n, " in head ", h, ")");
+    }
+  }
+  KeepPlan plan(batch, heads, kv.capacity(), source, kept, window);
+  for (std::int64_t r = 0; r < batch * heads; ++r)
+    plan.append_row(host.data() + r * budget, kept[r / heads]);
+  plan.validate();  // sorted, unique, in range, window kept
+  return plan;
+}
+
+}  // namespace kvsift::cuda

@@ -1,0 +1,159 @@
+// Per-(sequence, KV head) top-k selection on the GPU (ALGORITHMS.md §1.3): keep the
+// `budget − window` highest scores of the candidates before the window, ties to the lower index,
+// pads never kept, and emit the kept slots ascending followed by the window.
+//
+// One block per (b, h) row. A 4-pass, 8-bit radix select over order-preserving 32-bit keys of
+// the scores finds the cut key T and how many candidates equal to T still fit; one ordered pass
+// then keeps every key > T plus the first (lowest-index) keys == T, compacting them with block
+// prefix sums, so the rows come out sorted with no sort at all. Histogram counts are integer
+// atomics, hence the result is deterministic.
+#include <algorithm>
+#include <cstdint>
+#include <cub/block/block_scan.cuh>
+
+#include "kvsift/backend/cuda/check.hpp"
+#include "kvsift/backend/cuda/rkv_scoring.hpp"
+#include "rkv_kernels.cuh"
+
+namespace kvsift::cuda {
+namespace detail {
+namespace {
+
+constexpr int kRadixBins = 256;
+
+// Monotone map float -> uint32: a > b (as floats) iff key(a) > key(b); −0 and +0 map alike,
+// since they compare equal (and so tie) in the CPU reference.
+__device__ __forceinline__ unsigned order_key(float x) {
+  if (x == 0.0f) x = 0.0f;
+  const unsigned u = __float_as_uint(x);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__global__ void __launch_bounds__(kBlockThreads)
+    select_topk_kernel(const float* __restrict__ scores,        // [rows, n]
+                       const std::uint8_t* __restrict__ valid,  // [batch, capacity] or nullptr
+                       std::int64_t capacity, int kv_heads, int n, int keep, int window, int budget,
+                       std::int32_t* __restrict__ slots) {  // [rows, budget]
+  using Scan = cub::BlockScan<int, kBlockThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  __shared__ int hist[kRadixBins];
+  __shared__ unsigned cut_prefix;
+  __shared__ int cut_remaining;
+  const std::int64_t row = blockIdx.x;
+  const int b = static_cast<int>(row / kv_heads);
+  const float* sc = scores + row * n;
+  const std::uint8_t* vm = valid != nullptr ? valid + b * capacity : nullptr;
+  std::int32_t* out = slots + row * budget;
+  auto is_valid = [&](int j) { return vm == nullptr || vm[j] != 0; };
+
+  int valid_here = 0, nan_here = 0;
+  for (int j = threadIdx.x; j < n; j += kBlockThreads) {
+    valid_here += is_valid(j) ? 1 : 0;
+    nan_here |= isnan(sc[j]) ? 1 : 0;
+  }
+  int unused, n_valid;
+  Scan(scan_tmp).ExclusiveSum(valid_here, unused, n_valid);
+  if (__syncthreads_or(nan_here)) {  // also the barrier that frees scan_tmp
+    for (int i = threadIdx.x; i < budget; i += kBlockThreads) out[i] = kNanScoreSlot;
+    return;  // uniform: every thread saw the same predicate
+  }
+  const int take = min(keep, n_valid);
+
+  // Radix select of the take-th largest key: after the passes every key > prefix is kept, and
+  // `remaining` keys equal to prefix. Taking everything needs no passes: T = 0 is below every
+  // non-NaN key.
+  unsigned prefix = 0, mask = 0;
+  int remaining = take;
+  if (take > 0 && take < n_valid) {
+    for (int shift = 24; shift >= 0; shift -= 8) {
+      hist[threadIdx.x] = 0;  // kRadixBins == kBlockThreads
+      __syncthreads();
+      for (int j = threadIdx.x; j < n; j += kBlockThreads) {
+        if (!is_valid(j)) continue;
+        const unsigned u = order_key(sc[j]);
+        if ((u & mask) == prefix) atomicAdd(&hist[(u >> shift) & 0xffu], 1);
+      }
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        int above = 0, digit = kRadixBins - 1;
+        for (; digit > 0; --digit) {
+          if (above + hist[digit] >= remaining) break;
+          above += hist[digit];
+        }
+        cut_prefix = prefix | (static_cast<unsigned>(digit) << shift);
+        cut_remaining = remaining - above;
+      }
+      __syncthreads();
+      prefix = cut_prefix;
+      remaining = cut_remaining;
+      mask |= 0xffu << shift;
+    }
+  } else {
+    remaining = take > 0 ? n : 0;  // every valid key is > 0 (T = 0) or none is taken
+  }
+
+  int equal_base = 0, out_base = 0;
+  for (int c0 = 0; c0 < n; c0 += kBlockThreads) {
+    const int j = c0 + threadIdx.x;
+    const bool v = j < n && is_valid(j);
+    const unsigned u = v ? order_key(sc[j]) : 0u;
+    const int is_equal = (v && u == prefix) ? 1 : 0;
+    int equal_before, equal_total;
+    Scan(scan_tmp).ExclusiveSum(is_equal, equal_before, equal_total);
+    __syncthreads();
+    const bool kept =
+        take > 0 && v && (u > prefix || (is_equal && equal_base + equal_before < remaining));
+    int pos, kept_total;
+    Scan(scan_tmp).ExclusiveSum(kept ? 1 : 0, pos, kept_total);
+    __syncthreads();
+    if (kept) out[out_base + pos] = j;
+    equal_base += equal_total;
+    out_base += kept_total;
+  }
+  // out_base == take here. Then the window (slots n .. n + window − 1), then unused entries.
+  for (int i = threadIdx.x; i < budget - take; i += kBlockThreads)
+    out[take + i] = i < window ? n + i : kUnusedSlot;
+}
+
+__global__ void keep_all_kernel(std::int64_t total, int length, int budget,
+                                std::int32_t* __restrict__ slots) {  // [rows, budget]
+  const std::int64_t e = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e >= total) return;
+  const int i = static_cast<int>(e % budget);
+  slots[e] = i < length ? i : kUnusedSlot;
+}
+
+}  // namespace
+
+void launch_keep_all_slots(int rows, int length, int budget, std::int32_t* slots,
+                           cudaStream_t stream) {
+  const std::int64_t total = static_cast<std::int64_t>(rows) * budget;
+  if (total == 0) return;
+  keep_all_kernel<<<static_cast<unsigned>((total + kBlockThreads - 1) / kBlockThreads),
+                    kBlockThreads, 0, stream>>>(total, length, budget, slots);
+  KVSIFT_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace detail
+
+void select_topk_slots(const float* scores, const std::uint8_t* valid_mask, int batch, int kv_heads,
+                       std::int64_t capacity, int length, int budget, int window,
+                       std::int32_t* slots, cudaStream_t stream) {
+  KVSIFT_CHECK(batch >= 0 && kv_heads >= 1, "select_topk_slots: bad shape batch=", batch,
+               " kv_heads=", kv_heads);
+  KVSIFT_CHECK(window >= 1 && budget > window, "select_topk_slots: budget (", budget,
+               ") must exceed window (", window, ") >= 1");
+  KVSIFT_CHECK(length > budget && length <= capacity, "select_topk_slots: length (", length,
+               ") must exceed budget (", budget, ") and fit capacity (", capacity, ")");
+  KVSIFT_CHECK(static_cast<std::int64_t>(batch) * kv_heads <= 0x7fffffff,
+               "select_topk_slots: batch * kv_heads (", batch, " * ", kv_heads, ") too large");
+  if (batch == 0) return;
+  KVSIFT_CHECK(scores != nullptr && slots != nullptr,
+               "select_topk_slots: scores and slots must be device pointers, got null");
+  detail::select_topk_kernel<<<static_cast<unsigned>(batch * kv_heads), detail::kBlockThreads, 0,
+                               stream>>>(scores, valid_mask, capacity, kv_heads, length - window,
+                                         budget - window, window, budget, slots);
+  KVSIFT_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace kvsift::cuda
