@@ -10,12 +10,26 @@
 
 #include "kvsift/backend/cuda/check.hpp"
 #include "kvsift/backend/cuda/compact.hpp"
+#include "kvsift/backend/cuda/rkv_scoring.hpp"
 #include "kvsift/backend/cuda/workspace.hpp"
 
 namespace kvsift::cuda {
+
+static_assert(kRowEnd == kUnusedSlot && kRowInvalid == kNanScoreSlot,
+              "compact_device_rows reads the rows rkv_select writes");
+
 namespace {
 
 constexpr int kThreads = 256;
+
+// A sequence whose rows hold a kRowInvalid marker is left untouched by compact_device_rows.
+__device__ __forceinline__ bool sequence_invalid(const std::int32_t* slots, int b, int kv_heads,
+                                                 int row_stride) {
+  for (int h = 0; h < kv_heads; ++h) {
+    if (slots[(std::int64_t{b} * kv_heads + h) * row_stride] == kRowInvalid) return true;
+  }
+  return false;
+}
 constexpr int kRowsPerThread = 4;  // independent loads in flight per thread
 
 template <class Unit>
@@ -24,15 +38,18 @@ __global__ void compact_rows_kernel(char* __restrict__ base,  // cache tensor (K
                                     std::int64_t stride_h,    // bytes between heads
                                     std::int64_t stride_s,    // bytes between slots
                                     int units_per_row, int slice_units, int kv_heads,
-                                    const std::int64_t* __restrict__ indptr,   // [B*H + 1]
-                                    const std::int32_t* __restrict__ slots) {  // [nnz]
-  const int row = blockIdx.x;                                                  // (b, h) flattened
+                                    const std::int64_t* __restrict__ indptr,  // [B*H + 1] or null
+                                    const std::int32_t* __restrict__ slots,   // [nnz]
+                                    int row_stride, std::int64_t capacity) {
+  const int row = blockIdx.x;  // (b, h) flattened
   const int b = row / kv_heads, h = row % kv_heads;
+  if (indptr == nullptr && sequence_invalid(slots, b, kv_heads, row_stride)) return;
   const int unit = blockIdx.y * slice_units + threadIdx.x % slice_units;
   const int rows_per_pass = kThreads / slice_units;
   const int lane_row = threadIdx.x / slice_units;
   const bool active = unit < units_per_row && lane_row < rows_per_pass;
-  const std::int64_t begin = indptr[row], n = indptr[row + 1] - begin;
+  const std::int64_t begin = indptr != nullptr ? indptr[row] : std::int64_t{row} * row_stride;
+  const std::int64_t n = indptr != nullptr ? indptr[row + 1] - begin : row_stride;
   char* head_base = base + b * stride_b + h * stride_h;
   const int tile = rows_per_pass * kRowsPerThread;
   for (std::int64_t t0 = 0; t0 < n; t0 += tile) {
@@ -42,6 +59,7 @@ __global__ void compact_rows_kernel(char* __restrict__ base,  // cache tensor (K
     for (int k = 0; k < kRowsPerThread; ++k) {
       const std::int64_t i = t0 + k * rows_per_pass + lane_row;
       src[k] = (active && i < n) ? slots[begin + i] : -1;
+      if (src[k] >= capacity) src[k] = -1;  // device rows are not host-checked: stay in bounds
       if (src[k] >= 0 && src[k] != i) {
         buf[k] = reinterpret_cast<const Unit*>(head_base + src[k] * stride_s)[unit];
       }
@@ -57,47 +75,72 @@ __global__ void compact_rows_kernel(char* __restrict__ base,  // cache tensor (K
   }
 }
 
-// The mask follows head 0's row of each sequence: one block per sequence, same tiling.
-__global__ void compact_mask_kernel(std::uint8_t* __restrict__ mask, std::int64_t capacity,
-                                    int kv_heads, const std::int64_t* __restrict__ indptr,
-                                    const std::int32_t* __restrict__ slots) {
+// The mask follows head 0's row of each sequence: one block per sequence, same tiling. With
+// device rows (indptr null) the block also writes the sequence's new length.
+__global__ void compact_mask_kernel(std::uint8_t* __restrict__ mask,  // [batch, capacity] or null
+                                    std::int64_t capacity, int kv_heads,
+                                    const std::int64_t* __restrict__ indptr,  // [B*H + 1] or null
+                                    const std::int32_t* __restrict__ slots, int row_stride,
+                                    std::int32_t* __restrict__ new_lengths) {  // [batch] or null
   const int b = blockIdx.x;
-  const std::int64_t begin = indptr[b * kv_heads], n = indptr[b * kv_heads + 1] - begin;
-  std::uint8_t* m = mask + b * capacity;
+  const bool device_rows = indptr == nullptr;
+  if (device_rows && sequence_invalid(slots, b, kv_heads, row_stride)) {
+    if (threadIdx.x == 0 && new_lengths != nullptr) new_lengths[b] = -1;
+    return;
+  }
+  const std::int64_t begin =
+      device_rows ? std::int64_t{b} * kv_heads * row_stride : indptr[b * kv_heads];
+  const std::int64_t n = device_rows ? row_stride : indptr[b * kv_heads + 1] - begin;
+  std::uint8_t* m = mask != nullptr ? mask + b * capacity : nullptr;
+  int kept = 0;
   for (std::int64_t t0 = 0; t0 < n; t0 += kThreads) {
     const std::int64_t i = t0 + threadIdx.x;
-    const std::uint8_t v = i < n ? m[slots[begin + i]] : 0;
+    const std::int32_t src = i < n ? slots[begin + i] : -1;
+    const bool live = src >= 0 && src < capacity;
+    kept += live ? 1 : 0;
+    const std::uint8_t v = (live && m != nullptr) ? m[src] : 0;
     __syncthreads();
-    if (i < n) m[i] = v;
+    if (live && m != nullptr) m[i] = v;
     __syncthreads();
+  }
+  if (new_lengths != nullptr) {
+    // Rows are a live prefix then kRowEnd, so the count of live slots is the new length.
+    __shared__ int total;
+    if (threadIdx.x == 0) total = 0;
+    __syncthreads();
+    atomicAdd(&total, kept);
+    __syncthreads();
+    if (threadIdx.x == 0) new_lengths[b] = total;
   }
 }
 
 template <class Unit>
 void launch_rows(const TensorView& t, int kv_heads, std::int64_t rows, const std::int64_t* indptr,
-                 const std::int32_t* slots, cudaStream_t stream) {
+                 const std::int32_t* slots, int row_stride, cudaStream_t stream) {
   const std::int64_t esz = static_cast<std::int64_t>(dtype_size(t.dtype));
   const int units = static_cast<int>(t.shape[3] * esz / static_cast<std::int64_t>(sizeof(Unit)));
   const int slice = std::min(units, 32);
   const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>((units + slice - 1) / slice));
   compact_rows_kernel<Unit><<<grid, kThreads, 0, stream>>>(
       static_cast<char*>(t.data), t.stride[0] * esz, t.stride[1] * esz, t.stride[2] * esz, units,
-      slice, kv_heads, indptr, slots);
+      slice, kv_heads, indptr, slots, row_stride, t.shape[2]);
   KVSIFT_CUDA_CHECK(cudaGetLastError());
 }
 
 // Widest access unit that divides the row and every stride: 16-byte accesses when possible.
 void launch_tensor(const TensorView& t, int kv_heads, std::int64_t rows, const std::int64_t* indptr,
-                   const std::int32_t* slots, cudaStream_t stream) {
+                   const std::int32_t* slots, int row_stride, cudaStream_t stream) {
   const std::int64_t esz = static_cast<std::int64_t>(dtype_size(t.dtype));
   auto fits = [&](std::int64_t w) {
     return (t.shape[3] * esz) % w == 0 && (t.stride[0] * esz) % w == 0 &&
            (t.stride[1] * esz) % w == 0 && (t.stride[2] * esz) % w == 0 &&
            reinterpret_cast<std::uintptr_t>(t.data) % w == 0;
   };
-  if (fits(16)) return launch_rows<uint4>(t, kv_heads, rows, indptr, slots, stream);
-  if (fits(4)) return launch_rows<std::uint32_t>(t, kv_heads, rows, indptr, slots, stream);
-  launch_rows<std::uint16_t>(t, kv_heads, rows, indptr, slots, stream);
+  if (fits(16)) return launch_rows<uint4>(t, kv_heads, rows, indptr, slots, row_stride, stream);
+  if (fits(4)) {
+    return launch_rows<std::uint32_t>(t, kv_heads, rows, indptr, slots, row_stride, stream);
+  }
+  launch_rows<std::uint16_t>(t, kv_heads, rows, indptr, slots, row_stride, stream);
 }
 
 }  // namespace
@@ -126,14 +169,34 @@ void compact(const KVCacheView& kv, const KeepPlan& plan, void* workspace,
                                     cudaMemcpyHostToDevice, stream));
   const std::int64_t rows = plan.batch() * plan.kv_heads();
   const int heads = static_cast<int>(plan.kv_heads());
-  launch_tensor(kv.keys, heads, rows, d_indptr, d_slots, stream);
-  launch_tensor(kv.values, heads, rows, d_indptr, d_slots, stream);
+  launch_tensor(kv.keys, heads, rows, d_indptr, d_slots, 0, stream);
+  launch_tensor(kv.values, heads, rows, d_indptr, d_slots, 0, stream);
   if (kv.valid_mask != nullptr) {
     compact_mask_kernel<<<static_cast<unsigned>(plan.batch()), kThreads, 0, stream>>>(
-        kv.valid_mask, kv.capacity(), heads, d_indptr, d_slots);
+        kv.valid_mask, kv.capacity(), heads, d_indptr, d_slots, 0, nullptr);
     KVSIFT_CUDA_CHECK(cudaGetLastError());
   }
   for (std::int64_t b = 0; b < plan.batch(); ++b) kv.lengths[b] = plan.kept_length(b);
+}
+
+void compact_device_rows(const KVCacheView& kv, const std::int32_t* slots, int row_stride,
+                         std::int32_t* new_lengths, cudaStream_t stream) {
+  kv.validate();
+  KVSIFT_CHECK(kv.device() == Device::cuda,
+               "cuda::compact_device_rows: the cache is in host memory; use kvsift::compact");
+  KVSIFT_CHECK(slots != nullptr, "cuda::compact_device_rows: slots is null");
+  KVSIFT_CHECK(row_stride > 0 && row_stride <= kv.capacity(), "cuda::compact_device_rows: row_stride (",
+               row_stride, ") must be in [1, capacity = ", kv.capacity(), "]");
+  if (kv.batch() == 0) return;
+  const std::int64_t rows = kv.batch() * kv.kv_heads();
+  const int heads = static_cast<int>(kv.kv_heads());
+  launch_tensor(kv.keys, heads, rows, nullptr, slots, row_stride, stream);
+  launch_tensor(kv.values, heads, rows, nullptr, slots, row_stride, stream);
+  if (kv.valid_mask != nullptr || new_lengths != nullptr) {
+    compact_mask_kernel<<<static_cast<unsigned>(kv.batch()), kThreads, 0, stream>>>(
+        kv.valid_mask, kv.capacity(), heads, nullptr, slots, row_stride, new_lengths);
+    KVSIFT_CUDA_CHECK(cudaGetLastError());
+  }
 }
 
 }  // namespace kvsift::cuda

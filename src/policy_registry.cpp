@@ -1,4 +1,5 @@
-// make_policy / policy_names: the baselines by name, mapped from the shared PolicyOptions.
+// make_policy / policy_names: the baselines and SkipKV by name, mapped from the shared
+// PolicyOptions.
 #include <memory>
 #include <string>
 #include <string_view>
@@ -9,12 +10,15 @@
 #include "kvsift/policy/h2o.hpp"
 #include "kvsift/policy/registry.hpp"
 #include "kvsift/policy/rkv.hpp"
+#include "kvsift/policy/skipkv.hpp"
 #include "kvsift/policy/snapkv.hpp"
 #include "kvsift/policy/streaming_llm.hpp"
 
 namespace kvsift {
 
-std::vector<std::string> policy_names() { return {"fullkv", "streaming", "h2o", "snapkv", "rkv"}; }
+std::vector<std::string> policy_names() {
+  return {"fullkv", "streaming", "h2o", "snapkv", "rkv", "skipkv"};
+}
 
 std::unique_ptr<Policy> make_policy(std::string_view name, const PolicyOptions& o) {
   if (name == "fullkv") return std::make_unique<FullKV>();
@@ -48,6 +52,18 @@ std::unique_ptr<Policy> make_policy(std::string_view name, const PolicyOptions& 
     c.mix_lambda = o.mix_lambda;
     c.threshold = o.threshold;
     return std::make_unique<RKV>(c);
+  }
+  if (name == "skipkv") {
+    SkipKVConfig c;  // R1-Distill-Qwen ids, τ 0.95, steering defaults (ALGORITHMS.md §4)
+    c.batch = 0;     // a host creating it by name may not know the batch yet: sized by observe()
+    c.budget = o.budget;
+    c.window = o.window;
+    c.buffer = o.buffer;
+    c.kernel = o.kernel;
+    c.mix_lambda = o.mix_lambda;
+    c.threshold = o.threshold;
+    c.hidden_size = o.hidden_size;
+    return std::make_unique<SkipKV>(c);
   }
   std::string known;
   for (const std::string& n : policy_names()) known += (known.empty() ? "" : ", ") + n;

@@ -15,6 +15,7 @@
 #include "kvsift/policy/h2o.hpp"
 #include "kvsift/policy/registry.hpp"
 #include "kvsift/policy/rkv.hpp"
+#include "kvsift/policy/skipkv.hpp"
 #include "kvsift/policy/snapkv.hpp"
 #include "kvsift/policy/streaming_llm.hpp"
 #include "random_cache.hpp"
@@ -79,6 +80,15 @@ void check_policy(const std::string& name, const Scenario& s, std::mt19937& rng)
   REQUIRE(p->name() == name);
   StepInputs in{0, c.view(), q.view()};
   if (auto* h2o = dynamic_cast<H2O*>(p.get())) h2o->observe_step(in);
+  if (auto* skipkv = dynamic_cast<SkipKV*>(p.get())) {
+    // SkipKV must have observed every cached position: the pads, then the real tokens (id 0, no
+    // delimiter: one open sentence, so no penalty and R-KV's plan properties must hold).
+    for (int b = 0; b < s.batch; ++b) {
+      const int pads = s.pads.empty() ? 0 : std::min(s.pads[b], s.lengths[b]);
+      skipkv->add_padding(b, pads);
+      skipkv->observe(b, std::vector<std::int32_t>(s.lengths[b] - pads, 0));
+    }
+  }
   const KeepPlan plan = p->select(in);
   plan.validate();
   plan.check_matches(in.kv);
@@ -263,7 +273,8 @@ TEST_CASE("configs reject bad values with messages naming them", "[policies][err
   h.recent = 16;
   REQUIRE_THROWS_WITH(H2O(h), Contains("recent (16)"));
   REQUIRE_THROWS_WITH(make_policy("quest", o), Contains("'quest'") && Contains("rkv") &&
-                                                   Contains("fullkv") && Contains("h2o"));
+                                                   Contains("fullkv") && Contains("h2o") &&
+                                                   Contains("skipkv"));
 }
 
 TEST_CASE("policies reject mismatched shapes and NaN inputs", "[policies][errors]") {
@@ -296,4 +307,48 @@ TEST_CASE("policies reject mismatched shapes and NaN inputs", "[policies][errors
   cfg.budget = 24;
   REQUIRE_THROWS_WITH(cpu::rkv_scores(c.view(), q.view(), cfg),
                       Contains("window (8)") && Contains("(6)"));
+}
+
+TEST_CASE("make_policy(\"skipkv\") maps the shared options onto SkipKVConfig",
+          "[policies][skipkv]") {
+  PolicyOptions o;
+  o.budget = 48;
+  o.window = 6;
+  o.buffer = 20;
+  o.kernel = 5;
+  o.mix_lambda = 0.3f;
+  o.threshold = 0.7f;
+  o.hidden_size = 12;
+  std::unique_ptr<Policy> p = make_policy("skipkv", o);
+  auto* skipkv = dynamic_cast<SkipKV*>(p.get());
+  REQUIRE(skipkv != nullptr);
+  const SkipKVConfig& c = skipkv->config();
+  CHECK(c.budget == 48);
+  CHECK(c.window == 6);
+  CHECK(c.buffer == 20);
+  CHECK(c.kernel == 5);
+  CHECK(c.mix_lambda == 0.3f);
+  CHECK(c.threshold == 0.7f);
+  CHECK(c.hidden_size == 12);
+  CHECK(c.batch == 0);  // sized by the sequences observed
+  CHECK(c.tau == 0.95f);
+  // Sized from what it observes: sequence 2 makes a batch of 3; hidden states are [1, 12].
+  REQUIRE(skipkv->batch() == 0);
+  std::vector<float> hidden(12, 0.5f);
+  const std::int32_t token = 5;
+  skipkv->observe(2, &token, 1,
+                  TensorView::contiguous(hidden.data(), DType::f32, Device::cpu, {1, 12}));
+  CHECK(skipkv->batch() == 3);
+  CHECK(skipkv->tracker(2).position() == 1);
+  // The default width (0) is segmentation only: hidden states are refused.
+  std::unique_ptr<Policy> plain = make_policy("skipkv", PolicyOptions{});
+  REQUIRE_THROWS_WITH(
+      dynamic_cast<SkipKV&>(*plain).observe(
+          0, &token, 1, TensorView::contiguous(hidden.data(), DType::f32, Device::cpu, {1, 12})),
+      Contains("hidden"));
+  o.hidden_size = -3;
+  REQUIRE_THROWS_WITH(make_policy("skipkv", o), Contains("hidden_size (-3)"));
+  o.hidden_size = 0;
+  o.buffer = 4;
+  REQUIRE_THROWS_WITH(make_policy("skipkv", o), Contains("buffer (4)") && Contains("window (6)"));
 }

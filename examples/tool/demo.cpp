@@ -93,10 +93,10 @@ std::vector<std::string> chosen_policies(const Args& args) {
   return chosen;
 }
 
-// The one place a policy name becomes a demo adapter (demo_adapters.hpp, demo_thinkv.hpp): policies
-// with per-step bookkeeping (H2O's accumulated attention, ThinKV's own quantized tables; later
-// SkipKV's sentence tracking) get their own DemoPolicy; the rest need only the kvsift::Policy
-// calls. ThinKV's budget is the demo's (its k, tokens per layer and KV head).
+// The one place a policy name becomes a demo adapter (demo_adapters.hpp, demo_skipkv.hpp,
+// demo_thinkv.hpp): policies with per-step bookkeeping (H2O's accumulated attention, SkipKV's
+// sentence tracking, ThinKV's own quantized tables) get their own DemoPolicy; the rest need only
+// the kvsift::Policy calls. ThinKV's budget is the demo's (its k, tokens per layer and KV head).
 std::unique_ptr<demo::DemoPolicy> make_demo_policy(const std::string& name,
                                                    const PolicyOptions& options,
                                                    std::int64_t length) {
@@ -142,7 +142,8 @@ SentenceSource sentence_source(const std::string& tokens, std::int64_t length, i
   src.description =
       "Sentence boundaries are real: each sequence follows consecutive MATH-500 prompts and "
       "reference solutions (R1-Distill-Qwen token ids), and a sentence ends at each real "
-      "delimiter (ids 198, 624, 340, 271, 382, 692, 1939)";
+      "delimiter (ids 198, 624, 340, 271, 382, 692, 1939), which SkipKV's sentence tracker also "
+      "reads";
   return src;
 }
 
@@ -166,17 +167,18 @@ void print_banner(const demo::DemoConfig& cfg, const demo::SyntheticDecode& deco
      << " layers, " << g.q_heads << " query / " << g.kv_heads << " KV heads (GQA), head_dim "
      << g.head_dim << ", " << dtype_name(cfg.dtype) << " KV storage, no RoPE (keys are "
      << "position-free). " << src.description
-     << "; keys, values and queries are synthetic: " << sentences << " sentences (mean "
-     << demo::format_fixed(mean_len, 1)
+     << "; keys, values, queries and the hidden states SkipKV embeds sentences with are synthetic: "
+     << sentences << " sentences (mean " << demo::format_fixed(mean_len, 1)
      << " tokens), each with a topic vector its tokens' keys share, plus token noise; " << repeats
-     << " of them are planted near-repeats of an earlier sentence. Queries look back: in "
-     << lookbacks << " sentences they mix the current topic with one earlier sentence's topic, "
+     << " of them are planted near-repeats of an earlier sentence (near-identical keys and mean "
+     << "hidden state). Queries look back: in " << lookbacks
+     << " sentences they mix the current topic with one earlier sentence's topic, "
      << "so attention lands on old content a policy may have evicted. Every policy runs at budget "
      << cfg.budget << " (window " << cfg.window << ", buffer " << cfg.buffer << ").";
   std::cout << demo::wrap_text(os.str(), 100) << '\n';
 }
 
-void print_legend(const demo::DemoConfig& cfg, bool with_thinkv) {
+void print_legend(const demo::DemoConfig& cfg, bool with_skipkv, bool with_thinkv) {
   const std::string k = std::to_string(cfg.recall_k);
   std::vector<std::string> lines = {
       "resident KV: K+V bytes held after the last step, all layers (% FullKV: as a share of "
@@ -188,8 +190,18 @@ void print_legend(const demo::DemoConfig& cfg, bool with_thinkv) {
           " queries after each compression ('-': never compressed, nothing was lost).",
       "evicting layer-steps: share of (sequence, layer, decode step) triples in which a "
       "compression evicted something.",
-      "whole-sentence evictions: share of evicted tokens whose whole (closed) sentence left at "
-      "once; the rest left as fragments."};
+      "evicted as whole sentences / fragments: shares of evicted tokens whose whole (closed) "
+      "sentence left in one compression, and of those that left as fragments (part of the "
+      "sentence stays, had already left, or it was still open)."};
+  if (with_skipkv) {
+    lines.push_back(
+        "skipkv: R-KV's scores minus lambda_i over sentences marked redundant (PSS > 0.95 between "
+        "sentence-mean hidden states, checked at each trigger); its tracker reads each step's real "
+        "token id and the synthetic hidden state. redundant sentences: sentences marked at the end "
+        "(all sequences) of those closed. alpha (N_o): steering strength alpha0 + gamma * N_o per "
+        "sequence as of the last trigger, N_o = sentences with 'Alternatively' / 'Wait' / 'again' "
+        "ids (reported only: no model, no steering vector).");
+  }
   if (with_thinkv) {
     lines.push_back(
         "thinkv: its own paged tables, quantized by thought type (R4 E4 T2: NVFP4 / NVFP4 / "
@@ -245,6 +257,7 @@ int run_demo_command(const std::vector<std::string>& argv) {
   options.budget = cfg.budget;
   options.window = cfg.window;
   options.buffer = cfg.buffer;
+  options.hidden_size = cfg.generator.head_dim;  // SkipKV embeds the generator's hidden stand-ins
   std::vector<std::unique_ptr<demo::DemoPolicy>> policies;
   for (const auto& name : names) policies.push_back(make_demo_policy(name, options, length));
 
@@ -254,7 +267,10 @@ int run_demo_command(const std::vector<std::string>& argv) {
   print_banner(cfg, decode, src);
   const demo::DemoResult result = demo::run_demo(cfg, decode, policies);
   demo::demo_table(result, cfg.recall_k).print(std::cout);
-  print_legend(cfg, std::find(names.begin(), names.end(), "thinkv") != names.end());
+  const auto chosen = [&](const char* n) {
+    return std::find(names.begin(), names.end(), n) != names.end();
+  };
+  print_legend(cfg, chosen("skipkv"), chosen("thinkv"));
   return 0;
 }
 

@@ -1,7 +1,6 @@
 // Adapters for policies that need more from the demo than the trigger and select(): here H2O,
-// whose accumulated attention must see every decode step's queries. Later SkipKV (token ids and
-// hidden states per step) belongs here too; ThinKV, which keeps its own storage, is in
-// demo_thinkv.hpp.
+// whose accumulated attention must see every decode step's queries. SkipKV (token ids and hidden
+// states per step) is in demo_skipkv.hpp; ThinKV, which keeps its own storage, in demo_thinkv.hpp.
 #pragma once
 
 #include <memory>
@@ -11,9 +10,11 @@
 #include "demo_cache.hpp"
 #include "demo_generator.hpp"
 #include "demo_policy.hpp"
+#include "demo_skipkv.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/step_inputs.hpp"
 #include "kvsift/policy/h2o.hpp"
+#include "kvsift/policy/skipkv.hpp"
 
 namespace kvsift::demo {
 
@@ -54,6 +55,10 @@ inline std::unique_ptr<DemoPolicy> adapt_policy(std::unique_ptr<Policy> policy) 
   if (auto* h2o = dynamic_cast<H2O*>(policy.get())) {
     policy.release();
     return std::make_unique<H2OPolicy>(std::unique_ptr<H2O>(h2o));
+  }
+  if (auto* skipkv = dynamic_cast<SkipKV*>(policy.get())) {
+    policy.release();
+    return std::make_unique<SkipKVPolicy>(std::unique_ptr<SkipKV>(skipkv));
   }
   return std::make_unique<PlainPolicy>(std::move(policy));
 }

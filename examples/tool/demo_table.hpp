@@ -73,6 +73,13 @@ inline std::string format_fixed(double v, int decimals) {
   return buf;
 }
 
+// "12.3% / 87.7%": shares of evicted tokens that left as whole sentences and as fragments.
+inline std::string eviction_split(const EvictionShape& e) {
+  const double n = static_cast<double>(e.evicted());
+  return format_fixed(100.0 * static_cast<double>(e.whole_sentence_tokens) / n, 1) + "% / " +
+         format_fixed(100.0 * static_cast<double>(e.fragment_tokens) / n, 1) + "%";
+}
+
 // The demo's table: one row per policy, plus any columns the policies' adapters add.
 inline TextTable demo_table(const DemoResult& result, int recall_k) {
   std::vector<std::string> header = {"policy",
@@ -83,7 +90,7 @@ inline TextTable demo_table(const DemoResult& result, int recall_k) {
                                      "evicting layer-steps",
                                      "ms/compression",
                                      "recall@" + std::to_string(recall_k),
-                                     "whole-sentence evictions"};
+                                     "evicted as whole sentences / fragments"};
   std::vector<std::string> extras;  // union of the adapters' extra headers, first-seen order
   for (const auto& p : result.policies) {
     for (const auto& kv : p.extra_columns) {
@@ -107,11 +114,7 @@ inline TextTable demo_table(const DemoResult& result, int recall_k) {
         p.layer_steps ? format_fixed(100.0 * p.evictions_per_layer_step(), 2) + "%" : "-",
         format_fixed(p.ms_per_compression(), 3),
         format_fixed(p.recall(), 3),
-        evicted ? format_fixed(100.0 * static_cast<double>(p.evictions.whole_sentence_tokens) /
-                                   static_cast<double>(evicted),
-                               1) +
-                      "%"
-                : "-"};
+        evicted ? eviction_split(p.evictions) : "-"};
     for (const auto& h : extras) {
       std::string cell = "-";
       for (const auto& kv : p.extra_columns) {

@@ -138,3 +138,53 @@ TEST_CASE("cuda::compact rejects bad calls before writing anything", "[cuda][com
   REQUIRE(dk.download() == k);
   REQUIRE(dv.download() == k);
 }
+
+TEST_CASE("cuda::compact_device_rows equals the CPU compaction of the same rows",
+          "[cuda][compact]") {
+  const int B = 3, H = 4, C = 200, D = 64, stride = 96;
+  std::mt19937 rng(21);
+  std::normal_distribution<float> nd;
+  std::vector<bf16_t> k(std::size_t(B) * H * C * D), v(k.size());
+  for (auto& x : k) x = from_float<bf16_t>(nd(rng));
+  for (auto& x : v) x = from_float<bf16_t>(nd(rng));
+  std::vector<std::int32_t> lens = {200, 150, 180};
+  // Sequence 0 keeps a full row, sequence 1 fewer (kRowEnd-padded), sequence 2 is invalid.
+  std::vector<std::int32_t> kept = {96, 70, 96};
+  const KeepPlan plan = random_plan(B, H, C, lens, kept, 4, rng, true);
+  std::vector<std::int32_t> rows(std::size_t(B) * H * stride, cuda::kRowEnd);
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < H; ++h)
+      for (int i = 0; i < kept[b]; ++i) rows[(b * H + h) * stride + i] = plan.row(b, h)[i];
+  for (int i = 0; i < stride; ++i) rows[(2 * H + 1) * stride + i] = cuda::kRowInvalid;
+  std::vector<std::uint8_t> mask(std::size_t(B) * C, 1);
+
+  DeviceBuffer<bf16_t> dk(k), dv(v);
+  DeviceBuffer<std::int32_t> drows(rows), dnew(std::vector<std::int32_t>(B, 12345));
+  DeviceBuffer<std::uint8_t> dmask(mask);
+  std::vector<std::int32_t> dev_lens = lens;
+  auto view = make_kv_cache_view(dk.get(), dv.get(), DType::bf16, Device::cuda, B, H, C, D,
+                                 dev_lens.data(), dmask.get());
+  cuda::compact_device_rows(view, drows.get(), stride, dnew.get(), nullptr);
+  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+  REQUIRE(dnew.download() == std::vector<std::int32_t>{96, 70, -1});
+  REQUIRE(dev_lens == lens);  // host lengths are the engine's to update
+
+  const auto gk = dk.download(), gv = dv.download();
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < H; ++h) {
+      const std::size_t off = (std::size_t(b) * H + h) * C * D;
+      if (b == 2) {  // invalid sequence: untouched
+        REQUIRE(std::memcmp(&gk[off], &k[off], sizeof(bf16_t) * C * D) == 0);
+        continue;
+      }
+      for (int i = 0; i < kept[b]; ++i) {
+        const std::size_t src = off + std::size_t(plan.row(b, h)[i]) * D;
+        REQUIRE(std::memcmp(&gk[off + std::size_t(i) * D], &k[src], sizeof(bf16_t) * D) == 0);
+        REQUIRE(std::memcmp(&gv[off + std::size_t(i) * D], &v[src], sizeof(bf16_t) * D) == 0);
+      }
+    }
+  SECTION("bad stride") {
+    REQUIRE_THROWS_WITH(cuda::compact_device_rows(view, drows.get(), C + 1, dnew.get(), nullptr),
+                        Catch::Matchers::Contains("row_stride (201)"));
+  }
+}

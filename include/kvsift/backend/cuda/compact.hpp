@@ -21,4 +21,19 @@ std::size_t compact_workspace_bytes(const KeepPlan& plan);
 void compact(const KVCacheView& kv, const KeepPlan& plan, void* workspace,
              std::size_t workspace_bytes, cudaStream_t stream);
 
+// Row markers of device slot rows (the layout kvsift::cuda::rkv_select writes).
+inline constexpr std::int32_t kRowEnd = -1;       // pads the rest of a row that keeps fewer slots
+inline constexpr std::int32_t kRowInvalid = -2;   // fills a row whose scores held a NaN
+
+// Applies kept rows that already live on the device, with no host round trip: the path for an
+// engine that keeps its plan on the GPU (rkv_select → compact_device_rows, all on one stream).
+//   slots        device [batch, kv_heads, row_stride] int32; each row its kept slots ascending, then
+//                kRowEnd. Rows come from kvsift's own selection kernels, so they are not checked
+//                on the host; the kernel ignores slots outside [0, capacity).
+//   new_lengths  device [batch] int32 out: each sequence's kept count, or -1 when any of its rows
+//                is kRowInvalid — that sequence is then left untouched (the others are compacted).
+// kv.lengths (host) is not touched; kv.valid_mask, when set, is compacted from head 0's row.
+void compact_device_rows(const KVCacheView& kv, const std::int32_t* slots, int row_stride,
+                         std::int32_t* new_lengths, cudaStream_t stream);
+
 }  // namespace kvsift::cuda

@@ -1,0 +1,146 @@
+// ThinKV codec throughput on the GPU (ALGORITHMS.md §3.2): kvsift::cuda::quantize and dequantize
+// of a [tokens, channels] bf16 tensor (default [1M, 128], one KV head's keys or values of a
+// 1M-token context) for every format and group axis, against a cudaMemcpyAsync device-to-device
+// copy of the same bf16 tensor measured in the same run.
+//
+// Bytes counted = bytes read + bytes written:
+//   quantize    bf16 input + codes + scales
+//   dequantize  codes + scales + bf16 output
+//   copy        bf16 tensor read + written (2 x tensor bytes)
+// GB/s = bytes / median time (10^9 bytes); "vs copy" = codec GB/s / copy GB/s, so 1.0 means the
+// codec streams as fast as a plain copy does. Median of kReps launches after kWarmup, CUDA events.
+//
+// Usage: gpu_bench_codecs [tokens] [channels]
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "kvsift/backend/cuda/check.hpp"
+#include "kvsift/backend/cuda/quantize.hpp"
+#include "kvsift/core/dtype.hpp"
+
+using namespace kvsift;
+
+namespace {
+
+constexpr int kWarmup = 3, kReps = 25;
+
+template <class T>
+class DeviceArray {
+ public:
+  explicit DeviceArray(std::size_t n) {
+    KVSIFT_CUDA_CHECK(
+        cudaMalloc(reinterpret_cast<void**>(&p_), std::max<std::size_t>(n, 1) * sizeof(T)));
+  }
+  ~DeviceArray() { cudaFree(p_); }
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+  T* get() const { return p_; }
+
+ private:
+  T* p_ = nullptr;
+};
+
+// Median milliseconds of `op` on `stream` (each rep timed alone with events).
+double median_ms(const std::function<void()>& op, cudaStream_t stream) {
+  cudaEvent_t start, stop;
+  KVSIFT_CUDA_CHECK(cudaEventCreate(&start));
+  KVSIFT_CUDA_CHECK(cudaEventCreate(&stop));
+  for (int i = 0; i < kWarmup; ++i) op();
+  std::vector<float> ms(kReps);
+  for (int i = 0; i < kReps; ++i) {
+    KVSIFT_CUDA_CHECK(cudaEventRecord(start, stream));
+    op();
+    KVSIFT_CUDA_CHECK(cudaEventRecord(stop, stream));
+    KVSIFT_CUDA_CHECK(cudaEventSynchronize(stop));
+    KVSIFT_CUDA_CHECK(cudaEventElapsedTime(&ms[i], start, stop));
+  }
+  KVSIFT_CUDA_CHECK(cudaEventDestroy(start));
+  KVSIFT_CUDA_CHECK(cudaEventDestroy(stop));
+  std::nth_element(ms.begin(), ms.begin() + kReps / 2, ms.end());
+  return ms[kReps / 2];
+}
+
+// Deterministic N(0,1)-like bf16 values with a few outliers (sum of uniforms; fast setup).
+std::vector<bf16_t> make_values(std::size_t n) {
+  std::vector<bf16_t> v(n);
+  std::uint64_t s = 0x9e3779b97f4a7c15ull;
+  auto uniform = [&] {
+    s = s * 6364136223846793005ull + 1442695040888963407ull;
+    return static_cast<float>(s >> 40) / 16777216.0f;
+  };
+  for (std::size_t i = 0; i < n; ++i) {
+    float x = uniform() + uniform() + uniform() + uniform() - 2.0f;
+    if (i % 997 == 0) x *= 40.0f;
+    v[i] = from_float<bf16_t>(x);
+  }
+  return v;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::printf("no CUDA device present: benchmark skipped\n");
+    return 77;
+  }
+  const std::int64_t tokens = argc > 1 ? std::atoll(argv[1]) : (1 << 20);
+  const std::int64_t channels = argc > 2 ? std::atoll(argv[2]) : 128;
+  const std::size_t n = static_cast<std::size_t>(tokens * channels);
+  const double tensor_bytes = static_cast<double>(n) * sizeof(bf16_t);
+
+  cudaDeviceProp prop;
+  KVSIFT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  cudaStream_t stream;
+  KVSIFT_CUDA_CHECK(cudaStreamCreate(&stream));
+
+  DeviceArray<bf16_t> x(n), y(n);
+  const std::vector<bf16_t> host = make_values(n);
+  KVSIFT_CUDA_CHECK(cudaMemcpy(x.get(), host.data(), tensor_bytes, cudaMemcpyHostToDevice));
+  const std::int64_t groups = tokens * channels / kQuantGroupSize;
+  DeviceArray<std::uint8_t> codes(static_cast<std::size_t>(groups) * kQuantGroupSize),
+      scales(static_cast<std::size_t>(groups));
+  const TensorView xv =
+      TensorView::contiguous(x.get(), DType::bf16, Device::cuda, {tokens, channels});
+  const TensorView yv =
+      TensorView::contiguous(y.get(), DType::bf16, Device::cuda, {tokens, channels});
+
+  const double copy_ms = median_ms(
+      [&] {
+        KVSIFT_CUDA_CHECK(
+            cudaMemcpyAsync(y.get(), x.get(), tensor_bytes, cudaMemcpyDeviceToDevice, stream));
+      },
+      stream);
+  const double copy_gbs = 2.0 * tensor_bytes / (copy_ms * 1e-3) / 1e9;
+
+  std::printf("%s, bf16 [%lld, %lld] (%.1f MiB), median of %d after %d warm-up\n", prop.name,
+              static_cast<long long>(tokens), static_cast<long long>(channels),
+              tensor_bytes / (1 << 20), kReps, kWarmup);
+  std::printf("D2D copy: %.3f ms, %.0f GB/s (read + write)\n\n", copy_ms, copy_gbs);
+  std::printf("%-8s %-8s | %10s %9s %8s | %10s %9s %8s\n", "format", "axis", "quant ms", "GB/s",
+              "vs copy", "dequant ms", "GB/s", "vs copy");
+  for (QuantFormat format : {QuantFormat::nvfp4, QuantFormat::fp8, QuantFormat::ternary}) {
+    for (GroupAxis axis : {GroupAxis::token, GroupAxis::channel}) {
+      const cuda::DeviceQuantizedTensor q{format, KiviGrid{tokens, channels, axis}, 1.0f,
+                                          codes.get(), scales.get()};
+      const double packed = static_cast<double>(q.code_bytes() + q.scale_bytes());
+      const double qms = median_ms([&] { cuda::quantize(xv, q, nullptr, stream); }, stream);
+      const double dms = median_ms([&] { cuda::dequantize(q, yv, nullptr, stream); }, stream);
+      const double qgbs = (tensor_bytes + packed) / (qms * 1e-3) / 1e9;
+      const double dgbs = (packed + tensor_bytes) / (dms * 1e-3) / 1e9;
+      std::printf("%-8s %-8s | %10.3f %9.0f %8.2f | %10.3f %9.0f %8.2f\n",
+                  std::string(quant_format_name(format)).c_str(),
+                  std::string(group_axis_name(axis)).c_str(), qms, qgbs, qgbs / copy_gbs, dms, dgbs,
+                  dgbs / copy_gbs);
+    }
+  }
+  KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
+  return 0;
+}

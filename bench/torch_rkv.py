@@ -1,0 +1,560 @@
+#!/usr/bin/env python3
+"""One R-KV compression step (score, select, compact) on the GPU: kvsift vs. plain PyTorch.
+
+The PyTorch side restates ALGORITHMS.md §1.1-§1.3 the way the R-KV reference code computes it: the
+full S x S cosine matrix of the keys, softmaxes, topk and a gather for the compaction. The kvsift
+side is the CUDA backend behind bench/capi (libkvsift_capi.so, loaded through ctypes) running on
+the same tensors and the same stream.
+
+Shapes are R1-Llama-8B attention: 32 query / 8 KV heads, head_dim 128, bf16. A step runs at the
+decode trigger, S = budget + buffer tokens (§1.3), with the W = 8 observation-window queries.
+
+Timing: torch.cuda.Event pairs, median of --reps after --warmup, every rep on the next input set of
+a pool large enough to dwarf the L2 cache (so no rep finds its inputs cached). The HBM floor of a
+layer reads K, V and the window queries once and writes the kept K, V once, at the device-to-device
+copy bandwidth measured in the same run.
+
+Before timing, a small case and one full-size case check that both sides keep the same token sets
+(differences allowed only for near-ties at the cut) and that kvsift's in-place compaction equals a
+gather of the kept rows.
+
+  python3 bench/torch_rkv.py --lib build/bench/capi/libkvsift_capi.so --out $OUT/rkv_bench.md
+  python3 bench/torch_rkv.py --self-test [--lib ...]   # pure-logic checks, no torch or GPU needed
+"""
+
+import argparse
+import ctypes
+import math
+import statistics
+import sys
+
+# R1-Llama-8B attention.
+Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+BF16_BYTES = 2
+CAPI_BF16 = 2  # kvsift::DType::bf16, KVSIFT_CAPI_BF16 in bench/capi/kvsift_capi.h
+POOL_TARGET_BYTES = 512 << 20  # input pool per config: ~10x an H200's L2 cache
+POOL_MIN, POOL_MAX = 4, 32
+
+
+# ---------------------------------------------------------------------------------------------
+# kvsift through ctypes (bench/capi/kvsift_capi.h)
+# ---------------------------------------------------------------------------------------------
+class KvsiftError(RuntimeError):
+    pass
+
+
+class Kvsift:
+    """The C API of libkvsift_capi.so; pointers are plain integers (torch data_ptr(), streams)."""
+
+    def __init__(self, path):
+        self.lib = ctypes.CDLL(path)
+        c = ctypes
+        self.lib.kvsift_capi_last_error.restype = c.c_char_p
+        self.lib.kvsift_capi_last_error.argtypes = []
+        self.lib.kvsift_rkv_workspace_bytes.restype = c.c_int
+        self.lib.kvsift_rkv_workspace_bytes.argtypes = [
+            c.c_int, c.c_int, c.c_int, c.c_int, c.c_int64, c.c_int, c.c_int32, c.c_int, c.c_int,
+            c.POINTER(c.c_size_t)]
+        step_args = [
+            c.c_int,                    # dtype
+            c.c_void_p, c.c_void_p,     # keys, values  device [B, Hkv, C, D]
+            c.c_void_p,                 # queries       device [B, Hq, W, D]
+            c.c_int, c.c_int, c.c_int,  # batch, kv_heads, q_heads
+            c.c_int64, c.c_int,         # capacity, head_dim
+            c.POINTER(c.c_int32),       # lengths       host [B]
+            c.c_int, c.c_int,           # budget, window
+            c.c_float, c.c_float,       # mix_lambda, threshold
+            c.c_void_p,                 # slots_out     device [B, Hkv, budget] int32 or NULL
+            c.c_void_p, c.c_size_t,     # workspace, workspace_bytes
+            c.c_void_p,                 # cudaStream_t
+            c.POINTER(c.c_int)]         # compressed (out)
+        for name in ("kvsift_rkv_select", "kvsift_rkv_step"):
+            fn = getattr(self.lib, name)
+            fn.restype = c.c_int
+            fn.argtypes = step_args
+
+    def _check(self, rc, what):
+        if rc != 0:
+            msg = self.lib.kvsift_capi_last_error().decode(errors="replace")
+            raise KvsiftError("%s failed (code %d): %s" % (what, rc, msg))
+
+    def workspace_bytes(self, batch, capacity, length, budget, window, dtype=CAPI_BF16,
+                        kv_heads=KV_HEADS, q_heads=Q_HEADS, head_dim=HEAD_DIM):
+        out = ctypes.c_size_t(0)
+        rc = self.lib.kvsift_rkv_workspace_bytes(dtype, batch, kv_heads, q_heads, capacity,
+                                                 head_dim, length, budget, window,
+                                                 ctypes.byref(out))
+        self._check(rc, "kvsift_rkv_workspace_bytes")
+        return out.value
+
+    def _call(self, name, k, v, q, shape, lengths, budget, window, lam, threshold, slots,
+              workspace, workspace_bytes, stream, dtype=CAPI_BF16):
+        """shape = (batch, kv_heads, q_heads, capacity, head_dim); lengths a ctypes int32 array."""
+        batch, kv_heads, q_heads, capacity, head_dim = shape
+        compressed = ctypes.c_int(-1)
+        rc = getattr(self.lib, name)(dtype, k, v, q, batch, kv_heads, q_heads, capacity, head_dim,
+                                     lengths, budget, window, lam, threshold, slots, workspace,
+                                     workspace_bytes, stream, ctypes.byref(compressed))
+        self._check(rc, name)
+        return compressed.value == 1
+
+    def step(self, *args, **kw):
+        return self._call("kvsift_rkv_step", *args, **kw)
+
+    def select(self, *args, **kw):
+        return self._call("kvsift_rkv_select", *args, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure helpers (no torch)
+# ---------------------------------------------------------------------------------------------
+def layer_floor_bytes(batch, budget, buffer, window):
+    """HBM bytes one layer must move at least: read K, V and Q once, write the kept K, V once."""
+    seq = budget + buffer
+    read_kv = 2 * batch * KV_HEADS * seq * HEAD_DIM * BF16_BYTES
+    read_q = batch * Q_HEADS * window * HEAD_DIM * BF16_BYTES
+    write_kv = 2 * batch * KV_HEADS * budget * HEAD_DIM * BF16_BYTES
+    return read_kv + read_q + write_kv
+
+
+def input_set_bytes(batch, seq, window):
+    return (2 * batch * KV_HEADS * seq + batch * Q_HEADS * window) * HEAD_DIM * BF16_BYTES
+
+
+def pool_size(set_bytes):
+    """Enough distinct input sets that a pass over the pool cannot live in L2."""
+    return max(POOL_MIN, min(POOL_MAX, -(-POOL_TARGET_BYTES // max(set_bytes, 1))))
+
+
+def compare_kept_sets(kv_rows, ref_rows, ref_scores, n_keep, rel_tol):
+    """Compares kept-slot rows of kvsift (kv_rows, -1 = unused) with the reference's (ref_rows).
+
+    A token kept by one side only is a near-cut tie when its reference score lies within
+    rel_tol * max|score| of the cut (the n_keep-th largest score of its row); anything else, a
+    window token, or a row of the wrong size is a hard mismatch. Returns a summary dict.
+    """
+    out = {"rows": len(ref_rows), "rows_differing": 0, "tokens_differing": 0, "hard": []}
+    for r, (kv_row, ref_row, scores) in enumerate(zip(kv_rows, ref_rows, ref_scores)):
+        kv_set = {s for s in kv_row if s >= 0}
+        ref_set = set(ref_row)
+        if len(kv_set) != len(kv_row) - list(kv_row).count(-1) or len(kv_set) != len(ref_set):
+            out["hard"].append((r, "size %d vs %d" % (len(kv_set), len(ref_set))))
+            continue
+        diff = kv_set ^ ref_set
+        if not diff:
+            continue
+        out["rows_differing"] += 1
+        out["tokens_differing"] += len(diff)
+        cut = sorted(scores, reverse=True)[n_keep - 1]
+        scale = max(abs(x) for x in scores) or 1.0
+        for j in sorted(diff):
+            if j >= len(scores):
+                out["hard"].append((r, "window token %d differs" % j))
+            elif abs(scores[j] - cut) > rel_tol * scale:
+                out["hard"].append((r, "token %d score %.9g vs cut %.9g" % (j, scores[j], cut)))
+    return out
+
+
+def format_table(rows, layers=32):
+    """Markdown table of the measured rows (dicts), one line per (batch, budget)."""
+    head = ("| batch | budget | S | kvsift ms/layer | kvsift score+select ms"
+            " | kvsift ms/%d-layer step | HBM floor ms/layer | ratio to floor"
+            " | PyTorch ms/layer | speedup |" % layers)
+    lines = [head, "|" + "---|" * 10]
+    for r in rows:
+        lines.append("| %d | %d | %d | %.3f | %.3f | %.3f | %.4f | %.1fx | %s | %s |" % (
+            r["batch"], r["budget"], r["seq"], r["kv_ms"], r["sel_ms"], r["step_ms"],
+            r["floor_ms"], r["kv_ms"] / r["floor_ms"],
+            "%.3f" % r["torch_ms"] if r.get("torch_ms") is not None else "n/a",
+            "%.1fx" % (r["torch_ms"] / r["kv_ms"]) if r.get("torch_ms") is not None else "n/a"))
+    return "\n".join(lines)
+
+
+def target_lines(rows, layers):
+    """The issue's targets, checked against the measured rows."""
+    out = []
+    for r in rows:
+        if r["batch"] == 64 and r["budget"] == 1024:
+            ratio = r["kv_ms"] / r["floor_ms"]
+            out.append("- batch 64 / budget 1024: %.2fx the HBM floor (target <= 2x): %s" % (
+                ratio, "PASS" if ratio <= 2.0 else "FAIL"))
+            if r.get("torch_ms") is not None:
+                sp = r["torch_ms"] / r["kv_ms"]
+                out.append("- batch 64 / budget 1024: %.1fx faster than PyTorch (target >= 40x): %s"
+                           % (sp, "PASS" if sp >= 40.0 else "FAIL"))
+        if r["batch"] == 1:
+            out.append("- batch 1 / budget %d: %d-layer step %.3f ms (target < 1 ms): %s" % (
+                r["budget"], layers, r["step_ms"], "PASS" if r["step_ms"] < 1.0 else "FAIL"))
+    return out
+
+
+def parse_int_list(text):
+    return [int(x) for x in text.replace(",", " ").split()]
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--lib", help="path to libkvsift_capi.so")
+    p.add_argument("--out", help="write the markdown table here")
+    p.add_argument("--batches", type=parse_int_list, default=[1, 8, 32, 64])
+    p.add_argument("--budgets", type=parse_int_list, default=[1024, 2048])
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--buffer", type=int, default=128)
+    p.add_argument("--window", type=int, default=8)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--mix-lambda", type=float, default=0.1)
+    p.add_argument("--threshold", type=float, default=0.5)
+    p.add_argument("--keys", choices=["random", "clustered"], default="random",
+                   help="random: no near-duplicates, kvsift's redundancy search scans every row to "
+                        "the end (its worst case); clustered: every key has near-duplicates")
+    p.add_argument("--skip-torch", action="store_true", help="time kvsift only")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--self-test", action="store_true", help="pure-logic checks, no GPU")
+    a = p.parse_args(argv)
+    if not a.self_test and not a.lib:
+        p.error("--lib is required")
+    if a.reps < 20:
+        p.error("--reps must be >= 20 (got %d)" % a.reps)
+    if a.buffer < a.window:
+        p.error("--buffer (%d) must be >= --window (%d), ALGORITHMS.md §1.3"
+                % (a.buffer, a.window))
+    return a
+
+
+# ---------------------------------------------------------------------------------------------
+# PyTorch formulation of ALGORITHMS.md §1.1-§1.3 (plain torch ops, as the R-KV reference)
+# ---------------------------------------------------------------------------------------------
+def rkv_scores_torch(k, q, window, kernel=7, mix_lambda=0.1, threshold=0.5):
+    """Joint R-KV scores [B, Hkv, S - W] (fp32).
+
+    k: keys [B, Hkv, S, D]; q: window queries [B, Hq, W, D]; any float dtype, math in fp32.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    b, hkv, s, d = k.shape
+    g = q.shape[1] // hkv
+    n = s - window
+    kf = k.float()
+    # §1.1 window importance: GQA max over the group's raw logits, softmax over j < S - W only,
+    # mean over the window, max-pool (kernel 7, stride 1; -inf padding = max over what exists).
+    qf = q.float().view(b, hkv, g, window, d)
+    logits = torch.einsum("bhgwd,bhjd->bhgwj", qf, kf[:, :, :n]) / math.sqrt(d)
+    probs = torch.softmax(logits.amax(dim=2), dim=-1)  # [B, Hkv, W, n]
+    attn = probs.mean(dim=2)  # [B, Hkv, n]
+    importance = F.max_pool1d(attn.reshape(b * hkv, 1, n), kernel, stride=1,
+                              padding=kernel // 2).view(b, hkv, n)
+    # §1.2 key redundancy: the full cosine matrix, diagonal zeroed, each row's last near-duplicate
+    # spared (sound mode: rows without a match spare nothing), column means, softmax over all S.
+    unit = kf / (kf.norm(dim=-1, keepdim=True) + 1e-8)
+    cos = unit @ unit.transpose(-1, -2)  # [B, Hkv, S, S]
+    cos.diagonal(dim1=-2, dim2=-1).zero_()
+    cols = torch.arange(s, device=k.device, dtype=torch.int32)
+    last = torch.where(cos > threshold, cols, -1).amax(dim=-1, keepdim=True)  # [B, Hkv, S, 1]
+    spared = cos.gather(-1, last.clamp(min=0).long())
+    cos.scatter_(-1, last.clamp(min=0).long(), torch.where(last >= 0, 0.0, spared))
+    mean_cos = cos.sum(dim=-2) / s  # [B, Hkv, S]
+    redundancy = torch.softmax(mean_cos, dim=-1)[..., :n]
+    # §1.3 joint score.
+    return mix_lambda * importance - (1.0 - mix_lambda) * redundancy
+
+
+def rkv_select_torch(scores, seq, budget, window):
+    """Kept slots [B, Hkv, budget] (int64, ascending): top (budget - W) scores plus the window."""
+    import torch
+
+    top = torch.topk(scores, budget - window, dim=-1).indices.sort(dim=-1).values
+    win = torch.arange(seq - window, seq, device=scores.device).expand(*top.shape[:2], window)
+    return torch.cat([top, win], dim=-1)
+
+
+def rkv_step_torch(k, v, q, budget, window, mix_lambda, threshold):
+    """One layer's step: scores, selection, and the compacted K, V [B, Hkv, budget, D] by gather."""
+    scores = rkv_scores_torch(k, q, window, mix_lambda=mix_lambda, threshold=threshold)
+    keep = rkv_select_torch(scores, k.shape[2], budget, window)
+    idx = keep.unsqueeze(-1).expand(-1, -1, -1, k.shape[3])
+    return k.gather(2, idx), v.gather(2, idx), keep, scores
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU benchmark
+# ---------------------------------------------------------------------------------------------
+def make_inputs(batch, seq, window, keys, gen):
+    """(k, v, q) bf16 on the GPU; clustered keys share one random direction per KV head."""
+    import torch
+
+    k = torch.randn(batch, KV_HEADS, seq, HEAD_DIM, device="cuda", generator=gen)
+    if keys == "clustered":
+        k += 2.0 * torch.randn(1, KV_HEADS, 1, HEAD_DIM, device="cuda", generator=gen)
+    v = torch.randn(batch, KV_HEADS, seq, HEAD_DIM, device="cuda", generator=gen)
+    q = torch.randn(batch, Q_HEADS, window, HEAD_DIM, device="cuda", generator=gen)
+    return k.bfloat16(), v.bfloat16(), q.bfloat16()
+
+
+def copy_bandwidth(reps, warmup):
+    """Device-to-device copy bandwidth in bytes/s (read + write) on 1 GiB buffers."""
+    import torch
+
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for r in range(warmup + reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        dst.copy_(src)
+        e1.record()
+        e1.synchronize()
+        if r >= warmup:
+            times.append(e0.elapsed_time(e1))
+    del src, dst
+    return 2.0 * n / (statistics.median(times) * 1e-3)
+
+
+class KvsiftRunner:
+    """Calls kvsift on torch tensors, on torch's current stream, with one shared workspace."""
+
+    def __init__(self, lib, batch, seq, budget, window, mix_lambda, threshold):
+        import torch
+
+        self.lib, self.batch, self.seq = lib, batch, seq
+        self.budget, self.window, self.lam, self.thr = budget, window, mix_lambda, threshold
+        self.shape = (batch, KV_HEADS, Q_HEADS, seq, HEAD_DIM)
+        self.ws_bytes = lib.workspace_bytes(batch, seq, seq, budget, window)
+        self.ws = torch.empty(max(self.ws_bytes, 1), dtype=torch.uint8, device="cuda")
+        self.slots = torch.empty(batch, KV_HEADS, budget, dtype=torch.int32, device="cuda")
+        self.lengths = (ctypes.c_int32 * batch)()
+
+    def _run(self, fn, k, v, q, slots):
+        import torch
+
+        for i in range(self.batch):  # compact() shortened them on the last call
+            self.lengths[i] = self.seq
+        stream = torch.cuda.current_stream().cuda_stream
+        return fn(k.data_ptr(), v.data_ptr(), q.data_ptr(), self.shape, self.lengths, self.budget,
+                  self.window, self.lam, self.thr, slots, self.ws.data_ptr(), self.ws_bytes,
+                  stream)
+
+    def step(self, k, v, q, keep_slots=False):
+        return self._run(self.lib.step, k, v, q, self.slots.data_ptr() if keep_slots else None)
+
+    def select(self, k, v, q):
+        return self._run(self.lib.select, k, v, q, self.slots.data_ptr())
+
+
+def check_parity(lib, batch, budget, args, gen):
+    """Same kept sets as the PyTorch formulation (up to near-cut ties) and an exact compaction."""
+    import torch
+
+    seq = budget + args.buffer
+    ok = True
+    for keys in ("random", "clustered"):
+        k, v, q = make_inputs(batch, seq, args.window, keys, gen)
+        k0, v0 = k.clone(), v.clone()
+        _, _, keep, scores = rkv_step_torch(k0, v0, q, budget, args.window, args.mix_lambda,
+                                            args.threshold)
+        runner = KvsiftRunner(lib, batch, seq, budget, args.window, args.mix_lambda, args.threshold)
+        compressed = runner.step(k, v, q, keep_slots=True)
+        torch.cuda.synchronize()
+        slots = runner.slots.long()
+        idx = slots.unsqueeze(-1).expand(-1, -1, -1, HEAD_DIM)
+        compact_ok = (compressed and list(runner.lengths) == [budget] * batch
+                      and torch.equal(k[:, :, :budget], k0.gather(2, idx))
+                      and torch.equal(v[:, :, :budget], v0.gather(2, idx)))
+        rows = lambda t: t.reshape(-1, t.shape[-1]).tolist()
+        cmp = compare_kept_sets(rows(runner.slots), rows(keep), rows(scores),
+                                budget - args.window, rel_tol=1e-4)
+        print("parity batch %d budget %d S %d %s keys: %d rows, %d differ (%d tokens, near-cut "
+              "ties), %d hard mismatches; compaction %s" % (
+                  batch, budget, seq, keys, cmp["rows"], cmp["rows_differing"],
+                  cmp["tokens_differing"], len(cmp["hard"]), "exact" if compact_ok else "WRONG"))
+        for row, why in cmp["hard"][:10]:
+            print("  row %d: %s" % (row, why))
+        ok = ok and compact_ok and not cmp["hard"]
+    return ok
+
+
+def event_times(fn, reps, warmup):
+    """Median ms of fn(rep) between two CUDA events on the current stream."""
+    import torch
+
+    times = []
+    for r in range(warmup + reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        fn(r)
+        e1.record()
+        e1.synchronize()
+        if r >= warmup:
+            times.append(e0.elapsed_time(e1))
+    return statistics.median(times)
+
+
+def bench_config(lib, batch, budget, args, bandwidth, gen):
+    import torch
+
+    seq = budget + args.buffer
+    n_sets = pool_size(input_set_bytes(batch, seq, args.window))
+    pool = [make_inputs(batch, seq, args.window, args.keys, gen) for _ in range(n_sets)]
+    runner = KvsiftRunner(lib, batch, seq, budget, args.window, args.mix_lambda, args.threshold)
+    torch.cuda.synchronize()
+
+    kv_ms = event_times(lambda r: runner.step(*pool[r % n_sets]), args.reps, args.warmup)
+    sel_ms = event_times(lambda r: runner.select(*pool[r % n_sets]), args.reps, args.warmup)
+
+    def whole_step(r):  # one decode step's compression of every layer, each on its own inputs
+        for layer in range(args.layers):
+            runner.step(*pool[(r * args.layers + layer) % n_sets])
+
+    step_ms = event_times(whole_step, args.reps, args.warmup)
+    torch_ms = None
+    if not args.skip_torch:
+        def torch_layer(r):
+            k, v, q = pool[r % n_sets]
+            rkv_step_torch(k, v, q, budget, args.window, args.mix_lambda, args.threshold)
+
+        torch_ms = event_times(torch_layer, args.reps, args.warmup)
+    del pool, runner
+    torch.cuda.empty_cache()
+    floor_ms = layer_floor_bytes(batch, budget, args.buffer, args.window) / bandwidth * 1e3
+    row = dict(batch=batch, budget=budget, seq=seq, kv_ms=kv_ms, sel_ms=sel_ms, step_ms=step_ms,
+               floor_ms=floor_ms, torch_ms=torch_ms, pool=n_sets)
+    print("batch %3d budget %4d: kvsift %.3f ms/layer (score+select %.3f), %d layers %.3f ms, "
+          "floor %.4f ms (%.1fx), PyTorch %s, pool %d sets" % (
+              batch, budget, kv_ms, sel_ms, args.layers, step_ms, floor_ms, kv_ms / floor_ms,
+              "%.3f ms" % torch_ms if torch_ms is not None else "skipped", n_sets), flush=True)
+    return row
+
+
+def main(argv):
+    args = parse_args(argv)
+    if args.self_test:
+        return self_test(args.lib)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("no CUDA device present: benchmark skipped")
+        return 77
+    # fp32 math throughout (ALGORITHMS.md preamble): no TF32 in the reference's matmuls.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    lib = Kvsift(args.lib)
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(args.seed)
+
+    # A small case and the smallest benchmark case; both run even when the first fails.
+    parity_ok = all([check_parity(lib, 2, 256, args, gen), check_parity(lib, 1, 1024, args, gen)])
+    bandwidth = copy_bandwidth(args.reps, args.warmup)
+    name = torch.cuda.get_device_name()
+    header = [
+        "R-KV compression step (score + select + compact) on %s, torch %s" % (name,
+                                                                               torch.__version__),
+        "Hq %d / Hkv %d, head_dim %d, bf16, S = budget + %d, window %d, %s keys; median of %d reps "
+        "after %d warm-up, inputs cycled through a pool (>= %d MiB)" % (
+            Q_HEADS, KV_HEADS, HEAD_DIM, args.buffer, args.window, args.keys, args.reps,
+            args.warmup, POOL_TARGET_BYTES >> 20),
+        "device-to-device copy bandwidth %.0f GB/s (read + write); %d-layer step measured as %d "
+        "back-to-back layer calls" % (bandwidth * 1e-9, args.layers, args.layers),
+        "kvsift ms/layer includes the slot download + host KeepPlan + compaction (one stream sync)",
+        "parity vs PyTorch before timing: %s" % ("PASS" if parity_ok else "FAILED"),
+    ]
+    print("\n".join(header), flush=True)
+    rows = [bench_config(lib, b, budget, args, bandwidth, gen)
+            for budget in args.budgets for b in args.batches]
+    text = "\n".join(["# " + header[0], ""] + ["- " + h for h in header[1:]] + [
+        "", format_table(rows, args.layers), ""] + target_lines(rows, args.layers)) + "\n"
+    print()
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 0 if parity_ok else 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Self test: the pure logic above (and the C API's host-side validation when --lib is given)
+# ---------------------------------------------------------------------------------------------
+def self_test(lib_path):
+    failures = []
+
+    def expect(cond, what):
+        print(("ok   " if cond else "FAIL ") + what)
+        if not cond:
+            failures.append(what)
+
+    # Floor: B=1, budget 1024, S 1152, W 8 by hand: K+V read 2*8*1152*128*2, Q 32*8*128*2,
+    # kept K+V 2*8*1024*128*2.
+    expect(layer_floor_bytes(1, 1024, 128, 8) == 4718592 + 65536 + 4194304, "floor bytes B=1")
+    expect(layer_floor_bytes(64, 1024, 128, 8) == 64 * (4718592 + 65536 + 4194304),
+           "floor bytes scale with batch")
+    expect(pool_size(input_set_bytes(1, 1152, 8)) == POOL_MAX, "small sets: pool capped at max")
+    expect(pool_size(input_set_bytes(64, 2176, 8)) == POOL_MIN, "large sets: pool at min")
+    expect(pool_size(POOL_TARGET_BYTES // 8) == 8 and pool_size(POOL_TARGET_BYTES // 8 - 1) == 9,
+           "pool covers the target")
+
+    scores = [[0.9, 0.5, 0.5, 0.1, 0.7]]  # n = 5; keep 3 -> cut 0.5 (tie between 1 and 2)
+    same = compare_kept_sets([[0, 1, 4, 5]], [[0, 1, 4, 5]], scores, 3, 1e-4)
+    expect(same["rows_differing"] == 0 and not same["hard"], "identical sets")
+    tie = compare_kept_sets([[0, 2, 4, 5]], [[0, 1, 4, 5]], scores, 3, 1e-4)
+    expect(tie["rows_differing"] == 1 and tie["tokens_differing"] == 2 and not tie["hard"],
+           "near-cut tie accepted")
+    wrong = compare_kept_sets([[0, 3, 4, 5]], [[0, 1, 4, 5]], scores, 3, 1e-4)
+    expect(len(wrong["hard"]) == 1 and "token 3" in wrong["hard"][0][1], "far-from-cut rejected")
+    win = compare_kept_sets([[0, 1, 4, 6]], [[0, 1, 4, 5]], scores, 3, 1e-4)
+    expect(any("window token" in h[1] for h in win["hard"]), "window difference rejected")
+    short = compare_kept_sets([[0, 1, 4, -1]], [[0, 1, 4, 5]], scores, 3, 1e-4)
+    expect(short["hard"] and "size" in short["hard"][0][1], "short row rejected")
+
+    row = dict(batch=64, budget=1024, seq=1152, kv_ms=0.5, sel_ms=0.3, step_ms=16.0,
+               floor_ms=0.3, torch_ms=30.0)
+    table = format_table([row])
+    expect(table.count("\n") == 2 and "| 64 | 1024 | 1152 | 0.500 |" in table and "60.0x" in table,
+           "table row")
+    lines = target_lines([row, dict(row, batch=1, step_ms=0.8)], 32)
+    expect(any("1.67x the HBM floor" in l and "PASS" in l for l in lines), "floor target")
+    expect(any("60.0x faster" in l and "PASS" in l for l in lines), "speedup target")
+    expect(any("step 0.800 ms" in l and "PASS" in l for l in lines), "batch-1 step target")
+    expect(parse_args(["--lib", "x", "--batches", "1,8", "--budgets", "1024"]).batches == [1, 8],
+           "argument lists")
+
+    if lib_path:
+        lib = Kvsift(lib_path)
+        ws = lib.workspace_bytes(64, 1152, 1152, 1024, 8)
+        # At least the fp32 unit keys [B, Hkv, S, D] and the slot rows [B, Hkv, budget] int32.
+        expect(ws >= 64 * 8 * 1152 * 128 * 4 + 64 * 8 * 1024 * 4, "workspace holds unit keys")
+
+        def error_of(fn):
+            try:
+                fn()
+            except KvsiftError as e:
+                return str(e)
+            return ""
+
+        msg = error_of(lambda: lib.workspace_bytes(1, 1152, 1152, 1024, 8, dtype=7))
+        expect("code 1" in msg and "dtype code" in msg and "got 7" in msg, "bad dtype: " + msg)
+        msg = error_of(lambda: lib.workspace_bytes(1, 1152, 1152, 8, 8))
+        expect("budget (8) must exceed window (8)" in msg, "budget <= window: " + msg)
+        lengths = (ctypes.c_int32 * 2)(1152, 1000)
+        fake = 0x1000  # never dereferenced: validation fails first
+        shape = (2, KV_HEADS, Q_HEADS, 1152, HEAD_DIM)
+        msg = error_of(lambda: lib.step(fake, fake, fake, shape, lengths, 1024, 8, 0.1, 0.5, None,
+                                        fake, 1 << 40, None))
+        expect("lengths[1] = 1000" in msg, "unequal lengths: " + msg)
+        lengths[1] = 1152
+        msg = error_of(lambda: lib.step(fake, fake, fake, shape, lengths, 1024, 8, 0.1, 0.5, None,
+                                        fake, 100, None))
+        expect("workspace of 100 bytes is too small" in msg, "small workspace: " + msg)
+        msg = error_of(lambda: lib.select(fake, fake, fake, shape, lengths, 1024, 8, 0.1, 0.5,
+                                          None, fake, 1 << 40, None))
+        expect("slots_out" in msg, "select needs slots: " + msg)
+        msg = error_of(lambda: lib.step(fake, fake, fake, shape, lengths, 1024, 8, 1.5, 0.5, None,
+                                        fake, 1 << 40, None))
+        expect("mix_lambda" in msg and "1.5" in msg, "bad lambda: " + msg)
+        expect(list(lengths) == [1152, 1152], "failed calls leave lengths alone")
+    print("%d failure(s)" % len(failures))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
