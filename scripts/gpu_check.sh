@@ -1,31 +1,49 @@
 #!/usr/bin/env bash
 # On a machine with an NVIDIA GPU: build everything, run all tests (GPU tests for real), run the GPU
-# tests under compute-sanitizer (memcheck, racecheck), then the GPU benchmarks. Logs go to $OUT
-# (default ./gpu-out). Extra CMake arguments pass through (e.g. -DCMAKE_PREFIX_PATH=...).
+# tests under compute-sanitizer (memcheck, racecheck), then the GPU benchmarks and the PyTorch
+# side-by-side R-KV benchmark. Logs go to $OUT (default ./gpu-out). Extra arguments pass to CMake
+# (e.g. -DCMAKE_PREFIX_PATH=... -DKVSIFT_SHARED_DIR=...).
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$ROOT/gpu-out}
 BUILD=${BUILD:-$ROOT/build-gpu}
 mkdir -p "$OUT"
 {
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-  nvcc --version | tail -2
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  nvcc --version | tail -1
 } 2>&1 | tee "$OUT/machine.txt"
 cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DKVSIFT_CUDA=ON "$@" >"$OUT/configure.log" 2>&1 ||
   { tail -30 "$OUT/configure.log"; exit 1; }
-cmake --build "$BUILD" -j "$(nproc)" >"$OUT/build.log" 2>&1 || { grep -E "error" "$OUT/build.log" | head -40; exit 1; }
+cmake --build "$BUILD" -j "$(nproc)" -- -k >"$OUT/build.log" 2>&1 ||
+  { echo "BUILD ERRORS:"; grep -E "error" "$OUT/build.log" | head -20; }
 echo "== ctest"
-ctest --test-dir "$BUILD" --output-on-failure -j 8 2>&1 | tee "$OUT/ctest.log" | tail -15
+ctest --test-dir "$BUILD" --output-on-failure -j 8 >"$OUT/ctest.log" 2>&1
+grep -E "tests passed|tests failed|\(Failed\)|Not Run|\*\*\*Failed|Exception" "$OUT/ctest.log" | head -20
+echo "== GPU tests (assertion counts)"
+for t in "$BUILD"/tests/cuda/gpu_*; do
+  [ -x "$t" ] || continue
+  echo "$(basename "$t"): $("$t" 2>&1 | tail -2 | head -1)"
+done | tee "$OUT/gpu_tests.txt"
 echo "== compute-sanitizer"
 for t in "$BUILD"/tests/cuda/gpu_*; do
   [ -x "$t" ] || continue
   for tool in memcheck racecheck; do
-    compute-sanitizer --tool "$tool" --error-exitcode 3 "$t" >"$OUT/sanitizer_$(basename "$t")_$tool.log" 2>&1
-    echo "$(basename "$t") $tool exit=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$(basename "$t")_$tool.log" | tail -1)"
+    log="$OUT/san_$(basename "$t")_$tool.log"
+    timeout 120 compute-sanitizer --tool "$tool" --error-exitcode 3 "$t" >"$log" 2>&1
+    echo "$(basename "$t") $tool exit=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1)"
   done
 done | tee "$OUT/sanitizer.txt"
 echo "== GPU benchmarks"
 for b in "$BUILD"/bench/gpu_bench_*; do
   [ -x "$b" ] || continue
-  "$b" 2>&1 | tee "$OUT/$(basename "$b").txt"
+  timeout 150 "$b" >"$OUT/$(basename "$b").txt" 2>&1
+  echo "$(basename "$b") exit=$?"
 done
+if python3 -c "import torch" 2>/dev/null && [ -f "$BUILD/bench/capi/libkvsift_capi.so" ]; then
+  echo "== PyTorch side by side"
+  timeout 240 python3 "$ROOT/bench/torch_rkv.py" --lib "$BUILD/bench/capi/libkvsift_capi.so" \
+    --out "$OUT/rkv_vs_torch.md" >"$OUT/rkv_vs_torch.log" 2>&1
+  echo "torch_rkv exit=$?"
+  tail -25 "$OUT/rkv_vs_torch.log"
+fi
