@@ -11,6 +11,8 @@
 // Two key distributions bracket the redundancy search (§1.2 cost note): "random" keys almost never
 // reach cosine 0.5, so every row scans the whole sequence (the worst case); "clustered" keys share
 // a direction per head, so nearly every row finds its last match in the first tile it sees.
+// Each is run with the fp32 last-match search and with RKVScoringConfig::tensor_core_search (bf16
+// mma.sync tiles plus exact fp32 re-checks near the threshold; identical results): column "search".
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -102,7 +104,7 @@ double copy_bandwidth(cudaStream_t stream) {
   return 2.0 * static_cast<double>(bytes) / (median(ms) * 1e-3);
 }
 
-void run(int batch, bool clustered, double bandwidth, cudaStream_t stream) {
+void run(int batch, bool clustered, bool tensor_core, double bandwidth, cudaStream_t stream) {
   const std::size_t cache_elems = static_cast<std::size_t>(batch) * kKVHeads * kSeq * kHeadDim;
   DeviceArray<bf16_t> keys(cache_elems), values(cache_elems);
   DeviceArray<bf16_t> queries(static_cast<std::size_t>(batch) * kQHeads * kWindow * kHeadDim);
@@ -129,6 +131,7 @@ void run(int batch, bool clustered, double bandwidth, cudaStream_t stream) {
   cuda::RKVScoringConfig cfg;
   cfg.budget = kBudget;
   cfg.window = kWindow;
+  cfg.tensor_core_search = tensor_core;
   DeviceArray<char> ws(cuda::rkv_workspace_bytes(kv, qv, cfg));
   DeviceArray<std::int32_t> slots(static_cast<std::size_t>(batch) * kKVHeads * kBudget);
 
@@ -174,9 +177,10 @@ void run(int batch, bool clustered, double bandwidth, cudaStream_t stream) {
   const double query_bytes = static_cast<double>(q.size()) * elem;
   const double floor_ms = (2 * cache_bytes + query_bytes + 2 * kept_bytes) / bandwidth * 1e3;
   const float layer = median(t_total);
-  std::printf("%-9s %5d %10.3f %10.3f %10.3f %10.3f %12.2f %9.3f %8.1fx\n",
-              clustered ? "clustered" : "random", batch, median(t_select), median(t_plan),
-              median(t_compact), layer, layer * kLayers, floor_ms, layer / floor_ms);
+  std::printf("%-9s %-6s %5d %10.3f %10.3f %10.3f %10.3f %12.2f %9.3f %8.1fx\n",
+              clustered ? "clustered" : "random", tensor_core ? "tc" : "fp32", batch,
+              median(t_select), median(t_plan), median(t_compact), layer, layer * kLayers, floor_ms,
+              layer / floor_ms);
 }
 
 }  // namespace
@@ -200,13 +204,14 @@ int main(int argc, char** argv) {
               prop.name, kQHeads, kKVHeads, kHeadDim, kBudget, kSeq, kWindow);
   std::printf("device-to-device copy bandwidth: %.0f GB/s (read + write)\n", bw * 1e-9);
   std::printf("median of %d reps after %d warm-up; ms per layer unless noted\n", kReps, kWarmup);
-  std::printf("%-9s %5s %10s %10s %10s %10s %12s %9s %9s\n", "keys", "batch", "score+sel",
-              "plan(host)", "compact", "layer", "32 layers", "HBM floor", "ratio");
+  std::printf("%-9s %-6s %5s %10s %10s %10s %10s %12s %9s %9s\n", "keys", "search", "batch",
+              "score+sel", "plan(host)", "compact", "layer", "32 layers", "HBM floor", "ratio");
   for (bool clustered : {false, true})
-    for (int batch : batches) {
-      KVSIFT_CHECK(batch >= 1, "gpu_bench_rkv: batch must be >= 1, got ", batch);
-      run(batch, clustered, bw, stream);
-    }
+    for (bool tensor_core : {false, true})
+      for (int batch : batches) {
+        KVSIFT_CHECK(batch >= 1, "gpu_bench_rkv: batch must be >= 1, got ", batch);
+        run(batch, clustered, tensor_core, bw, stream);
+      }
   KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
   return 0;
 }

@@ -20,7 +20,7 @@ static_assert(kRowEnd == kUnusedSlot && kRowInvalid == kNanScoreSlot,
 
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = 512;
 
 // A sequence whose rows hold a kRowInvalid marker is left untouched by compact_device_rows.
 __device__ __forceinline__ bool sequence_invalid(const std::int32_t* slots, int b, int kv_heads,
@@ -30,7 +30,7 @@ __device__ __forceinline__ bool sequence_invalid(const std::int32_t* slots, int 
   }
   return false;
 }
-constexpr int kRowsPerThread = 4;  // independent loads in flight per thread
+constexpr int kRowsPerThread = 8;  // independent loads in flight per thread: fewer, larger tiles
 
 template <class Unit>
 __global__ void compact_rows_kernel(char* __restrict__ base,  // cache tensor (K or V)

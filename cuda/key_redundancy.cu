@@ -299,8 +299,8 @@ __global__ void __launch_bounds__(kBlockThreads)
 }  // namespace
 
 void launch_key_redundancy(const KVCacheView& kv, int length, float threshold, bool faithful,
-                           float* unit, unsigned long long* spared, float* partial,
-                           float* redundancy, cudaStream_t stream) {
+                           bool tensor_core, float* unit, unsigned long long* spared,
+                           float* partial, float* redundancy, cudaStream_t stream) {
   const int batch = static_cast<int>(kv.batch()), kv_heads = static_cast<int>(kv.kv_heads());
   const int head_dim = static_cast<int>(kv.head_dim());
   const std::int64_t rows = static_cast<std::int64_t>(batch) * kv_heads * length;
@@ -319,9 +319,17 @@ void launch_key_redundancy(const KVCacheView& kv, int length, float threshold, b
             head_dim, rows, unit);
   });
   KVSIFT_CUDA_CHECK(cudaGetLastError());
-  last_match_kernel<<<grid((length + kRowTile - 1) / kRowTile), kBlockThreads, 0, stream>>>(
-      unit, length, head_dim, threshold, faithful, spared);
-  KVSIFT_CUDA_CHECK(cudaGetLastError());
+  if (tensor_core && tc_search_supported(head_dim)) {  // same r_i and spared sums, faster
+    // Scratch: r_i in `redundancy` and the phase-1 reach in `partial` (int-sized, ceil(S/256) <=
+    // key_sum_chunks(S)·head_dim per (b, h)), both written for real further down.
+    launch_last_match_tc(unit, batch, kv_heads, length, head_dim, threshold, faithful, spared,
+                         reinterpret_cast<int*>(redundancy), reinterpret_cast<int*>(partial),
+                         stream);
+  } else {
+    last_match_kernel<<<grid((length + kRowTile - 1) / kRowTile), kBlockThreads, 0, stream>>>(
+        unit, length, head_dim, threshold, faithful, spared);
+    KVSIFT_CUDA_CHECK(cudaGetLastError());
+  }
   unit_key_partial_sums_kernel<<<grid(chunks), kBlockThreads, 0, stream>>>(unit, length, head_dim,
                                                                            partial);
   KVSIFT_CUDA_CHECK(cudaGetLastError());

@@ -32,9 +32,33 @@ void launch_window_importance(const KVCacheView& kv, const TensorView& queries, 
 //   spared      [batch, kv_heads, length] scratch: fixed-point sums of spared cosines per column
 //   partial     [batch, kv_heads, key_sum_chunks(length), head_dim] scratch: sums of k̂ per chunk
 //   redundancy  [batch, kv_heads, length] output R
+//   tensor_core: find r_i with launch_last_match_tc when tc_search_supported(head_dim), else
+//                the fp32 search (both give identical results)
 void launch_key_redundancy(const KVCacheView& kv, int length, float threshold, bool faithful,
-                           float* unit, unsigned long long* spared, float* partial,
-                           float* redundancy, cudaStream_t stream);
+                           bool tensor_core, float* unit, unsigned long long* spared,
+                           float* partial, float* redundancy, cudaStream_t stream);
+
+// The tensor-core last-match search (cuda/key_redundancy_tc.cu) handles head_dim <= 128 that are
+// multiples of 4; for others launch_key_redundancy uses the fp32 search.
+bool tc_search_supported(int head_dim);
+
+// Bound on |bf16 tensor-core cosine − fp32 path cosine| of two unit keys, head_dim terms (the
+// derivation is at the top of key_redundancy_tc.cu).
+double tc_cosine_margin(int head_dim);
+
+// Row tiles of the tensor-core search: `reached` below holds one int per (b, h, row tile).
+int tc_row_tiles(int length);
+
+// Tensor-core search for r_i = max{ j != i : C[i,j] > threshold } (ALGORITHMS.md §1.2 step 3),
+// identical to the fp32 search; adds the spared fp32 cosines C[i, r_i] (faithful: C[i, 0] of
+// unmatched rows) to `spared` in 32.32 fixed point. Requires tc_search_supported(head_dim).
+//   unit     [batch, kv_heads, length, head_dim] fp32 unit keys (pads zero)
+//   spared   [batch, kv_heads, length] accumulated into (zero it first)
+//   match    [batch, kv_heads, length] scratch, then r_i (−1: row i has no match)
+//   reached  [batch, kv_heads, tc_row_tiles(length)] scratch
+void launch_last_match_tc(const float* unit, int batch, int kv_heads, int length, int head_dim,
+                          float threshold, bool faithful, unsigned long long* spared, int* match,
+                          int* reached, cudaStream_t stream);
 
 // score[b, h, j] = λ·a[b, h, j] − (1−λ)·R[b, h, j] for j < n; `redundancy` rows hold `length`.
 //   importance, score [batch * kv_heads, n]; redundancy [batch * kv_heads, length]

@@ -140,8 +140,8 @@ void enqueue_scores(const KVCacheView& kv, const TensorView& queries, const RKVS
   float* r = redundancy != nullptr ? redundancy : w.redundancy;
   const int length = static_cast<int>(s.length);
   launch_window_importance(kv, queries, length, cfg.kernel, w.logits, w.pre_pool, a, stream);
-  launch_key_redundancy(kv, length, cfg.threshold, cfg.faithful, w.unit_keys, w.spared, w.key_sums,
-                        r, stream);
+  launch_key_redundancy(kv, length, cfg.threshold, cfg.faithful, cfg.tensor_core_search,
+                        w.unit_keys, w.spared, w.key_sums, r, stream);
   launch_joint_score(a, r, static_cast<int>(s.rows()), static_cast<int>(s.n()), length,
                      cfg.mix_lambda, score, stream);
 }

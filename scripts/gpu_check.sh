@@ -12,10 +12,10 @@ mkdir -p "$OUT"
   date -u
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   nvcc --version | tail -1
-} 2>&1 | tee "$OUT/machine.txt"
-cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DKVSIFT_CUDA=ON "$@" >"$OUT/configure.log" 2>&1 ||
-  { tail -30 "$OUT/configure.log"; exit 1; }
-cmake --build "$BUILD" -j "$(nproc)" -- -k >"$OUT/build.log" 2>&1 ||
+} 2>&1 | tee "$OUT/gpu_benchmarks.txt"
+cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DKVSIFT_CUDA=ON "$@" >"$OUT/build.log" 2>&1 ||
+  { tail -30 "$OUT/build.log"; exit 1; }
+cmake --build "$BUILD" -j "$(nproc)" -- -k >>"$OUT/build.log" 2>&1 ||
   { echo "BUILD ERRORS:"; grep -E "error" "$OUT/build.log" | head -20; }
 echo "== ctest"
 ctest --test-dir "$BUILD" --output-on-failure -j 8 >"$OUT/ctest.log" 2>&1
@@ -29,15 +29,18 @@ echo "== compute-sanitizer"
 for t in "$BUILD"/tests/cuda/gpu_*; do
   [ -x "$t" ] || continue
   for tool in memcheck racecheck; do
-    log="$OUT/san_$(basename "$t")_$tool.log"
+    log=$(mktemp)
     timeout 120 compute-sanitizer --tool "$tool" --error-exitcode 3 "$t" >"$log" 2>&1
     echo "$(basename "$t") $tool exit=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1)"
+    grep -E -A3 "^========= (Error|Warning|Race)" "$log" | head -40 >>"$OUT/sanitizer_details.txt"
+    rm -f "$log"
   done
 done | tee "$OUT/sanitizer.txt"
 echo "== GPU benchmarks"
 for b in "$BUILD"/bench/gpu_bench_*; do
   [ -x "$b" ] || continue
-  timeout 150 "$b" >"$OUT/$(basename "$b").txt" 2>&1
+  echo "### $(basename "$b")" >>"$OUT/gpu_benchmarks.txt"
+  timeout 150 "$b" >>"$OUT/gpu_benchmarks.txt" 2>&1
   echo "$(basename "$b") exit=$?"
 done
 if python3 -c "import torch" 2>/dev/null && [ -f "$BUILD/bench/capi/libkvsift_capi.so" ]; then

@@ -1,0 +1,407 @@
+// Tensor-core last-match search of R-KV's key redundancy (ALGORITHMS.md §1.2 step 3 and its cost
+// note), selected by RKVScoringConfig::tensor_core_search. It finds, for every row i, the same
+//   r_i = max{ j != i : C[i,j] > threshold }
+// as last_match_kernel in key_redundancy.cu, bit for bit, and spares the same fp32 cosines.
+//
+// How: 256×64 tiles of the cosine matrix are computed with mma.sync m16n8k16 on bf16 copies of
+// the unit keys (fp32 accumulate), from the sequence end backwards, and a block of 256 rows stops
+// once each of its rows has its answer. C is symmetric, so in the worst case (no row matches) each
+// tile pair is computed once, not twice: phase 1 searches the columns right of a block's rows and
+// hands each column its last match among those rows; phase 2 searches what is left of the lower
+// triangle (details above last_match_tc_kernel). A low-precision cosine c̃ decides on its own only
+// when it is clearly away from the threshold t:
+//   c̃ > t + m: a match;   c̃ <= t − m: no match;   otherwise: recomputed in exact fp32
+// with the fp32 path's arithmetic (a sequential fmaf chain over d = 0 .. D−1 from 0.0f), whose
+// comparison is final. The spared cosine C[i, r_i] (and, faithful, C[i, 0]) is always recomputed
+// that way, so the fixed-point column sums are identical too.
+//
+// The bound m (tc_cosine_margin below). Let u, v be the fp32 unit keys (||u||, ||v|| <= 1 + 2^-10:
+// the normalisation's own rounding is ~D·2^-25 relative for D <= 4096), A = Σ_d |u_d v_d| <= N²
+// with N² = 1.002, and c32 the fp32 path's value.
+//   1. bf16 rounding (unit roundoff 2^-8): ū_d = u_d(1 + α_d) + η_d, |α_d| <= 2^-8, |η_d| <= 2^-134
+//      (bf16 subnormals), so |ū·v̄ − u·v| <= (2^-7 + 2^-16)·A + O(D·2^-133).
+//   2. tensor-core accumulation: products of two bf16 are exact in fp32; however the hardware
+//      orders, aligns and truncates the D additions, each term is hit by at most two roundings of
+//      at most 2^-23 relative to a partial sum bounded by P = Σ|ū_d v̄_d| <= (1 + 2^-8)²·A, so the
+//      error is <= 2·D·2^-23·P = D·2^-22·P (Higham's recursive-summation bound with RZ's 2^-23
+//      and every term counted twice: deliberately generous).
+//   3. the fp32 path itself: |c32 − u·v| <= D·2^-24·A·(1 + D·2^-24) (fma chain, one rounding per
+//      step).
+// m = N²·[(2^-7 + 2^-16) + D·2^-22·(1 + 2^-8)² + D·2^-24·1.01] + 2^-100, then t ± m is rounded
+// outwards to float. D = 128: m ≈ 0.00787, so random keys (cosines ~ N(0, 1/D)) are almost never
+// rechecked; NaN cosines fail both comparisons, as they fail c32 > t.
+//
+// Scope: head_dim <= 128 and a multiple of 4 (float4 staging, zero-padded to a multiple of 16);
+// other head_dims use the fp32 path (tc_search_supported()).
+#include <cuda_bf16.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "kvsift/backend/cuda/check.hpp"
+#include "rkv_kernels.cuh"
+
+namespace kvsift::cuda::detail {
+namespace {
+
+constexpr int kTcThreads = 256;              // 8 warps
+constexpr int kTcWarpRows = 32;              // rows per warp: two m16 tiles
+constexpr int kTcRowTile = 8 * kTcWarpRows;  // 256 rows per block: one per thread
+constexpr int kTcColTile = 64;               // columns per tile: eight n8 tiles per warp
+constexpr int kTcTilesPerRowTile = kTcRowTile / kTcColTile;  // 4
+constexpr int kTcMaxDim = 128;  // head_dim held as A fragments in registers
+constexpr int kTcKSteps = kTcMaxDim / 16;
+constexpr int kTcStride = kTcMaxDim + 8;  // bf16 per staged column: 272 B, ldmatrix conflict-free
+constexpr int kTcPrefetch = kTcColTile * kTcMaxDim / 4 / kTcThreads;  // float4 per thread
+static_assert(kTcRowTile == kTcThreads, "one thread per row for the tile bookkeeping");
+constexpr double kTcFixedScale = 4294967296.0;  // must equal key_redundancy.cu's kFixedScale
+
+// Same conversion as key_redundancy.cu's add_fixed: 32.32 fixed point, exact order-free sum.
+__device__ __forceinline__ void tc_add_fixed(unsigned long long* sum, float x) {
+  atomicAdd(
+      sum, static_cast<unsigned long long>(__double2ll_rn(static_cast<double>(x) * kTcFixedScale)));
+}
+
+// C[i, j] exactly as last_match_kernel computes it: acc = fmaf(k̂_i[d], k̂_j[d], acc), d ascending
+// from 0.0f (its zero padding past head_dim only adds +0, which cannot change a comparison or a
+// spared value).
+__device__ __forceinline__ float exact_cosine(const float* __restrict__ ui,
+                                              const float* __restrict__ uj, int head_dim) {
+  float acc = 0.0f;
+#pragma unroll 8
+  for (int d = 0; d < head_dim; ++d) acc = fmaf(ui[d], uj[d], acc);
+  return acc;
+}
+
+__device__ __forceinline__ std::uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 p = __floats2bfloat162_rn(lo, hi);  // .x = lo (lower address / bits)
+  return *reinterpret_cast<const std::uint32_t*>(&p);
+}
+
+__device__ __forceinline__ void ldmatrix_x4(std::uint32_t (&r)[4], const void* smem) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// D = A·B + D, A 16×16 (row), B 16×8 (col), bf16 in, fp32 accumulate.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const std::uint32_t (&a)[4],
+                                         std::uint32_t b0, std::uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Which column tile a search visits next, at or below `jt` (−1: none left). Phase 1 visits the
+// tiles from the sequence end down to the block's own rows (j >= i0); phase 2 the tiles left of
+// them (j < i0), skipping those whose transposed results phase 1 already posted: tile jt lies in
+// row tile jt / 4, whose phase-1 block computed our columns iff it reached down to ours.
+__device__ __forceinline__ int next_column_tile(int jt, bool upper, int own_first,
+                                                const int* reached) {
+  if (upper) return jt >= own_first ? jt : -1;
+  while (jt >= 0 && reached[jt / kTcTilesPerRowTile] <= own_first) --jt;
+  return jt;
+}
+
+// Grid (row tiles, kv_heads, batch), 256 threads; launched twice.
+//   Phase 1 (upper): row tile I against the column tiles right of and over its own rows, from the
+//     sequence end down, stopping once every row has matched. A row's first match is final
+//     (r_i >= i0 beats anything left of i0). Column tiles wholly right of the rows also give their
+//     columns' matches among our rows, C[j, i] = C[i, j] (the fp32 chain is symmetric: fmaf(a, b,
+//     c) = fmaf(b, a, c)), posted to best[j] with atomicMax; reached[I] records how far down I
+//     went.
+//   Phase 2 (lower): rows without a match >= i0 search the column tiles left of i0, from i0 down;
+//     tiles some phase-1 block covered are not recomputed (their matches are already in best[]).
+//     A row is answered once its best known match lies in a tile at or above the current one.
+//     Then the spared cosines are added and best[] becomes r_i.
+// Warp w owns rows 32w .. 32w + 31 of the tile (their bf16 A fragments stay in registers) against
+// all 64 columns of the staged tile; the next tile is loaded into registers during the multiply.
+__global__ void __launch_bounds__(kTcThreads, 1)
+    last_match_tc_kernel(const float* __restrict__ unit,  // [batch, kv_heads, length, head_dim]
+                         int length, int head_dim, float threshold, float below, float above,
+                         bool faithful, bool upper,
+                         int* __restrict__ best,     // [batch, kv_heads, length], −1 at start
+                         int* __restrict__ reached,  // [batch, kv_heads, gridDim.x]
+                         unsigned long long* __restrict__ spared) {  // [batch, kv_heads, length]
+  __shared__ __align__(16) __nv_bfloat16 cols_s[kTcColTile][kTcStride];
+  __shared__ int match[kTcRowTile];      // final r_i of the tile's rows; -1 while still searching
+  __shared__ int cand[kTcRowTile];       // best match known so far of a row still searching
+  __shared__ int tile_best[kTcRowTile];  // last match inside the current column tile, -1: none
+  __shared__ int col_best[kTcColTile];   // phase 1: last matching row of each column, -1: none
+  const int b = blockIdx.z, h = blockIdx.y, kv_heads = gridDim.y;
+  const int i0 = blockIdx.x * kTcRowTile, own_first = i0 / kTcColTile;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;  // mma fragment coordinates
+  const std::int64_t bh = static_cast<std::int64_t>(b) * kv_heads + h;
+  const float* ubase = unit + bh * length * head_dim;
+  int* bbase = best + bh * length;
+  const int* rbase = reached + bh * gridDim.x;
+  const int ksteps = (head_dim + 15) / 16;
+  const int quads = head_dim / 4;  // float4 per key row
+
+  {
+    const int i = i0 + tid;
+    const int known = (!upper && i < length) ? bbase[i] : -1;  // phase 2: phase 1's results
+    // Done: past the end, or (phase 2) matched at or right of i0 in phase 1, which is final.
+    match[tid] = i >= length ? length : (known >= i0 ? known : -1);
+    cand[tid] = known;
+    tile_best[tid] = -1;
+    if (tid < kTcColTile) col_best[tid] = -1;
+  }
+  // Channels past head_dim stay 0 for good: the staging below writes only d < head_dim.
+  for (int e = tid; e < kTcColTile * kTcStride / 2; e += kTcThreads)
+    reinterpret_cast<std::uint32_t*>(&cols_s[0][0])[e] = 0u;
+
+  // A fragments of this warp's rows (m16n8k16 layout: a0 row g, a1 row g + 8, a2/a3 the same rows
+  // 8 channels on), read straight from global memory once; rows past the end are 0.
+  std::uint32_t a_frag[2][kTcKSteps][4];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int ks = 0; ks < kTcKSteps; ++ks)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int row = i0 + warp * kTcWarpRows + mt * 16 + g + (q % 2) * 8;
+        const int d = ks * 16 + 2 * t + (q / 2) * 8;  // even, and head_dim is even: d+1 valid too
+        float2 v = make_float2(0.0f, 0.0f);
+        if (row < length && d < head_dim)
+          v = *reinterpret_cast<const float2*>(ubase + static_cast<std::int64_t>(row) * head_dim +
+                                               d);
+        a_frag[mt][ks][q] = pack_bf16(v.x, v.y);
+      }
+  const bool warp_has_rows = i0 + warp * kTcWarpRows < length;
+
+  // Column tile jt into registers: float4 e = tid + 256·p is (column e / quads, channels 4·(e %
+  // quads) ..); columns past the end are 0.
+  float4 pre[kTcPrefetch];
+  auto prefetch = [&](int jt) {
+#pragma unroll
+    for (int p = 0; p < kTcPrefetch; ++p) {
+      const int e = tid + p * kTcThreads;
+      const int col = e / quads, j = jt * kTcColTile + col;
+      pre[p] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      if (col < kTcColTile && j < length)
+        pre[p] = *reinterpret_cast<const float4*>(ubase + static_cast<std::int64_t>(j) * head_dim +
+                                                  4 * (e % quads));
+    }
+  };
+  const int n_col_tiles = (length + kTcColTile - 1) / kTcColTile;
+  int jt = next_column_tile(upper ? n_col_tiles - 1 : own_first - 1, upper, own_first, rbase);
+  int last_done = n_col_tiles;  // phase 1: the lowest column tile computed
+  // Phase 2 blocks whose rows all matched in phase 1 search nothing.
+  if (!upper && __syncthreads_and(match[tid] >= 0)) jt = -1;
+  if (jt >= 0) prefetch(jt);
+
+  while (jt >= 0) {
+    const int j0 = jt * kTcColTile;
+    // Phase 1, columns wholly right of the rows: also find each column's last matching row.
+    const bool transposed = upper && jt >= own_first + kTcTilesPerRowTile;
+    __syncthreads();  // previous tile consumed; the first time: zeroing and match[] done
+#pragma unroll
+    for (int p = 0; p < kTcPrefetch; ++p) {
+      const int e = tid + p * kTcThreads, col = e / quads;
+      if (col < kTcColTile) {
+        const uint2 packed =
+            make_uint2(pack_bf16(pre[p].x, pre[p].y), pack_bf16(pre[p].z, pre[p].w));
+        *reinterpret_cast<uint2*>(&cols_s[col][4 * (e % quads)]) = packed;
+      }
+    }
+    __syncthreads();
+    const int next = next_column_tile(jt - 1, upper, own_first, rbase);
+    if (next >= 0) prefetch(next);  // in flight while this tile is multiplied
+
+    // A warp multiplies when its rows still search or (transposed tiles) all its real rows count.
+    const bool open = __any_sync(0xffffffffu, match[warp * kTcWarpRows + lane] < 0);
+    float acc[2][8][4];
+    if (warp_has_rows && (open || transposed)) {
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+          for (int q = 0; q < 4; ++q) acc[mt][nt][q] = 0.0f;
+#pragma unroll
+      for (int ks = 0; ks < kTcKSteps; ++ks) {
+        if (ks >= ksteps) break;  // warp-uniform
+        std::uint32_t bf[4][4];   // n tiles 2p, 2p + 1: {b0, b1} each
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+          const int m = lane / 8;
+          ldmatrix_x4(bf[p], &cols_s[p * 16 + (m / 2) * 8 + lane % 8][ks * 16 + (m % 2) * 8]);
+        }
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt)
+            mma_bf16(acc[mt][nt], a_frag[mt][ks], bf[nt / 2][(nt % 2) * 2],
+                     bf[nt / 2][(nt % 2) * 2 + 1]);
+      }
+      // Rows: each thread holds 4 rows × 16 columns: row g (+8) of each m tile, columns 8nt + 2t
+      // (+1).
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int row = warp * kTcWarpRows + mt * 16 + g + half * 8, i = i0 + row;
+          if (match[row] >= 0) continue;
+          int found = -1;          // largest certain match among this thread's columns
+          unsigned uncertain = 0;  // bit 2nt + c: within m of the threshold, above `found`
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const int j = j0 + nt * 8 + 2 * t + c;
+              const float v = acc[mt][nt][half * 2 + c];
+              if (j >= length || j == i) continue;
+              if (v > above) {
+                found = j;  // ascending j: the last one wins
+                uncertain = 0;
+              } else if (v > below) {
+                uncertain |= 1u << (nt * 2 + c);
+              }
+            }
+          // Re-check the uncertain columns above `found` in exact fp32, highest first.
+          const float* ui = ubase + static_cast<std::int64_t>(i) * head_dim;
+          while (uncertain != 0) {
+            const int bit = 31 - __clz(uncertain);
+            uncertain &= ~(1u << bit);
+            const int j = j0 + (bit / 2) * 8 + 2 * t + bit % 2;
+            if (exact_cosine(ui, ubase + static_cast<std::int64_t>(j) * head_dim, head_dim) >
+                threshold) {
+              found = j;
+              break;
+            }
+          }
+          if (found >= 0) atomicMax(&tile_best[row], found);
+        }
+    }
+    // Columns (transposed tiles): the last certain row per column, max over the block. Bit
+    // 8nt + 4c + 2mt + half of col_uncertain: row (mt, half) of column (nt, c) needs a re-check.
+    unsigned long long col_uncertain = 0;
+    if (transposed && warp_has_rows) {
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int cl = nt * 8 + 2 * t + c;
+          int found = -1;
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {  // rows ascending
+              const int i = i0 + warp * kTcWarpRows + mt * 16 + g + half * 8;
+              const float v = acc[mt][nt][half * 2 + c];
+              if (i >= length || j0 + cl >= length) continue;
+              const int shift = nt * 8 + c * 4;
+              if (v > above) {
+                found = i;
+                col_uncertain &= ~(0xfull << shift);
+              } else if (v > below) {
+                col_uncertain |= 1ull << (shift + 2 * mt + half);
+              }
+            }
+          // Max over the 8 lanes holding this column (lane bits 2..4), then over warps.
+          for (int off = 4; off < 32; off *= 2)
+            found = max(found, __shfl_xor_sync(0xffffffffu, found, off));
+          if (g == 0 && found >= 0) atomicMax(&col_best[cl], found);
+        }
+    }
+    __syncthreads();  // tile_best and the certain col_best complete
+    // Re-check uncertain rows above their column's best so far in exact fp32, highest first; a
+    // column is settled by its first success (or by a row at or below its best).
+    while (col_uncertain != 0) {
+      const int bit = 63 - __clzll(col_uncertain);
+      const int nt = bit / 8, c = (bit / 4) % 2, r = bit % 4;  // r = 2·mt + half
+      const int cl = nt * 8 + 2 * t + c, j = j0 + cl;
+      const int i = i0 + warp * kTcWarpRows + (r / 2) * 16 + g + (r % 2) * 8;
+      bool settled = i <= *static_cast<volatile int*>(&col_best[cl]);
+      if (!settled &&
+          exact_cosine(ubase + static_cast<std::int64_t>(i) * head_dim,
+                       ubase + static_cast<std::int64_t>(j) * head_dim, head_dim) > threshold) {
+        atomicMax(&col_best[cl], i);
+        settled = true;
+      }
+      col_uncertain &= settled ? ~(0xfull << (bit & ~3)) : ~(1ull << bit);
+    }
+    // A row is answered once its best known match lies in this tile or above: every tile from
+    // here to i0 (or the end) is accounted for, computed here or covered by phase 1.
+    if (match[tid] < 0) {
+      const int c = max(cand[tid], tile_best[tid]);
+      if (c >= j0) {
+        match[tid] = c;
+      } else {
+        cand[tid] = c;
+      }
+    }
+    tile_best[tid] = -1;
+    const bool all_done = __syncthreads_and(match[tid] >= 0);  // also: col_best complete
+    if (transposed && tid < kTcColTile) {
+      if (col_best[tid] >= 0 && j0 + tid < length) atomicMax(&bbase[j0 + tid], col_best[tid]);
+      col_best[tid] = -1;
+    }
+    last_done = jt;
+    jt = all_done ? -1 : next;
+  }
+
+  const int i = i0 + tid;
+  if (upper) {
+    if (tid == 0) reached[bh * gridDim.x + blockIdx.x] = last_done;
+    if (i < length && match[tid] >= 0) atomicMax(&bbase[i], match[tid]);
+    return;
+  }
+  // Phase 2: every tile accounted for, a row still searching has its answer in cand (or none);
+  // spare C[i, r_i] (faithful: C[i, 0] of unmatched rows i != 0) with the fp32 path's values.
+  if (i >= length) return;
+  const int r = match[tid] >= 0 ? match[tid] : cand[tid];
+  const float* ui = ubase + static_cast<std::int64_t>(i) * head_dim;
+  unsigned long long* sp = spared + bh * length;
+  if (r >= 0) {
+    tc_add_fixed(&sp[r],
+                 exact_cosine(ui, ubase + static_cast<std::int64_t>(r) * head_dim, head_dim));
+  } else if (faithful && i != 0) {
+    tc_add_fixed(&sp[0], exact_cosine(ui, ubase, head_dim));
+  }
+  bbase[i] = r;
+}
+
+}  // namespace
+
+int tc_row_tiles(int length) { return (length + kTcRowTile - 1) / kTcRowTile; }
+
+bool tc_search_supported(int head_dim) {
+  return head_dim >= 4 && head_dim <= kTcMaxDim && head_dim % 4 == 0;
+}
+
+double tc_cosine_margin(int head_dim) {
+  const double n2 = 1.002;  // (1 + 2^-10)² bounds ||u||·||v|| of fp32-normalised keys
+  const double d = head_dim;
+  const double rounding = std::ldexp(1.0, -7) + std::ldexp(1.0, -16);
+  const double tc_sum =
+      d * std::ldexp(1.0, -22) * (1.0 + std::ldexp(1.0, -8)) * (1.0 + std::ldexp(1.0, -8));
+  const double fp32_sum = d * std::ldexp(1.0, -24) * 1.01;
+  return n2 * (rounding + tc_sum + fp32_sum) + std::ldexp(1.0, -100);
+}
+
+void launch_last_match_tc(const float* unit, int batch, int kv_heads, int length, int head_dim,
+                          float threshold, bool faithful, unsigned long long* spared, int* match,
+                          int* reached, cudaStream_t stream) {
+  if (length <= 0 || batch <= 0 || kv_heads <= 0) return;
+  const double m = tc_cosine_margin(head_dim);
+  // t − m and t + m rounded outwards, so "c̃ <= below" and "c̃ > above" stay conclusive.
+  const float below = std::nextafter(static_cast<float>(threshold - m), -INFINITY);
+  const float above = std::nextafter(static_cast<float>(threshold + m), INFINITY);
+  const dim3 grid(static_cast<unsigned>(tc_row_tiles(length)), static_cast<unsigned>(kv_heads),
+                  static_cast<unsigned>(batch));
+  KVSIFT_CUDA_CHECK(cudaMemsetAsync(
+      match, 0xff, static_cast<std::size_t>(batch) * kv_heads * length * sizeof(int), stream));
+  for (bool upper : {true, false}) {
+    last_match_tc_kernel<<<grid, kTcThreads, 0, stream>>>(
+        unit, length, head_dim, threshold, below, above, faithful, upper, match, reached, spared);
+    KVSIFT_CUDA_CHECK(cudaGetLastError());
+  }
+}
+
+}  // namespace kvsift::cuda::detail

@@ -1,0 +1,494 @@
+// The device Continuous Thinking table (kvsift::cuda::DevicePagedTable, ALGORITHMS.md §3.4) against
+// the CPU reference ThoughtBlockTable, driven by the same random operations:
+//   - append: after every batch the device bytes of every block equal block_storage() bit for bit
+//     (values quantized per token, keys staged then sealed per channel, reused slots of sealed
+//     groups written under the old scales), and the device masks equal free_mask();
+//   - eviction: sets mask bits only; the whole device pool is byte-identical before and after;
+//   - attention: cuda::paged_decode_attention equals the CPU paged_decode_attention (1e-4
+//     relative) and a dense double-precision oracle over the retained tokens read back from the
+//     CPU table; the dense bf16 kernel equals the same kind of oracle.
+// Formats f32, NVFP4 (with and without global factors), FP8, ternary; f32 and bf16 inputs; block
+// sizes 16, 32, 80, 144 (a mask word boundary inside a tile row), sequence release and frame reuse
+// (stale bytes must be re-zeroed), splits forced from 1 to many.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "catch.hpp"
+#include "device_buffer.hpp"
+#include "kvsift/backend/cuda/paged_table.hpp"
+#include "kvsift/paged/paged_attention.hpp"
+#include "kvsift/paged/thought_block_table.hpp"
+
+using namespace kvsift;
+using Catch::Matchers::Contains;
+using test::DeviceBuffer;
+
+namespace {
+
+// Device memory of one mirror, poisoned so that anything the kernels fail to write shows up.
+struct DeviceTable {
+  cuda::PagedTableSizes sizes;
+  DeviceBuffer<std::uint8_t> storage;
+  DeviceBuffer<std::uint64_t> masks;
+  DeviceBuffer<std::uint32_t> sealed;
+  DeviceBuffer<float> staging;
+  DeviceBuffer<float> factors;
+  cuda::DevicePagedTable table;
+
+  DeviceTable(const ThoughtBlockTableConfig& cfg, std::int32_t max_sequences)
+      : sizes(cuda::paged_table_sizes(cfg, max_sequences)),
+        storage(static_cast<std::size_t>(sizes.storage_bytes)),
+        masks(static_cast<std::size_t>(sizes.mask_bytes / 8)),
+        sealed(static_cast<std::size_t>(sizes.sealed_bytes / 4)),
+        staging(static_cast<std::size_t>(sizes.staging_bytes / 4)),
+        factors(static_cast<std::size_t>(cfg.kv_heads)),
+        table(cfg, max_sequences,
+              cuda::PagedTableMemory{storage.get(), masks.get(), sealed.get(), staging.get(),
+                                     factors.get()}) {
+    KVSIFT_CUDA_CHECK(cudaMemset(storage.get(), 0xab, storage.size()));
+    KVSIFT_CUDA_CHECK(cudaMemset(sealed.get(), 0xcd, sealed.size() * 4));
+    table.initialize(nullptr);
+    KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+};
+
+// Every block of `seq`: device bytes == block_storage(), device mask == free_mask().
+void require_same_blocks(const ThoughtBlockTable& cpu, DeviceTable& dev, std::int32_t seq) {
+  const std::vector<std::uint8_t> pool = dev.storage.download();
+  const std::vector<std::uint64_t> masks = dev.masks.download();
+  REQUIRE(dev.table.num_blocks(seq) == cpu.num_blocks(seq));
+  const std::int32_t H = cpu.config().kv_heads, W = cpu.mask_words();
+  for (std::int32_t b = 0; b < cpu.num_blocks(seq); ++b) {
+    const std::int32_t frame = cpu.block_info(seq, b).frame;
+    REQUIRE(dev.table.frame_of(seq, b) == frame);
+    const std::vector<std::uint8_t>& want = cpu.block_storage(seq, b);
+    const std::uint8_t* got =
+        pool.data() + static_cast<std::size_t>(frame) * dev.sizes.frame_stride;
+    std::size_t first_diff = want.size();
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      if (got[i] != want[i]) {
+        first_diff = i;
+        break;
+      }
+    }
+    INFO("block " << b << " frame " << frame << " format "
+                  << block_format_name(cpu.block_info(seq, b).format) << " bytes " << want.size()
+                  << " first differing byte " << first_diff);
+    REQUIRE(first_diff == want.size());
+    for (std::int32_t h = 0; h < H; ++h) {
+      const std::uint64_t* cm = cpu.free_mask(seq, b, h);
+      for (std::int32_t w = 0; w < W; ++w) {
+        INFO("head " << h << " mask word " << w);
+        REQUIRE(masks[(static_cast<std::size_t>(frame) * H + h) * W + w] == cm[w]);
+      }
+    }
+  }
+}
+
+// Dense attention over the retained tokens (read back from the CPU table), two-pass, in double.
+std::vector<float> dense_oracle(const ThoughtBlockTable& cpu, std::int32_t seq,
+                                const std::vector<float>& query,  // [q_heads, D]
+                                std::int64_t q_heads, float scale) {
+  const std::int64_t H = cpu.config().kv_heads, D = cpu.config().head_dim, G = q_heads / H;
+  std::vector<float> out(static_cast<std::size_t>(q_heads * D), 0.0f);
+  std::vector<float> k(D), v(D);
+  for (std::int64_t h = 0; h < H; ++h) {
+    std::vector<std::vector<float>> K, V;
+    for (const ResidentToken& t : cpu.resident_tokens(seq, static_cast<std::int32_t>(h))) {
+      cpu.read_token(seq, static_cast<std::int32_t>(h), t.address, k.data(), v.data());
+      K.push_back(k);
+      V.push_back(v);
+    }
+    if (K.empty()) continue;
+    for (std::int64_t g = 0; g < G; ++g) {
+      const float* q = &query[static_cast<std::size_t>((h * G + g) * D)];
+      std::vector<double> w(K.size());
+      double mx = -1e300, sum = 0;
+      for (std::size_t j = 0; j < K.size(); ++j) {
+        double dot = 0;
+        for (std::int64_t d = 0; d < D; ++d) dot += double(q[d]) * K[j][d];
+        w[j] = dot * scale;
+        mx = std::max(mx, w[j]);
+      }
+      for (double& x : w) sum += (x = std::exp(x - mx));
+      for (std::int64_t d = 0; d < D; ++d) {
+        double acc = 0;
+        for (std::size_t j = 0; j < K.size(); ++j) acc += w[j] * V[j][d];
+        out[static_cast<std::size_t>((h * G + g) * D + d)] = static_cast<float>(acc / sum);
+      }
+    }
+  }
+  return out;
+}
+
+void require_close(const std::vector<float>& got, const std::vector<float>& want, float tol,
+                   const char* what) {
+  REQUIRE(got.size() == want.size());
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    if (!(std::fabs(got[i] - want[i]) <= tol * (1.0f + std::fabs(want[i])))) {
+      INFO(what << ": element " << i << " got " << got[i] << " want " << want[i]);
+      REQUIRE(std::fabs(got[i] - want[i]) <= tol * (1.0f + std::fabs(want[i])));
+    }
+  }
+}
+
+// Runs the device attention for `seq` with NaN-poisoned output.
+std::vector<float> device_attention(DeviceTable& dev, std::int32_t seq,
+                                    const std::vector<float>& query, std::int64_t q_heads,
+                                    float scale, std::int32_t target_ctas) {
+  const std::int64_t D = dev.table.config().head_dim;
+  cuda::DecodeAttentionConfig ac;
+  ac.target_ctas = target_ctas;
+  DeviceBuffer<float> q(query), out(query.size());
+  KVSIFT_CUDA_CHECK(cudaMemset(out.get(), 0xff, out.size() * 4));
+  DeviceBuffer<std::uint8_t> ws(
+      cuda::paged_decode_attention_workspace_bytes(dev.table, seq, q_heads, ac));
+  cuda::paged_decode_attention(dev.table, seq, q.get(), q_heads, D, scale, out.get(), ws.get(),
+                               ws.size(), nullptr, ac);
+  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+  return out.download();
+}
+
+struct Scenario {
+  ThoughtBlockTableConfig cfg;
+  std::int64_t group = 1;  // query heads per KV head
+  bool bf16_input = false;
+};
+
+// Random appends in batches, per-head evictions (reuse), segment switches, sequence release and
+// re-creation, queries; checks bytes, masks and attention throughout.
+void run_scenario(const Scenario& sc, std::uint32_t seed, int steps) {
+  std::mt19937 rng(seed);
+  auto pick = [&](int n) { return static_cast<int>(rng() % static_cast<std::uint32_t>(n)); };
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const ThoughtBlockTableConfig& cfg = sc.cfg;
+  const std::int64_t H = cfg.kv_heads, D = cfg.head_dim, q_heads = H * sc.group;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  INFO("seed " << seed << " kv_heads " << H << " q_heads " << q_heads << " head_dim " << D
+               << " block_size " << cfg.block_size << " formats "
+               << block_format_name(cfg.reasoning) << "/" << block_format_name(cfg.execution) << "/"
+               << block_format_name(cfg.transition) << (sc.bf16_input ? " bf16" : " f32")
+               << " input");
+  ThoughtBlockTable cpu(cfg);
+  DeviceTable dev(cfg, 2);
+  std::int32_t seqs[2] = {cpu.create_sequence(), cpu.create_sequence()};
+  for (std::int32_t s : seqs) cpu.open_segment(s, ThoughtType::reasoning);
+
+  // The batch being recorded: K/V rows in recording order.
+  std::vector<float> batch_k, batch_v;  // [tokens, H, D] (bf16-representable in bf16 mode)
+  auto flush = [&]() {
+    if (dev.table.pending_tokens() == 0) return;
+    DeviceBuffer<std::uint8_t> ws(dev.table.append_workspace_bytes());
+    if (sc.bf16_input) {
+      std::vector<bf16_t> k(batch_k.size()), v(batch_v.size());
+      for (std::size_t i = 0; i < k.size(); ++i) {
+        k[i] = from_float<bf16_t>(batch_k[i]);
+        v[i] = from_float<bf16_t>(batch_v[i]);
+      }
+      DeviceBuffer<bf16_t> dk(k), dv(v);
+      dev.table.append(dk.get(), dv.get(), DType::bf16, ws.get(), ws.size(), nullptr);
+      KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+    } else {
+      DeviceBuffer<float> dk(batch_k), dv(batch_v);
+      dev.table.append(dk.get(), dv.get(), DType::f32, ws.get(), ws.size(), nullptr);
+      KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+    }
+    batch_k.clear();
+    batch_v.clear();
+  };
+
+  int checks = 0;
+  for (int step = 0; step < steps; ++step) {
+    const std::int32_t seq = seqs[pick(2)];
+    const int op = pick(20);
+    if (op == 0) {
+      cpu.open_segment(seq, static_cast<ThoughtType>(pick(3)));
+    } else if (op <= 11) {
+      // Append: mostly N(0, 2²) keys, sometimes an outlier (saturates in sealed groups) or a
+      // zero key (zero scales).
+      std::vector<float> k(static_cast<std::size_t>(H * D)), v(k.size());
+      const int kind = pick(12);
+      for (float& x : k) x = kind == 0 ? 0.0f : normal(rng) * (kind == 1 ? 60.0f : 2.0f);
+      for (float& x : v) x = normal(rng) * (kind == 2 ? 30.0f : 1.0f);
+      if (sc.bf16_input) {
+        for (float& x : k) x = to_float(from_float<bf16_t>(x));
+        for (float& x : v) x = to_float(from_float<bf16_t>(x));
+      }
+      std::vector<SlotAddress> where(static_cast<std::size_t>(H));
+      cpu.append(seq, k.data(), v.data(), H, D, where.data());
+      dev.table.record_append(cpu, seq, where.data());
+      batch_k.insert(batch_k.end(), k.begin(), k.end());
+      batch_v.insert(batch_v.end(), v.begin(), v.end());
+    } else if (op <= 13) {
+      flush();
+      require_same_blocks(cpu, dev, seq);
+      ++checks;
+    } else if (op <= 16) {
+      // Evict a random subset of one head's live tokens: bits only.
+      flush();
+      const std::int32_t h = pick(static_cast<int>(H));
+      std::vector<SlotAddress> victims;
+      for (const ResidentToken& t : cpu.resident_tokens(seq, h)) {
+        if (pick(3) == 0) victims.push_back(t.address);
+      }
+      const std::vector<std::uint8_t> before = dev.storage.download();
+      for (const SlotAddress& a : victims) cpu.evict(seq, h, a);
+      DeviceBuffer<std::uint8_t> ws(dev.table.evict_workspace_bytes(victims.size()));
+      dev.table.evict(seq, h, victims, ws.get(), ws.size(), nullptr);
+      KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+      const bool storage_unchanged = dev.storage.download() == before;
+      REQUIRE(storage_unchanged);
+      require_same_blocks(cpu, dev, seq);
+    } else if (op <= 18) {
+      flush();
+      std::vector<float> q(static_cast<std::size_t>(q_heads * D));
+      for (float& x : q) x = normal(rng);
+      std::vector<float> want(q.size());
+      paged_decode_attention(cpu, seq, q.data(), q_heads, D, scale, want.data());
+      const std::int32_t ctas[3] = {1, 5, 264};
+      const std::vector<float> got = device_attention(dev, seq, q, q_heads, scale, ctas[pick(3)]);
+      require_close(got, want, 1e-4f, "device vs CPU paged attention");
+      require_close(got, dense_oracle(cpu, seq, q, q_heads, scale), 1e-4f,
+                    "device paged vs dense oracle over retained tokens");
+      ++checks;
+    } else if (pick(4) == 0) {
+      // Release and re-create: the frames go back to the pool and are handed out again with
+      // stale bytes, which the device must zero as the CPU table does.
+      flush();
+      cpu.release_sequence(seq);
+      dev.table.release_sequence(seq);
+      const std::int32_t again = cpu.create_sequence();
+      REQUIRE(again == seq);
+      cpu.open_segment(seq, static_cast<ThoughtType>(pick(3)));
+    }
+  }
+  flush();
+  for (std::int32_t s : seqs) require_same_blocks(cpu, dev, s);
+  REQUIRE(checks > 0);
+}
+
+ThoughtBlockTableConfig config(int kv_heads, int head_dim, int block_size, BlockFormat r,
+                               BlockFormat e, BlockFormat t) {
+  ThoughtBlockTableConfig c;
+  c.kv_heads = kv_heads;
+  c.head_dim = head_dim;
+  c.block_size = block_size;
+  c.num_blocks = 96;
+  c.reasoning = r;
+  c.execution = e;
+  c.transition = t;
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE("device CT table: bytes, masks and attention match the CPU table (R4 E4 T2)") {
+  for (std::uint32_t seed = 1; seed <= 4; ++seed) {
+    Scenario sc;
+    sc.cfg = config(1 + static_cast<int>(seed % 3), seed % 2 ? 32 : 16, seed % 2 ? 16 : 32,
+                    BlockFormat::nvfp4, BlockFormat::nvfp4, BlockFormat::ternary);
+    sc.group = 1 + seed % 4;
+    sc.bf16_input = seed % 2 == 0;
+    run_scenario(sc, seed, 700);
+  }
+}
+
+TEST_CASE("device CT table: FP8, f32 and mixed formats, NVFP4 global factors") {
+  Scenario fp8;
+  fp8.cfg = config(2, 32, 32, BlockFormat::fp8, BlockFormat::fp8, BlockFormat::fp8);
+  fp8.group = 2;
+  run_scenario(fp8, 11, 600);
+
+  Scenario full;
+  full.cfg = config(2, 16, 16, BlockFormat::f32, BlockFormat::f32, BlockFormat::f32);
+  full.group = 3;
+  full.bf16_input = true;
+  run_scenario(full, 12, 600);
+
+  Scenario mixed;  // R4 E8 T(f32), per-head g
+  mixed.cfg = config(3, 16, 32, BlockFormat::nvfp4, BlockFormat::fp8, BlockFormat::f32);
+  mixed.cfg.global_factors = {37.0f, 0.5f, 448.0f * 6.0f / 9.0f};
+  mixed.group = 2;
+  run_scenario(mixed, 13, 600);
+}
+
+TEST_CASE("device CT table: block sizes with several tiles and mask words, head_dim 128") {
+  Scenario s80;  // tiles of 32, 32, 16 slots; the third tile starts in mask word 1
+  s80.cfg = config(2, 32, 80, BlockFormat::nvfp4, BlockFormat::fp8, BlockFormat::ternary);
+  s80.group = 4;
+  run_scenario(s80, 21, 900);
+
+  Scenario s144;
+  s144.cfg = config(1, 16, 144, BlockFormat::ternary, BlockFormat::nvfp4, BlockFormat::f32);
+  s144.bf16_input = true;
+  run_scenario(s144, 22, 900);
+
+  Scenario wide;
+  wide.cfg = config(2, 128, 32, BlockFormat::nvfp4, BlockFormat::nvfp4, BlockFormat::ternary);
+  wide.group = 4;
+  run_scenario(wide, 23, 500);
+}
+
+TEST_CASE("device CT eviction moves no byte of block storage") {
+  ThoughtBlockTableConfig cfg =
+      config(2, 32, 32, BlockFormat::nvfp4, BlockFormat::fp8, BlockFormat::ternary);
+  ThoughtBlockTable cpu(cfg);
+  DeviceTable dev(cfg, 1);
+  const std::int32_t seq = cpu.create_sequence();
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal;
+  std::vector<float> ks, vs;
+  for (int i = 0; i < 150; ++i) {  // all three formats, sealed and staged groups
+    if (i % 50 == 0) cpu.open_segment(seq, static_cast<ThoughtType>(i / 50));
+    std::vector<float> k(64), v(64);
+    for (float& x : k) x = normal(rng);
+    for (float& x : v) x = normal(rng);
+    std::vector<SlotAddress> where(2);
+    cpu.append(seq, k.data(), v.data(), 2, 32, where.data());
+    dev.table.record_append(cpu, seq, where.data());
+    ks.insert(ks.end(), k.begin(), k.end());
+    vs.insert(vs.end(), v.begin(), v.end());
+  }
+  DeviceBuffer<float> dk(ks), dv(vs);
+  DeviceBuffer<std::uint8_t> ws(dev.table.append_workspace_bytes());
+  dev.table.append(dk.get(), dv.get(), DType::f32, ws.get(), ws.size(), nullptr);
+  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+  require_same_blocks(cpu, dev, seq);
+
+  const std::vector<std::uint8_t> before = dev.storage.download();
+  const std::vector<std::uint32_t> sealed_before = dev.sealed.download();
+  std::int64_t evicted = 0;
+  for (std::int32_t h = 0; h < 2; ++h) {
+    std::vector<SlotAddress> victims;
+    for (const ResidentToken& t : cpu.resident_tokens(seq, h)) {
+      if ((t.position + h) % 2 == 0) victims.push_back(t.address);
+    }
+    for (const SlotAddress& a : victims) cpu.evict(seq, h, a);
+    DeviceBuffer<std::uint8_t> ews(dev.table.evict_workspace_bytes(victims.size()));
+    dev.table.evict(seq, h, victims, ews.get(), ews.size(), nullptr);
+    evicted += static_cast<std::int64_t>(victims.size());
+  }
+  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+  REQUIRE(evicted == 150);
+  const bool storage_unchanged = dev.storage.download() == before;  // the whole pool
+  const bool sealed_unchanged = dev.sealed.download() == sealed_before;
+  REQUIRE(storage_unchanged);
+  REQUIRE(sealed_unchanged);
+  require_same_blocks(cpu, dev, seq);  // masks now carry the eviction bits
+}
+
+TEST_CASE("dense bf16 decode attention matches a double oracle") {
+  std::mt19937 rng(9);
+  std::normal_distribution<float> normal;
+  for (std::int64_t T : {0, 1, 31, 32, 33, 100, 1000}) {
+    const std::int64_t H = 2, G = 3, D = 64, Hq = H * G;
+    const float scale = 1.0f / 8.0f;
+    std::vector<bf16_t> k(static_cast<std::size_t>(H * T * D)), v(k.size());
+    for (auto& x : k) x = from_float<bf16_t>(normal(rng) * 2.0f);
+    for (auto& x : v) x = from_float<bf16_t>(normal(rng));
+    std::vector<float> q(static_cast<std::size_t>(Hq * D));
+    for (float& x : q) x = normal(rng);
+    std::vector<float> want(q.size(), 0.0f);
+    for (std::int64_t qh = 0; qh < Hq && T > 0; ++qh) {
+      const std::int64_t h = qh / G;
+      std::vector<double> w(static_cast<std::size_t>(T));
+      double mx = -1e300, sum = 0;
+      for (std::int64_t j = 0; j < T; ++j) {
+        double dot = 0;
+        for (std::int64_t d = 0; d < D; ++d)
+          dot += double(q[qh * D + d]) * to_float(k[(h * T + j) * D + d]);
+        w[j] = dot * scale;
+        mx = std::max(mx, w[j]);
+      }
+      for (double& x : w) sum += (x = std::exp(x - mx));
+      for (std::int64_t d = 0; d < D; ++d) {
+        double acc = 0;
+        for (std::int64_t j = 0; j < T; ++j) acc += w[j] * to_float(v[(h * T + j) * D + d]);
+        want[qh * D + d] = static_cast<float>(acc / sum);
+      }
+    }
+    for (std::int32_t ctas : {1, 7, 264}) {
+      INFO("tokens " << T << " target_ctas " << ctas);
+      cuda::DecodeAttentionConfig ac;
+      ac.target_ctas = ctas;
+      DeviceBuffer<bf16_t> dk(k), dv(v);
+      DeviceBuffer<float> dq(q), out(q.size());
+      KVSIFT_CUDA_CHECK(cudaMemset(out.get(), 0xff, out.size() * 4));
+      DeviceBuffer<std::uint8_t> ws(cuda::dense_decode_attention_workspace_bytes(H, T, Hq, D, ac));
+      cuda::dense_decode_attention_bf16(dk.get(), dv.get(), H, T, dq.get(), Hq, D, scale, out.get(),
+                                        ws.get(), ws.size(), nullptr, ac);
+      KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+      require_close(out.download(), want, 1e-4f, "dense bf16 vs oracle");
+    }
+  }
+}
+
+TEST_CASE("device CT table: argument errors name the values") {
+  ThoughtBlockTableConfig cfg =
+      config(2, 16, 16, BlockFormat::nvfp4, BlockFormat::nvfp4, BlockFormat::ternary);
+  REQUIRE_THROWS_WITH(cuda::paged_table_sizes(cfg, 0),
+                      Contains("max_sequences must be > 0, got 0"));
+  REQUIRE_THROWS_WITH(cuda::DevicePagedTable(cfg, 1, cuda::PagedTableMemory{}),
+                      Contains("must be non-null"));
+  ThoughtBlockTable cpu(cfg);
+  DeviceTable dev(cfg, 1);
+  const std::int32_t seq = cpu.create_sequence();
+  cpu.open_segment(seq, ThoughtType::reasoning);
+  std::vector<float> k(32, 1.0f), v(32, 1.0f);
+  std::vector<SlotAddress> where(2);
+  cpu.append(seq, k.data(), v.data(), 2, 16, where.data());
+  REQUIRE_THROWS_WITH(dev.table.record_append(cpu, 3, where.data()),
+                      Contains("sequence 3 outside [0, max_sequences = 1)"));
+  std::vector<SlotAddress> bad = where;
+  bad[1].slot = 40;
+  REQUIRE_THROWS_WITH(dev.table.record_append(cpu, seq, bad.data()), Contains("slot 40"));
+  REQUIRE(dev.table.pending_tokens() == 0);  // nothing recorded on error
+  dev.table.record_append(cpu, seq, where.data());
+  // The same slot again in one batch (evicted and refilled before append()).
+  cpu.evict(seq, 0, where[0]);
+  cpu.evict(seq, 1, where[1]);
+  std::vector<SlotAddress> again(2);
+  cpu.append(seq, k.data(), v.data(), 2, 16, again.data());
+  REQUIRE_THROWS_WITH(dev.table.record_append(cpu, seq, again.data()),
+                      Contains("is written twice in one batch"));
+  REQUIRE(dev.table.pending_tokens() == 1);
+  REQUIRE_THROWS_WITH(dev.table.evict(seq, 0, {where[0]}, nullptr, 0, nullptr),
+                      Contains("1 recorded tokens are not written yet"));
+  DeviceBuffer<float> dk(k), dv(v);
+  DeviceBuffer<std::uint8_t> ws(dev.table.append_workspace_bytes());
+  REQUIRE_THROWS_WITH(
+      dev.table.append(dk.get(), dv.get(), DType::f16, ws.get(), ws.size(), nullptr),
+      Contains("got f16"));
+  REQUIRE_THROWS_WITH(dev.table.append(dk.get(), dv.get(), DType::f32, ws.get(), 0, nullptr),
+                      Contains("workspace of 0 bytes is too small"));
+  REQUIRE(dev.table.pending_tokens() == 1);
+  dev.table.append(dk.get(), dv.get(), DType::f32, ws.get(), ws.size(), nullptr);
+  REQUIRE_THROWS_WITH(dev.table.evict(seq, 5, {where[0]}, nullptr, 0, nullptr),
+                      Contains("kv head 5 outside [0, 2)"));
+  REQUIRE_THROWS_WITH(dev.table.evict(seq, 0, {SlotAddress{7, 0}}, nullptr, 0, nullptr),
+                      Contains("block 7 of sequence 0 outside [0, 1)"));
+  DeviceBuffer<float> q(48), out(48);
+  REQUIRE_THROWS_WITH(cuda::paged_decode_attention(dev.table, seq, q.get(), 3, 16, 0.25f, out.get(),
+                                                   nullptr, 0, nullptr),
+                      Contains("q_heads (3) must be a positive multiple of kv_heads (2)"));
+  REQUIRE_THROWS_WITH(cuda::paged_decode_attention(dev.table, seq, q.get(), 2, 32, 0.25f, out.get(),
+                                                   nullptr, 0, nullptr),
+                      Contains("query head_dim (32) differs from the table's head_dim (16)"));
+  REQUIRE_THROWS_WITH(cuda::paged_decode_attention(dev.table, seq, q.get(), 2, 16, -1.0f, out.get(),
+                                                   nullptr, 0, nullptr),
+                      Contains("softmax_scale (-1)"));
+  REQUIRE_THROWS_WITH(cuda::paged_decode_attention(dev.table, seq, q.get(), 2, 16, 0.25f, out.get(),
+                                                   nullptr, 0, nullptr),
+                      Contains("workspace of 0 bytes is too small"));
+  REQUIRE_THROWS_WITH(
+      cuda::dense_decode_attention_bf16(nullptr, nullptr, 1, 4, q.get(), 1, 272, 0.25f, out.get(),
+                                        nullptr, 1 << 20, nullptr),
+      Contains("head_dim (272) must be a multiple of 16 in [16, 256]"));
+  cuda::DecodeAttentionConfig ac;
+  ac.target_ctas = 0;
+  REQUIRE_THROWS_WITH(ac.validate(), Contains("target_ctas must be >= 1, got 0"));
+}
