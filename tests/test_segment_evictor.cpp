@@ -339,3 +339,25 @@ TEST_CASE("segment_eviction_marks for one paged segment returns evicted position
   REQUIRE_THROWS_WITH(segment_eviction_marks(keys.data(), pos.data(), 6, 1, 3),
                       Contains("below the floor"));
 }
+
+TEST_CASE("Rule 2 waits for the step after Rule 1 (\"otherwise\", §3.3)", "[evictor]") {
+  // Budget 10 with a 4-token prompt: the open 16-token R segment cannot be demoted, so the cache
+  // is over budget when a T segment opens. That step applies Rule 1 only (R: 16 -> 12); Rule 2
+  // trims R to the floor on the next step.
+  SegmentEvictorConfig c;
+  c.segment_length = 16;
+  c.schedule = {12, 8, 4};
+  c.budget = 10;
+  SegmentEvictor ev(c, 4);
+  feed(ev, R, 16);
+  const EvictionStep t = ev.append_token(T);
+  CHECK(t.opened_segment);
+  CHECK(t.rule1);
+  CHECK(t.rule2_demotions == 0);
+  CHECK(t.cache_after == 4 + 12 + 1);
+  const EvictionStep next = ev.append_token(T);
+  CHECK_FALSE(next.rule1);
+  CHECK(next.rule2_demotions == 2);  // 12 -> 8 -> 4: the floor
+  CHECK(next.cache_after == 4 + 4 + 2);
+  CHECK(ev.segments()[1].kept == 4);
+}

@@ -111,10 +111,10 @@ class SegmentEvictor {
   // One decode step: the new token joins the open segment, or opens a new segment of type
   // `label` (the classifier's label for this interval) every `segment_length` tokens. Then:
   //  Rule 1: if the token opened a T segment, every earlier segment is demoted one step;
-  //  Rule 2: while the cache exceeds the budget, the least important closed segment (lowest ρ,
-  //          then oldest) that can still shrink is demoted. It also runs after Rule 1 when the
-  //          cache is still above budget (our choice: the budget holds at every step it can).
-  //          When no candidate can shrink, it stops and reports `over_budget`.
+  //  Rule 2: otherwise (ALGORITHMS.md §3.3: not on a step where Rule 1 fired), while the cache
+  //          exceeds the budget, the least important closed segment (lowest ρ, then oldest) that
+  //          can still shrink is demoted. When no candidate can shrink, it stops and reports
+  //          `over_budget`. A cache still above budget after Rule 1 is trimmed at the next step.
   // The open segment is never a Rule 2 candidate (our choice), nor is the prompt unless
   // `evict_prompt`.
   EvictionStep append_token(ThoughtType label) {
@@ -141,7 +141,7 @@ class SegmentEvictor {
       const std::size_t first = config_.evict_prompt ? 0 : 1;
       for (std::size_t i = first; i + 1 < segments_.size(); ++i) demote(i);
     }
-    while (cache_length_ > config_.budget) {
+    while (!out.rule1 && cache_length_ > config_.budget) {
       const int victim = rule2_victim();
       if (victim < 0) {
         out.over_budget = true;
