@@ -85,8 +85,11 @@ __device__ bool preferred(float v, int i, float best_v, int best_i) {
   return i < best_i;
 }
 
-// Called by one whole warp: the eligible row i < n (eligible[i] == 0) with the largest/smallest
-// values[i], ties to the lower row. Values are never NaN here.
+// Called by one whole warp: the eligible row i < n (taken[i] == 0) with the largest/smallest
+// values[i], ties to the lower row. Values are never NaN here. Every caller then has lane 0 set
+// taken[winner], which the lane owning that row read in the scan: the closing __syncwarp orders
+// every lane's reads before any write after the return (the shuffles exchange registers only and
+// are no memory barrier under independent thread scheduling).
 template <bool kLargest>
 __device__ int warp_arg_best(const float* values, const std::uint8_t* taken, int n) {
   const int lane = threadIdx.x % 32;
@@ -106,6 +109,7 @@ __device__ int warp_arg_best(const float* values, const std::uint8_t* taken, int
       best_i = i;
     }
   }
+  __syncwarp();
   return best_i;
 }
 

@@ -212,6 +212,10 @@ __global__ void __launch_bounds__(kThreads)
       float sum = p;
       for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
       sP[g * kTile + lane] = p;
+      // Lane 0 rewrites sM[g], which every lane read as m_old above: the shuffles exchange
+      // registers only, so without this barrier (independent thread scheduling) nothing orders
+      // another lane's read before lane 0's write.
+      __syncwarp();
       if (lane == 0) {
         const float r = expf(m_old - m_new);  // 0 for the first live tile (m_old = −inf)
         sR[g] = r;
