@@ -20,6 +20,10 @@
 #include "demo_sentences.hpp"
 #include "demo_table.hpp"
 #include "demo_thinkv.hpp"
+#include "device_flag.hpp"
+#if defined(KVSIFT_WITH_CUDA)
+#include "demo_cuda.hpp"
+#endif
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/policy/registry.hpp"
@@ -48,6 +52,8 @@ flags:
   --buffer N        decode steps between compressions once the budget is reached (default 128)
   --tokens SRC      where sentences end: 'auto' (the MATH-500 token streams when the data file is
                     there, else synthetic lengths), 'synthetic', or a token file path (default auto)
+  --device D        cpu (default) or cuda: R-KV selects on the GPU (kvsift::cuda::rkv_select), every
+                    other policy stays on the CPU; needs the CUDA backend and a CUDA device
   --help            this text
 )";
 }
@@ -97,15 +103,20 @@ std::vector<std::string> chosen_policies(const Args& args) {
 // demo_thinkv.hpp): policies with per-step bookkeeping (H2O's accumulated attention, SkipKV's
 // sentence tracking, ThinKV's own quantized tables) get their own DemoPolicy; the rest need only
 // the kvsift::Policy calls. ThinKV's budget is the demo's (its k, tokens per layer and KV head).
+// With --device cuda, R-KV selects on the GPU (demo_cuda.hpp); the rest run on the CPU.
 std::unique_ptr<demo::DemoPolicy> make_demo_policy(const std::string& name,
                                                    const PolicyOptions& options,
-                                                   std::int64_t length) {
+                                                   std::int64_t length, const std::string& device) {
   if (name == "thinkv") {
     demo::ThinKVDemoOptions o;
     o.budget = options.budget;
     o.length = length;
     return std::make_unique<demo::ThinKVPolicy>(o);
   }
+#if defined(KVSIFT_WITH_CUDA)
+  if (device == "cuda" && name == "rkv") return demo::cuda_rkv_policy(make_policy(name, options));
+#endif
+  (void)device;
   return demo::adapt_policy(make_policy(name, options));
 }
 
@@ -226,7 +237,7 @@ void print_legend(const demo::DemoConfig& cfg, bool with_skipkv, bool with_think
 int run_demo_command(const std::vector<std::string>& argv) {
   const Args args(argv,
                   {"budget", "length", "batch", "seed", "layers", "dtype", "policies", "window",
-                   "buffer", "tokens"},
+                   "buffer", "tokens", "device"},
                   {"help"});
   if (args.has("help")) {
     print_help();
@@ -244,6 +255,10 @@ int run_demo_command(const std::vector<std::string>& argv) {
   cfg.generator.seed = static_cast<std::uint64_t>(seed);
   cfg.dtype = parse_dtype(args.str("dtype", "f16"));
   cfg.validate();
+  const std::string device = device_setting(args);
+#if defined(KVSIFT_WITH_CUDA)
+  if (device == "cuda") tool::require_cuda_device();
+#endif
   // The FullKV reference keeps every key in fp32; refuse runs that would not fit comfortably.
   const double reference_gib = static_cast<double>(length) * cfg.generator.batch *
                                cfg.generator.layers * cfg.generator.kv_heads *
@@ -259,12 +274,23 @@ int run_demo_command(const std::vector<std::string>& argv) {
   options.buffer = cfg.buffer;
   options.hidden_size = cfg.generator.head_dim;  // SkipKV embeds the generator's hidden stand-ins
   std::vector<std::unique_ptr<demo::DemoPolicy>> policies;
-  for (const auto& name : names) policies.push_back(make_demo_policy(name, options, length));
+  for (const auto& name : names)
+    policies.push_back(make_demo_policy(name, options, length, device));
 
   SentenceSource src =
       sentence_source(args.str("tokens", "auto"), length, cfg.generator.batch, cfg.generator.seed);
   demo::SyntheticDecode decode(cfg.generator, std::move(src.plans));
   print_banner(cfg, decode, src);
+  if (device == "cuda") {
+    const bool rkv = std::find(names.begin(), names.end(), "rkv") != names.end();
+    std::cout << demo::wrap_text(
+        rkv ? "--device cuda: R-KV runs on CUDA (each compression uploads the layer's cache and "
+              "window queries, kvsift::cuda::rkv_select picks the kept slots, and the downloaded "
+              "plan compacts the demo's cache; its ms/compression includes the transfers). Every "
+              "other policy runs on the CPU."
+            : "--device cuda: rkv is not among --policies, so every policy runs on the CPU.",
+        100);
+  }
   const demo::DemoResult result = demo::run_demo(cfg, decode, policies);
   demo::demo_table(result, cfg.recall_k).print(std::cout);
   const auto chosen = [&](const char* n) {

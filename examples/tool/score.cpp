@@ -12,6 +12,7 @@
 
 #include "args.hpp"
 #include "command.hpp"
+#include "device_flag.hpp"
 #include "kvsift/core/compact.hpp"
 #include "kvsift/core/safetensors.hpp"
 #include "kvsift/policy/full_kv.hpp"
@@ -19,6 +20,10 @@
 #include "kvsift/policy/rkv.hpp"
 #include "kvsift/policy/snapkv.hpp"
 #include "kvsift/policy/streaming_llm.hpp"
+#include "score_rkv_run.hpp"
+#if defined(KVSIFT_WITH_CUDA)
+#include "score_cuda.hpp"
+#endif
 
 namespace kvsift::tool {
 
@@ -32,7 +37,8 @@ void print_help() {
       "usage: kvsift score --policy {rkv,snapkv,h2o,streaming,fullkv,skipkv} --case "
       "IN.safetensors\n"
       "                    --out OUT.safetensors [--budget N] [--window W] [--kernel K]\n"
-      "                    [--lambda L] [--threshold T] [--redundancy faithful|sound]\n\n"
+      "                    [--lambda L] [--threshold T] [--redundancy faithful|sound]\n"
+      "                    [--device cpu|cuda] [--compare-cpu] [--tensor-core-search]\n\n"
       "Reads queries [B,Hq,W,D], keys and values [B,Hkv,S,D] (f32, f16 or bf16) and an optional\n"
       "valid_mask [B,S]; parameters come from __metadata__.config (JSON), flags override them.\n"
       "Writes what the policy computes: importance, redundancy (window sliced), redundancy_full,\n"
@@ -47,7 +53,17 @@ void print_help() {
       "the\n"
       "W window queries as W decode steps.\n"
       "--policy skipkv also takes --pad-mode and reads sentences; see\n"
-      "'kvsift score --policy skipkv --help'.\n");
+      "'kvsift score --policy skipkv --help'.\n\n"
+      "--device cuda (default cpu) runs --policy rkv on the GPU (kvsift::cuda::rkv_score,\n"
+      "rkv_select, compact) and writes the same tensors, with \"device\": \"cuda\" in the\n"
+      "config. It needs queries stored in the keys' dtype and R-KV's defaults (GQA max, max\n"
+      "pooling, window mean, no sink). --policy skipkv has a GPU path too (see its --help);\n"
+      "streaming, h2o, snapkv and fullkv run on the CPU only. Needs a build with the CUDA\n"
+      "backend and a CUDA device. --compare-cpu (with --device cuda) also runs the CPU path,\n"
+      "prints the max abs/rel difference of every output and the kept-set agreement, and exits\n"
+      "1 unless they agree within the golden tolerances (scores |x-ref| <= 1e-6+1e-4|ref|, kept\n"
+      "sets equal up to near-cut swaps, compacted K/V bit-identical on common slots).\n"
+      "--tensor-core-search: the GPU's bf16 tensor-core near-duplicate search (same results).\n");
 }
 
 StDType storage_st_dtype(DType t) {
@@ -72,6 +88,7 @@ DType storage_dtype(const StTensor& t, const char* name) {
 struct Case {
   std::vector<std::uint8_t> keys, values;  // [B, Hkv, S, D], storage dtype
   std::vector<float> queries;              // [B, Hq, W, D]
+  StDType query_dtype = StDType::f32;      // how the case stores the queries
   std::vector<std::uint8_t> mask;          // [B, S] or empty
   std::vector<std::int32_t> lengths;       // [B], all S
   DType dtype = DType::f32;
@@ -109,6 +126,7 @@ Case load_case(const std::string& path) {
   const StTensor& q = f.get("queries", {c.batch, -1, -1, c.dim});
   c.q_heads = q.shape[1], c.window = q.shape[2];
   c.queries = q.to_f32();
+  c.query_dtype = q.dtype;
   if (f.has("valid_mask")) {
     const std::vector<std::int64_t> m = f.get("valid_mask", {c.batch, c.seq}).to_i64();
     for (std::int64_t x : m)
@@ -155,8 +173,10 @@ void put_scores(SafetensorsFile& out, const std::string& name, const cpu::ScoreT
   out.put_f32(name, {s.batch(), s.kv_heads(), n}, data.data());
 }
 
-// keep_sorted and the compacted K/V of `plan`, applied to the case's own buffers.
-void put_plan(SafetensorsFile& out, Case& c, const KeepPlan& plan, std::int64_t window) {
+// keep_sorted and the compacted K/V of `plan`: `keys` / `values` [B, Hkv, S, D] already compacted
+// by the device that ran the policy, or nullptr to apply `plan` to the case's own buffers here.
+void put_plan(SafetensorsFile& out, Case& c, const KeepPlan& plan, std::int64_t window,
+              const std::vector<std::uint8_t>* keys, const std::vector<std::uint8_t>* values) {
   std::int64_t longest = 0;
   for (std::int64_t b = 0; b < c.batch; ++b)
     longest = std::max<std::int64_t>(longest, plan.kept_length(b));
@@ -168,7 +188,11 @@ void put_plan(SafetensorsFile& out, Case& c, const KeepPlan& plan, std::int64_t 
         keep[(b * c.kv_heads + h) * tops + i] = plan.row(b, h)[i];
   out.put_i64("keep_sorted", {c.batch, c.kv_heads, tops}, keep.data());
 
-  compact(c.kv(), plan);
+  if (keys == nullptr) {
+    compact(c.kv(), plan);
+    keys = &c.keys;
+    values = &c.values;
+  }
   const std::size_t row = static_cast<std::size_t>(c.dim) * dtype_size(c.dtype);
   auto put_compacted = [&](const char* name, const std::vector<std::uint8_t>& src) {
     StTensor t;
@@ -181,9 +205,27 @@ void put_plan(SafetensorsFile& out, Case& c, const KeepPlan& plan, std::int64_t 
                     &src[(b * c.kv_heads + h) * c.seq * row], plan.kept_length(b) * row);
     out.put(name, std::move(t));
   };
-  put_compacted("compacted_keys", c.keys);
-  put_compacted("compacted_values", c.values);
+  put_compacted("compacted_keys", *keys);
+  put_compacted("compacted_values", *values);
 }
+
+void put_dense(SafetensorsFile& out, const std::string& name, const std::vector<float>& data,
+               std::int64_t batch, std::int64_t kv_heads, std::int64_t n) {
+  out.put_f32(name, {batch, kv_heads, n}, data.data());
+}
+
+#if defined(KVSIFT_WITH_CUDA)
+// The case's queries [B, Hq, W, D] in the keys' dtype, as the GPU R-KV takes them. Exact: the
+// case stores them in that dtype (checked), and Case::queries holds them widened to f32.
+std::vector<std::uint8_t> queries_in_kv_dtype(const Case& c) {
+  KVSIFT_CHECK(c.query_dtype == storage_st_dtype(c.dtype),
+               "--device cuda: R-KV on CUDA needs queries in the keys' dtype; the case stores "
+               "queries as ",
+               st_dtype_name(c.query_dtype), " and keys as ",
+               st_dtype_name(storage_st_dtype(c.dtype)), " (use --device cpu)");
+  return queries_in_dtype(c.queries, c.dtype);
+}
+#endif
 
 int run_score(const std::vector<std::string>& argv) {
   for (std::size_t i = 0; i < argv.size(); ++i) {
@@ -194,13 +236,26 @@ int run_score(const std::vector<std::string>& argv) {
   }
   const Args a(
       argv,
-      {"policy", "case", "out", "budget", "window", "kernel", "lambda", "threshold", "redundancy"},
-      {"help"});
+      {"policy", "case", "out", "budget", "window", "kernel", "lambda", "threshold", "redundancy",
+       "device"},
+      {"help", "compare-cpu", "tensor-core-search"});
   if (a.has("help")) {
     print_help();
     return 0;
   }
   const std::string policy = a.required("policy");
+  const bool known = policy == "rkv" || policy == "snapkv" || policy == "h2o" ||
+                     policy == "streaming" || policy == "fullkv";
+  KVSIFT_CHECK(known, "unknown --policy '", policy,
+               "' (known: rkv, snapkv, h2o, streaming, fullkv, skipkv)");
+  const std::string device = device_setting(a);
+  KVSIFT_CHECK(device == "cpu" || policy == "rkv", "--policy ", policy,
+               " has no CUDA path: it runs on --device cpu only (--device cuda supports --policy "
+               "rkv and skipkv)");
+  KVSIFT_CHECK(!a.has("compare-cpu") || device == "cuda",
+               "--compare-cpu compares the CUDA run with the CPU run: it needs --device cuda");
+  KVSIFT_CHECK(!a.has("tensor-core-search") || device == "cuda",
+               "--tensor-core-search is a GPU option: it needs --device cuda");
   const std::string in_path = a.required("case"), out_path = a.required("out");
   Case c = load_case(in_path);
   const nlohmann::json& cfg = c.config;
@@ -209,12 +264,17 @@ int run_score(const std::vector<std::string>& argv) {
   KVSIFT_CHECK(window == c.window, "window (", window, ") must equal the queries' W (", c.window,
                ")");
   nlohmann::json echo = {
-      {"policy", policy}, {"budget", budget}, {"window", window}, {"source", in_path}};
+      {"policy", policy}, {"budget", budget},   {"window", window},
+      {"source", in_path}, {"device", device}};
   SafetensorsFile out;
   KVCacheView kv = c.kv();
   StepInputs in{0, kv, c.q()};
   const std::int64_t n = c.seq - window;
   KeepPlan plan;
+  RKVRun run;  // rkv: its tensors and its compacted K/V (from the device that ran it)
+  const std::vector<std::uint8_t>* compacted_keys = nullptr;
+  const std::vector<std::uint8_t>* compacted_values = nullptr;
+  bool agrees = true;  // --compare-cpu's verdict
 
   if (policy == "rkv") {
     RKVConfig r;
@@ -225,13 +285,29 @@ int run_score(const std::vector<std::string>& argv) {
     r.mix_lambda = setting<float>(a, "lambda", cfg, "mix_lambda", r.mix_lambda);
     r.threshold = setting<float>(a, "threshold", cfg, "threshold", r.threshold);
     r.redundancy = redundancy_setting(a, cfg);
-    RKV p(r);
-    const RKVScores s = cpu::rkv_scores(kv, in.window_queries, r);
-    put_scores(out, "importance", s.importance, n);
-    put_scores(out, "redundancy", s.redundancy, n);
-    put_scores(out, "redundancy_full", s.redundancy_full, c.seq);
-    put_scores(out, "score", s.score, n);
-    plan = p.select(in);
+    if (device == "cuda") {
+#if defined(KVSIFT_WITH_CUDA)
+      std::vector<std::uint8_t> q = queries_in_kv_dtype(c);
+      const TensorView q_view = TensorView::contiguous(q.data(), c.dtype, Device::cpu,
+                                                       {c.batch, c.q_heads, c.window, c.dim});
+      run = run_rkv_cuda(kv, q_view, r, a.has("tensor-core-search"));
+      if (a.has("compare-cpu")) {
+        const RKVRun cpu_run = run_rkv_cpu(kv, in.window_queries, r);
+        agrees = print_rkv_comparison(
+            compare_rkv_runs(run, cpu_run, r, c.mask.empty() ? nullptr : c.mask.data()));
+      }
+      echo["tensor_core_search"] = a.has("tensor-core-search");
+#endif
+    } else {
+      run = run_rkv_cpu(kv, in.window_queries, r);
+    }
+    put_dense(out, "importance", run.importance, c.batch, c.kv_heads, n);
+    put_dense(out, "redundancy", run.redundancy, c.batch, c.kv_heads, n);
+    put_dense(out, "redundancy_full", run.redundancy_full, c.batch, c.kv_heads, c.seq);
+    put_dense(out, "score", run.score, c.batch, c.kv_heads, n);
+    plan = run.plan;
+    compacted_keys = &run.keys;
+    compacted_values = &run.values;
     echo.update({{"kernel", r.kernel},
                  {"mix_lambda", r.mix_lambda},
                  {"threshold", r.threshold},
@@ -264,12 +340,9 @@ int run_score(const std::vector<std::string>& argv) {
     echo.update({{"sink", s.sink}});
   } else if (policy == "fullkv") {
     plan = FullKV().select(in);
-  } else {
-    KVSIFT_FAIL("unknown --policy '", policy,
-                "' (known: rkv, snapkv, h2o, streaming, fullkv, skipkv)");
   }
   plan.validate();
-  put_plan(out, c, plan, window);
+  put_plan(out, c, plan, window, compacted_keys, compacted_values);
   out.metadata()["config"] = echo.dump();
   out.save(out_path);
   std::printf("kvsift score: %s on %s (B=%lld, Hkv=%lld, S=%lld, D=%lld, %s) -> %s\n",
@@ -278,7 +351,7 @@ int run_score(const std::vector<std::string>& argv) {
               static_cast<long long>(c.dim), std::string(dtype_name(c.dtype)).c_str(),
               out_path.c_str());
   std::printf("config: %s\n", echo.dump().c_str());
-  return 0;
+  return agrees ? 0 : 1;
 }
 
 const RegisterCommand kRegister{

@@ -13,6 +13,11 @@
 #include <vector>
 
 #include "args.hpp"
+#include "device_flag.hpp"
+#include "score_rkv_run.hpp"
+#if defined(KVSIFT_WITH_CUDA)
+#include "score_cuda.hpp"
+#endif
 #include "kvsift/core/compact.hpp"
 #include "kvsift/core/safetensors.hpp"
 #include "kvsift/core/segment_table.hpp"
@@ -28,7 +33,8 @@ void print_skipkv_help() {
   std::printf(
       "usage: kvsift score --policy skipkv --case IN.safetensors --out OUT.safetensors\n"
       "                    [--pad-mode exclude|faithful] [--budget N] [--window W] [--kernel K]\n"
-      "                    [--lambda L] [--threshold T] [--redundancy faithful|sound]\n\n"
+      "                    [--lambda L] [--threshold T] [--redundancy faithful|sound]\n"
+      "                    [--device cpu|cuda] [--compare-cpu] [--tensor-core-search]\n\n"
       "SkipKV eq. 6: score = lambda*a - (1-lambda)*R - sum of the marks of redundant sentences\n"
       "over each token. Reads queries [B,Hq,W,D], keys and values [B,Hkv,S,D] (F32/F16/BF16), and\n"
       "when present valid_mask [B,S] and sentences [n,4] = (batch, start, end, lambda) with\n"
@@ -42,7 +48,12 @@ void print_skipkv_help() {
       "Writes importance, redundancy, redundancy_full, score ([B,Hkv,S-W] / [B,Hkv,S]),\n"
       "keep_sorted (int64 [B,Hkv,K-W], kept slots without the window, -1 past a shorter row),\n"
       "compacted_keys / compacted_values ([B,Hkv,K,D]; K the longest kept row) and\n"
-      "__metadata__.config.\n");
+      "__metadata__.config.\n"
+      "--device cuda runs eq. 6 on the GPU (kvsift::cuda::skipkv_score / skipkv_select, then\n"
+      "kvsift::cuda::compact) and writes the same tensors; queries must be stored in the keys'\n"
+      "dtype. --compare-cpu also runs the CPU path and prints the max abs/rel difference of\n"
+      "every output and the kept-set agreement; exit 1 outside the golden tolerances. Needs a\n"
+      "build with the CUDA backend and a CUDA device.\n");
 }
 
 DType key_dtype(const StTensor& t) {
@@ -75,28 +86,24 @@ double number(const Args& a, const char* flag, const nlohmann::json& cfg, const 
   return cfg[key].get<double>();
 }
 
-void put_rows(SafetensorsFile& out, const std::string& name, const cpu::ScoreTensor& s,
-              std::int64_t n) {
-  std::vector<float> data(static_cast<std::size_t>(s.batch() * s.kv_heads() * n));
-  for (std::int64_t b = 0; b < s.batch(); ++b)
-    for (std::int64_t h = 0; h < s.kv_heads(); ++h)
-      std::copy(s.row(b, h), s.row(b, h) + n, data.begin() + (b * s.kv_heads() + h) * n);
-  out.put_f32(name, {s.batch(), s.kv_heads(), n}, data.data());
-}
-
 }  // namespace
 
 int run_score_skipkv(const std::vector<std::string>& argv) {
   const Args a(argv,
                {"policy", "case", "out", "budget", "window", "kernel", "lambda", "threshold",
-                "redundancy", "pad-mode"},
-               {"help"});
+                "redundancy", "pad-mode", "device"},
+               {"help", "compare-cpu", "tensor-core-search"});
   if (a.has("help")) {
     print_skipkv_help();
     return 0;
   }
   const std::string policy = a.str("policy", "skipkv");
   KVSIFT_CHECK(policy == "skipkv", "this scorer runs --policy skipkv, got '", policy, "'");
+  const std::string device = device_setting(a);
+  KVSIFT_CHECK(!a.has("compare-cpu") || device == "cuda",
+               "--compare-cpu compares the CUDA run with the CPU run: it needs --device cuda");
+  KVSIFT_CHECK(!a.has("tensor-core-search") || device == "cuda",
+               "--tensor-core-search is a GPU option: it needs --device cuda");
   const std::string in_path = a.required("case"), out_path = a.required("out");
   const SafetensorsFile f = SafetensorsFile::load(in_path);
   nlohmann::json cfg = nlohmann::json::object();
@@ -144,7 +151,6 @@ int run_score_skipkv(const std::vector<std::string>& argv) {
                "--redundancy must be 'faithful' or 'sound', got '", red, "'");
   sc.redundancy = red == "faithful" ? RedundancyMode::faithful : RedundancyMode::sound;
   sc.pad_mode = parse_pad_mode(a.str("pad-mode", "exclude"));
-  const SentenceScorer scorer(sc);
 
   // Sentence marks: every listed sentence mapped at its generation range (§2.3 before any
   // eviction); rows of one sequence must be ordered and disjoint (SegmentTable checks).
@@ -177,15 +183,37 @@ int run_score_skipkv(const std::vector<std::string>& argv) {
     for (const MarkedSentence& s : sentences[b]) marked += s.lambda >= 0.0f ? 1 : 0;
   }
 
-  const SentenceScores s = scorer.scores(kv, q, penalties);
-  const KeepPlan plan = scorer.select(kv, q, penalties);
-  plan.validate();
+  RKVRun run;
+  bool agrees = true;  // --compare-cpu's verdict
+  if (device == "cuda") {
+#if defined(KVSIFT_WITH_CUDA)
+    KVSIFT_CHECK(qt.dtype == kt.dtype,
+                 "--device cuda: SkipKV on CUDA needs queries in the keys' dtype; the case stores "
+                 "queries as ",
+                 st_dtype_name(qt.dtype), " and keys as ", st_dtype_name(kt.dtype),
+                 " (use --device cpu)");
+    std::vector<std::uint8_t> q_dev = queries_in_dtype(queries, dtype);
+    const TensorView q_view = TensorView::contiguous(q_dev.data(), dtype, Device::cpu,
+                                                     {B, qt.shape[1], qt.shape[2], D});
+    run = run_skipkv_cuda(kv, q_view, sc, penalties, a.has("tensor-core-search"));
+    if (a.has("compare-cpu")) {
+      // Faithful pads compete for the budget (+100), so the cut is taken over every slot.
+      const bool pads_compete = sc.pad_mode == PadMode::faithful || mask.empty();
+      agrees = print_rkv_comparison(
+          compare_rkv_runs(run, run_skipkv_cpu(kv, q, sc, penalties), sc.rkv_config(),
+                           pads_compete ? nullptr : mask.data()));
+    }
+#endif
+  } else {
+    run = run_skipkv_cpu(kv, q, sc, penalties);
+  }
+  const KeepPlan& plan = run.plan;
   const std::int64_t n = S - sc.window;
   SafetensorsFile out;
-  put_rows(out, "importance", s.importance, n);
-  put_rows(out, "redundancy", s.redundancy, n);
-  put_rows(out, "redundancy_full", s.redundancy_full, S);
-  put_rows(out, "score", s.score, n);
+  out.put_f32("importance", {B, H, n}, run.importance.data());
+  out.put_f32("redundancy", {B, H, n}, run.redundancy.data());
+  out.put_f32("redundancy_full", {B, H, S}, run.redundancy_full.data());
+  out.put_f32("score", {B, H, n}, run.score.data());
 
   std::int64_t longest = 0;
   for (std::int64_t b = 0; b < B; ++b)
@@ -197,10 +225,9 @@ int run_score_skipkv(const std::vector<std::string>& argv) {
       for (std::int64_t i = 0; i + sc.window < plan.row_size(b, h); ++i)
         keep[(b * H + h) * tops + i] = plan.row(b, h)[i];
   out.put_i64("keep_sorted", {B, H, tops}, keep.data());
-  compact(kv, plan);
   const std::size_t row_bytes = static_cast<std::size_t>(D) * dtype_size(dtype);
   for (const char* name : {"compacted_keys", "compacted_values"}) {
-    const std::vector<std::uint8_t>& src = name[10] == 'k' ? keys : values;
+    const std::vector<std::uint8_t>& src = name[10] == 'k' ? run.keys : run.values;
     StTensor t;
     t.dtype = kt.dtype;
     t.shape = {B, H, longest, D};
@@ -211,12 +238,14 @@ int run_score_skipkv(const std::vector<std::string>& argv) {
                     plan.kept_length(b) * row_bytes);
     out.put(name, std::move(t));
   }
-  const nlohmann::json echo = {
+  nlohmann::json echo = {
       {"policy", "skipkv"},          {"budget", sc.budget},
       {"window", sc.window},         {"kernel", sc.kernel},
       {"mix_lambda", sc.mix_lambda}, {"threshold", sc.threshold},
       {"redundancy", red},           {"pad_mode", pad_mode_name(sc.pad_mode)},
-      {"marked_sentences", marked},  {"source", in_path}};
+      {"marked_sentences", marked},  {"source", in_path},
+      {"device", device}};
+  if (device == "cuda") echo["tensor_core_search"] = a.has("tensor-core-search");
   out.metadata()["config"] = echo.dump();
   out.save(out_path);
   std::printf("kvsift score: skipkv on %s (B=%lld, Hkv=%lld, S=%lld, D=%lld, %s) -> %s\n",
@@ -224,7 +253,7 @@ int run_score_skipkv(const std::vector<std::string>& argv) {
               static_cast<long long>(S), static_cast<long long>(D),
               std::string(dtype_name(dtype)).c_str(), out_path.c_str());
   std::printf("config: %s\n", echo.dump().c_str());
-  return 0;
+  return agrees ? 0 : 1;
 }
 
 }  // namespace kvsift::tool

@@ -1,0 +1,265 @@
+// The tool's CUDA path for R-KV (`kvsift score --policy rkv --device cuda`, `kvsift demo --device
+// cuda`): upload a host cache and its window queries, run kvsift::cuda::rkv_score / rkv_select and
+// kvsift::cuda::compact, download what the CPU path would have written. The library never
+// allocates; the tool, playing the engine, owns the device buffers here. Performance is not the
+// point (one upload per call, synchronous): agreement with the CPU reference is.
+//
+// Only for builds with the CUDA backend (KVSIFT_WITH_CUDA); include it under that macro.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kvsift/backend/cuda/check.hpp"
+#include "kvsift/backend/cuda/compact.hpp"
+#include "kvsift/backend/cuda/rkv_scoring.hpp"
+#include "kvsift/backend/cuda/sentence_scoring.hpp"
+#include "kvsift/core/error.hpp"
+#include "kvsift/policy/rkv.hpp"
+#include "kvsift/policy/sentence_scorer.hpp"
+#include "score_rkv_run.hpp"
+
+namespace kvsift::tool {
+
+// Throws kvsift::Error when no CUDA device can be used, so `--device cuda` fails with one line
+// instead of a failed launch later.
+inline void require_cuda_device() {
+  int devices = 0;
+  const cudaError_t status = cudaGetDeviceCount(&devices);
+  KVSIFT_CHECK(status == cudaSuccess && devices > 0,
+               "--device cuda: no CUDA device present (cudaGetDeviceCount: ",
+               status == cudaSuccess ? std::string("0 devices") : cudaGetErrorString(status), ")");
+}
+
+// An owning device allocation of `bytes` bytes (at least 1, so an empty tensor still has an
+// address the launchers accept).
+class DeviceBytes {
+ public:
+  explicit DeviceBytes(std::size_t bytes) : bytes_(bytes) {
+    KVSIFT_CUDA_CHECK(cudaMalloc(&ptr_, bytes == 0 ? 1 : bytes));
+  }
+  DeviceBytes(const void* host, std::size_t bytes) : DeviceBytes(bytes) {
+    if (bytes > 0) KVSIFT_CUDA_CHECK(cudaMemcpy(ptr_, host, bytes, cudaMemcpyHostToDevice));
+  }
+  ~DeviceBytes() { cudaFree(ptr_); }
+  DeviceBytes(const DeviceBytes&) = delete;
+  DeviceBytes& operator=(const DeviceBytes&) = delete;
+
+  template <class T = void>
+  T* get() const {
+    return static_cast<T*>(ptr_);
+  }
+  std::size_t size() const { return bytes_; }
+  template <class T>
+  std::vector<T> download(std::size_t n) const {
+    KVSIFT_CHECK(n * sizeof(T) <= bytes_, "DeviceBytes: download of ", n * sizeof(T),
+                 " bytes from a buffer of ", bytes_);
+    std::vector<T> host(n);
+    if (n > 0)
+      KVSIFT_CUDA_CHECK(cudaMemcpy(host.data(), ptr_, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return host;
+  }
+
+ private:
+  void* ptr_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+// The GPU R-KV's scope (rkv_scoring.hpp): equal lengths, queries in the keys' dtype, GQA max, max
+// pooling, window mean, no sink tokens. Throws a kvsift::Error naming what the call asks for
+// otherwise; returns the device config.
+//   kv       host or device [batch, kv_heads, capacity, head_dim]
+//   queries  [batch, q_heads, W, head_dim]
+inline cuda::RKVScoringConfig cuda_rkv_config(const RKVConfig& r, const KVCacheView& kv,
+                                              const TensorView& queries,
+                                              bool tensor_core_search = false) {
+  r.validate();
+  KVSIFT_CHECK(r.sink == 0, "--device cuda: R-KV on CUDA keeps no sink tokens, the case asks for ",
+               r.sink, " (use --device cpu)");
+  const WindowImportanceConfig ic = r.importance_config();
+  KVSIFT_CHECK(
+      ic.gqa == GqaReduce::max && ic.pooling == Pooling::max && ic.reduction == WindowReduce::mean,
+      "--device cuda: R-KV on CUDA supports only GQA max, max pooling and window mean "
+      "(use --device cpu)");
+  for (std::int64_t b = 1; b < kv.batch(); ++b)
+    KVSIFT_CHECK(kv.length(b) == kv.length(0),
+                 "--device cuda: R-KV on CUDA needs equal sequence lengths, sequence 0 holds ",
+                 kv.length(0), " tokens and sequence ", b, " holds ", kv.length(b),
+                 " (use --device cpu)");
+  KVSIFT_CHECK(queries.dtype == kv.dtype(),
+               "--device cuda: R-KV on CUDA needs queries in the "
+               "keys' dtype, got queries ",
+               dtype_name(queries.dtype), " and keys ", dtype_name(kv.dtype()),
+               " (use --device cpu)");
+  cuda::RKVScoringConfig c;
+  c.budget = r.budget;
+  c.window = r.window;
+  c.kernel = r.kernel;
+  c.mix_lambda = r.mix_lambda;
+  c.threshold = r.threshold;
+  c.faithful = r.redundancy == RedundancyMode::faithful;
+  c.tensor_core_search = tensor_core_search;
+  c.validate();
+  return c;
+}
+
+// A host cache and its queries mirrored on the device, with the host lengths the device view uses
+// (cuda::compact rewrites them).
+struct DeviceRKVInputs {
+  DeviceBytes keys, values, queries, mask;
+  std::vector<std::int32_t> lengths;
+  KVCacheView kv;
+  TensorView q;
+
+  //   host_kv       contiguous host [batch, kv_heads, capacity, head_dim]
+  //   host_queries  contiguous host [batch, q_heads, W, head_dim]
+  DeviceRKVInputs(const KVCacheView& host_kv, const TensorView& host_queries)
+      : keys(host_kv.keys.data, bytes_of(host_kv.keys)),
+        values(host_kv.values.data, bytes_of(host_kv.values)),
+        queries(host_queries.data, bytes_of(host_queries)),
+        mask(host_kv.valid_mask,
+             host_kv.valid_mask == nullptr ? 0 : host_kv.batch() * host_kv.capacity()),
+        lengths(host_kv.lengths, host_kv.lengths + host_kv.batch()) {
+    kv = make_kv_cache_view(keys.get(), values.get(), host_kv.dtype(), Device::cuda,
+                            host_kv.batch(), host_kv.kv_heads(), host_kv.capacity(),
+                            host_kv.head_dim(), lengths.data(),
+                            host_kv.valid_mask == nullptr ? nullptr : mask.get<std::uint8_t>());
+    q = TensorView::contiguous(queries.get(), host_queries.dtype, Device::cuda,
+                               {host_queries.shape[0], host_queries.shape[1], host_queries.shape[2],
+                                host_queries.shape[3]});
+  }
+
+  static std::size_t bytes_of(const TensorView& t) {
+    KVSIFT_CHECK(t.device == Device::cpu && t.is_contiguous(),
+                 "--device cuda: the tool uploads contiguous host tensors, got [", t.shape_string(),
+                 "]");
+    return static_cast<std::size_t>(t.numel()) * dtype_size(t.dtype);
+  }
+};
+
+// `kvsift score --policy rkv --device cuda`: the same RKVRun as run_rkv_cpu(), computed on the GPU.
+//   kv       contiguous host [batch, kv_heads, S, head_dim], every sequence S tokens
+//   queries  contiguous host [batch, q_heads, W, head_dim] in the keys' dtype
+inline RKVRun run_rkv_cuda(const KVCacheView& kv, const TensorView& queries, const RKVConfig& cfg,
+                           bool tensor_core_search = false) {
+  check_rkv_run_inputs(kv, queries, cfg);
+  const cuda::RKVScoringConfig c = cuda_rkv_config(cfg, kv, queries, tensor_core_search);
+  require_cuda_device();
+  RKVRun run;
+  run.batch = kv.batch(), run.kv_heads = kv.kv_heads(), run.seq = kv.capacity();
+  run.dim = kv.head_dim(), run.window = cfg.window, run.dtype = kv.dtype();
+  const std::int64_t rows = run.batch * run.kv_heads, n = run.candidates();
+
+  DeviceRKVInputs dev(kv, queries);
+  DeviceBytes score(rows * n * sizeof(float)), importance(rows * n * sizeof(float));
+  DeviceBytes redundancy(rows * run.seq * sizeof(float));
+  DeviceBytes slots(rows * c.budget * sizeof(std::int32_t));
+  DeviceBytes workspace(cuda::rkv_workspace_bytes(dev.kv, dev.q, c));
+  cudaStream_t stream = nullptr;  // the legacy default stream: every call below is ordered
+
+  cuda::rkv_score(dev.kv, dev.q, c,
+                  {score.get<float>(), importance.get<float>(), redundancy.get<float>()},
+                  workspace.get(), workspace.size(), stream);
+  run.compressed = cuda::rkv_select(dev.kv, dev.q, c, slots.get<std::int32_t>(), nullptr,
+                                    workspace.get(), workspace.size(), stream);
+  run.plan =
+      cuda::download_keep_plan(dev.kv, slots.get<std::int32_t>(), c.budget, c.window, stream);
+  run.plan.validate();
+  DeviceBytes compact_ws(cuda::compact_workspace_bytes(run.plan));
+  cuda::compact(dev.kv, run.plan, compact_ws.get(), compact_ws.size(), stream);
+  KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+
+  run.importance = importance.download<float>(rows * n);
+  run.score = score.download<float>(rows * n);
+  run.redundancy_full = redundancy.download<float>(rows * run.seq);
+  run.redundancy.resize(static_cast<std::size_t>(rows * n));
+  for (std::int64_t r = 0; r < rows; ++r)  // R over all S, window sliced off (§1.2 step 5)
+    std::copy_n(run.redundancy_full.begin() + r * run.seq, n, run.redundancy.begin() + r * n);
+  run.keys = dev.keys.download<std::uint8_t>(dev.keys.size());
+  run.values = dev.values.download<std::uint8_t>(dev.values.size());
+  return run;
+}
+
+// `kvsift score --policy skipkv --device cuda`: SkipKV eq. 6 (ALGORITHMS.md §2.4) on the GPU
+// (kvsift::cuda::skipkv_score / skipkv_select, sentence_scoring.hpp), then cuda::compact; the same
+// tensors as SentenceScorer::scores / select on the CPU. `redundancy` is R with the window sliced.
+//   kv         contiguous host [batch, kv_heads, S, head_dim], every sequence S tokens
+//   queries    contiguous host [batch, q_heads, W, head_dim] in the keys' dtype
+//   penalties  [batch * kv_heads] penalty ranges per (b, h) row, or empty: none
+inline RKVRun run_skipkv_cuda(const KVCacheView& kv, const TensorView& queries,
+                              const SentenceScorerConfig& sc, const SentencePenalties& penalties,
+                              bool tensor_core_search = false) {
+  sc.validate();
+  const RKVConfig r = sc.rkv_config();
+  check_rkv_run_inputs(kv, queries, r);
+  cuda::SkipKVScoringConfig c;
+  c.rkv = cuda_rkv_config(r, kv, queries, tensor_core_search);
+  c.faithful_pads = sc.pad_mode == PadMode::faithful;
+  c.validate();
+  require_cuda_device();
+  RKVRun run;
+  run.batch = kv.batch(), run.kv_heads = kv.kv_heads(), run.seq = kv.capacity();
+  run.dim = kv.head_dim(), run.window = sc.window, run.dtype = kv.dtype();
+  const std::int64_t rows = run.batch * run.kv_heads, n = run.candidates();
+
+  DeviceRKVInputs dev(kv, queries);
+  const cuda::SentencePenaltyCsr csr = cuda::build_penalty_csr(penalties, run.batch, run.kv_heads);
+  DeviceBytes penalty_ws(cuda::sentence_penalty_workspace_bytes(csr));
+  cudaStream_t stream = nullptr;
+  const cuda::SentencePenaltiesDevice dev_penalties =
+      cuda::upload_sentence_penalties(csr, penalty_ws.get(), penalty_ws.size(), stream);
+  DeviceBytes score(rows * n * sizeof(float)), importance(rows * n * sizeof(float));
+  DeviceBytes redundancy(rows * run.seq * sizeof(float));
+  DeviceBytes slots(rows * c.rkv.budget * sizeof(std::int32_t));
+  DeviceBytes workspace(cuda::skipkv_workspace_bytes(dev.kv, dev.q, c));
+
+  cuda::skipkv_score(dev.kv, dev.q, c, dev_penalties,
+                     {score.get<float>(), importance.get<float>(), redundancy.get<float>()},
+                     workspace.get(), workspace.size(), stream);
+  run.compressed = cuda::skipkv_select(dev.kv, dev.q, c, dev_penalties, slots.get<std::int32_t>(),
+                                       nullptr, workspace.get(), workspace.size(), stream);
+  run.plan = cuda::download_keep_plan(dev.kv, slots.get<std::int32_t>(), c.rkv.budget, c.rkv.window,
+                                      stream);
+  run.plan.validate();
+  DeviceBytes compact_ws(cuda::compact_workspace_bytes(run.plan));
+  cuda::compact(dev.kv, run.plan, compact_ws.get(), compact_ws.size(), stream);
+  KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+
+  run.importance = importance.download<float>(rows * n);
+  run.score = score.download<float>(rows * n);
+  run.redundancy_full = redundancy.download<float>(rows * run.seq);
+  run.redundancy.resize(static_cast<std::size_t>(rows * n));
+  for (std::int64_t i = 0; i < rows; ++i)
+    std::copy_n(run.redundancy_full.begin() + i * run.seq, n, run.redundancy.begin() + i * n);
+  run.keys = dev.keys.download<std::uint8_t>(dev.keys.size());
+  run.values = dev.values.download<std::uint8_t>(dev.values.size());
+  return run;
+}
+
+// `kvsift demo --device cuda`: R-KV's plan for one layer, selected on the GPU. Sequences at or
+// under the budget keep everything (rkv_select's no-op, as RKV::select on the CPU).
+//   kv       contiguous host [batch, kv_heads, capacity, head_dim], equal lengths
+//   queries  contiguous host [batch, q_heads, W, head_dim] in the keys' dtype
+inline KeepPlan select_rkv_cuda(const KVCacheView& kv, const TensorView& queries,
+                                const RKVConfig& cfg) {
+  kv.validate();
+  KVSIFT_CHECK(queries.shape[2] == cfg.window, "--device cuda: window (", cfg.window,
+               ") must equal the queries' W (", queries.shape[2], ")");
+  const cuda::RKVScoringConfig c = cuda_rkv_config(cfg, kv, queries);
+  DeviceRKVInputs dev(kv, queries);
+  DeviceBytes slots(static_cast<std::size_t>(kv.batch() * kv.kv_heads()) * c.budget *
+                    sizeof(std::int32_t));
+  DeviceBytes workspace(cuda::rkv_workspace_bytes(dev.kv, dev.q, c));
+  cuda::rkv_select(dev.kv, dev.q, c, slots.get<std::int32_t>(), nullptr, workspace.get(),
+                   workspace.size(), nullptr);
+  KeepPlan plan =
+      cuda::download_keep_plan(dev.kv, slots.get<std::int32_t>(), c.budget, c.window, nullptr);
+  plan.validate();
+  return plan;
+}
+
+}  // namespace kvsift::tool
