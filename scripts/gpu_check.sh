@@ -25,6 +25,25 @@ for t in "$BUILD"/tests/cuda/gpu_*; do
   [ -x "$t" ] || continue
   echo "$(basename "$t"): $("$t" 2>&1 | tail -2 | head -1)"
 done | tee "$OUT/gpu_tests.txt"
+echo "== the tool on the GPU against the CPU"
+GOLDEN=$(sed -n 's/^KVSIFT_SHARED_DIR:PATH=//p' "$BUILD/CMakeCache.txt")/golden
+{
+  for c in rkv_mha rkv_gqa rkv_batch2; do
+    echo "-- score --policy rkv --case $c --device cuda --compare-cpu"
+    "$BUILD/examples/kvsift" score --policy rkv --case "$GOLDEN/$c.safetensors" \
+      --out /tmp/kvsift_score.safetensors --device cuda --compare-cpu 2>&1 | tail -12
+  done
+  for c in skipkv_pad skipkv_sentences; do
+    echo "-- score --policy skipkv --pad-mode faithful --case $c --device cuda --compare-cpu"
+    "$BUILD/examples/kvsift" score --policy skipkv --pad-mode faithful --case "$GOLDEN/$c.safetensors" \
+      --out /tmp/kvsift_score.safetensors --device cuda --compare-cpu 2>&1 | tail -12
+  done
+  echo "-- demo --device cuda --policies fullkv,rkv"
+  "$BUILD/examples/kvsift" demo --device cuda --policies fullkv,rkv 2>&1 | sed -n '/^policy/,/^$/p'
+  echo "-- demo --device cpu --policies fullkv,rkv"
+  "$BUILD/examples/kvsift" demo --policies fullkv,rkv 2>&1 | sed -n '/^policy/,/^$/p'
+} >>"$OUT/gpu_tests.txt" 2>&1
+grep -E "PASS|FAIL" "$OUT/gpu_tests.txt" | head -10
 echo "== compute-sanitizer"
 for t in "$BUILD"/tests/cuda/gpu_*; do
   [ -x "$t" ] || continue
