@@ -13,59 +13,23 @@
 // Usage: gpu_bench_codecs [tokens] [channels]
 #include <cuda_runtime_api.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <functional>
 #include <string>
 #include <vector>
 
+#include "gpu_timing.hpp"
 #include "kvsift/backend/cuda/check.hpp"
 #include "kvsift/backend/cuda/quantize.hpp"
 #include "kvsift/core/dtype.hpp"
 
 using namespace kvsift;
+using bench::DeviceArray;
 
 namespace {
 
 constexpr int kWarmup = 3, kReps = 25;
-
-template <class T>
-class DeviceArray {
- public:
-  explicit DeviceArray(std::size_t n) {
-    KVSIFT_CUDA_CHECK(
-        cudaMalloc(reinterpret_cast<void**>(&p_), std::max<std::size_t>(n, 1) * sizeof(T)));
-  }
-  ~DeviceArray() { cudaFree(p_); }
-  DeviceArray(const DeviceArray&) = delete;
-  DeviceArray& operator=(const DeviceArray&) = delete;
-  T* get() const { return p_; }
-
- private:
-  T* p_ = nullptr;
-};
-
-// Median milliseconds of `op` on `stream` (each rep timed alone with events).
-double median_ms(const std::function<void()>& op, cudaStream_t stream) {
-  cudaEvent_t start, stop;
-  KVSIFT_CUDA_CHECK(cudaEventCreate(&start));
-  KVSIFT_CUDA_CHECK(cudaEventCreate(&stop));
-  for (int i = 0; i < kWarmup; ++i) op();
-  std::vector<float> ms(kReps);
-  for (int i = 0; i < kReps; ++i) {
-    KVSIFT_CUDA_CHECK(cudaEventRecord(start, stream));
-    op();
-    KVSIFT_CUDA_CHECK(cudaEventRecord(stop, stream));
-    KVSIFT_CUDA_CHECK(cudaEventSynchronize(stop));
-    KVSIFT_CUDA_CHECK(cudaEventElapsedTime(&ms[i], start, stop));
-  }
-  KVSIFT_CUDA_CHECK(cudaEventDestroy(start));
-  KVSIFT_CUDA_CHECK(cudaEventDestroy(stop));
-  std::nth_element(ms.begin(), ms.begin() + kReps / 2, ms.end());
-  return ms[kReps / 2];
-}
 
 // Deterministic N(0,1)-like bf16 values with a few outliers (sum of uniforms; fast setup).
 std::vector<bf16_t> make_values(std::size_t n) {
@@ -86,11 +50,7 @@ std::vector<bf16_t> make_values(std::size_t n) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    std::printf("no CUDA device present: benchmark skipped\n");
-    return 77;
-  }
+  if (!bench::cuda_device_present()) return 77;
   const std::int64_t tokens = argc > 1 ? std::atoll(argv[1]) : (1 << 20);
   const std::int64_t channels = argc > 2 ? std::atoll(argv[2]) : 128;
   const std::size_t n = static_cast<std::size_t>(tokens * channels);
@@ -112,12 +72,8 @@ int main(int argc, char** argv) {
   const TensorView yv =
       TensorView::contiguous(y.get(), DType::bf16, Device::cuda, {tokens, channels});
 
-  const double copy_ms = median_ms(
-      [&] {
-        KVSIFT_CUDA_CHECK(
-            cudaMemcpyAsync(y.get(), x.get(), tensor_bytes, cudaMemcpyDeviceToDevice, stream));
-      },
-      stream);
+  const double copy_ms = bench::d2d_copy_ms(
+      y.get(), x.get(), static_cast<std::size_t>(tensor_bytes), stream, kWarmup, kReps);
   const double copy_gbs = 2.0 * tensor_bytes / (copy_ms * 1e-3) / 1e9;
 
   std::printf("%s, bf16 [%lld, %lld] (%.1f MiB), median of %d after %d warm-up\n", prop.name,
@@ -131,8 +87,10 @@ int main(int argc, char** argv) {
       const cuda::DeviceQuantizedTensor q{format, KiviGrid{tokens, channels, axis}, 1.0f,
                                           codes.get(), scales.get()};
       const double packed = static_cast<double>(q.code_bytes() + q.scale_bytes());
-      const double qms = median_ms([&] { cuda::quantize(xv, q, nullptr, stream); }, stream);
-      const double dms = median_ms([&] { cuda::dequantize(q, yv, nullptr, stream); }, stream);
+      const double qms =
+          bench::median_ms([&] { cuda::quantize(xv, q, nullptr, stream); }, stream, kWarmup, kReps);
+      const double dms = bench::median_ms([&] { cuda::dequantize(q, yv, nullptr, stream); }, stream,
+                                          kWarmup, kReps);
       const double qgbs = (tensor_bytes + packed) / (qms * 1e-3) / 1e9;
       const double dgbs = (packed + tensor_bytes) / (dms * 1e-3) / 1e9;
       std::printf("%-8s %-8s | %10.3f %9.0f %8.2f | %10.3f %9.0f %8.2f\n",

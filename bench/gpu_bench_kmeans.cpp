@@ -16,12 +16,14 @@
 #include <random>
 #include <vector>
 
+#include "gpu_timing.hpp"
 #include "kvsift/backend/cuda/check.hpp"
 #include "kvsift/backend/cuda/kmeans_select.hpp"
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/policy/kmeans_select.hpp"
 
 using namespace kvsift;
+using bench::DeviceArray;
 
 namespace {
 
@@ -29,36 +31,10 @@ constexpr int kLayers = 28, kKVHeads = 8, kHeadDim = 128, kSegment = 128, kKeep 
 constexpr int kMaxSegments = 8, kCapacity = kSegment * kMaxSegments;
 constexpr int kWarmup = 3, kReps = 25, kCpuChecked = 4;
 
-template <class T>
-class DeviceArray {
- public:
-  explicit DeviceArray(std::size_t n) : n_(n) {
-    KVSIFT_CUDA_CHECK(
-        cudaMalloc(reinterpret_cast<void**>(&p_), std::max<std::size_t>(n, 1) * sizeof(T)));
-  }
-  ~DeviceArray() { cudaFree(p_); }
-  DeviceArray(const DeviceArray&) = delete;
-  DeviceArray& operator=(const DeviceArray&) = delete;
-  T* get() const { return p_; }
-
- private:
-  T* p_ = nullptr;
-  std::size_t n_;
-};
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 }  // namespace
 
 int main() {
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    std::printf("no CUDA device present: benchmark skipped\n");
-    return 77;
-  }
+  if (!bench::cuda_device_present()) return 77;
   // Per layer one cache [batch 1, kv_heads 8, capacity 1024, head_dim 128] of bf16 keys.
   const std::size_t layer_elems = static_cast<std::size_t>(kKVHeads) * kCapacity * kHeadDim;
   std::vector<bf16_t> host(layer_elems * kLayers);
@@ -84,9 +60,6 @@ int main() {
   DeviceArray<char> ws(ws_bytes);
   cudaStream_t stream;
   KVSIFT_CUDA_CHECK(cudaStreamCreate(&stream));
-  cudaEvent_t start, stop;
-  KVSIFT_CUDA_CHECK(cudaEventCreate(&start));
-  KVSIFT_CUDA_CHECK(cudaEventCreate(&stop));
   const KMeansSelectConfig cfg{};
 
   // Correctness spot check against the CPU reference, and its time per problem.
@@ -121,23 +94,16 @@ int main() {
   std::printf("%9s %9s %14s %14s\n", "segments", "problems", "us/launch", "us/problem");
   for (int segments : {1, 2, 4, 8}) {
     const std::int64_t problems = static_cast<std::int64_t>(segments) * kLayers * kKVHeads;
-    std::vector<double> times;
-    for (int r = 0; r < kWarmup + kReps; ++r) {
-      KVSIFT_CUDA_CHECK(cudaEventRecord(start, stream));
-      cuda::kmeans_select(all.data(), problems, kHeadDim, DType::bf16, cfg, out.get(), kKeep,
-                          ws.get(), ws_bytes, stream);
-      KVSIFT_CUDA_CHECK(cudaEventRecord(stop, stream));
-      KVSIFT_CUDA_CHECK(cudaEventSynchronize(stop));
-      float ms = 0.0f;
-      KVSIFT_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-      if (r >= kWarmup) times.push_back(ms * 1000.0);
-    }
-    const double us = median(times);
+    const double us =
+        1000.0 * bench::median_ms(
+                     [&] {
+                       cuda::kmeans_select(all.data(), problems, kHeadDim, DType::bf16, cfg,
+                                           out.get(), kKeep, ws.get(), ws_bytes, stream);
+                     },
+                     stream, kWarmup, kReps);
     std::printf("%9d %9lld %14.1f %14.2f\n", segments, static_cast<long long>(problems), us,
                 us / static_cast<double>(problems));
   }
-  KVSIFT_CUDA_CHECK(cudaEventDestroy(start));
-  KVSIFT_CUDA_CHECK(cudaEventDestroy(stop));
   KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
   return mismatched == 0 ? 0 : 1;
 }

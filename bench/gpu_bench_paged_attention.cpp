@@ -21,65 +21,24 @@
 #include <random>
 #include <vector>
 
+#include "gpu_timing.hpp"
 #include "kvsift/backend/cuda/check.hpp"
 #include "kvsift/backend/cuda/paged_table.hpp"
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/paged/thought_block_table.hpp"
 
 using namespace kvsift;
+using bench::DeviceArray;
 
 namespace {
 
 constexpr int kKVHeads = 8, kQHeads = 32, kHeadDim = 128, kBlock = 32, kSegment = 128;
 constexpr int kWarmup = 5, kReps = 50;
 
-template <class T>
-class DeviceArray {
- public:
-  explicit DeviceArray(std::size_t n) : n_(n) {
-    KVSIFT_CUDA_CHECK(
-        cudaMalloc(reinterpret_cast<void**>(&p_), std::max<std::size_t>(n, 1) * sizeof(T)));
-  }
-  ~DeviceArray() { cudaFree(p_); }
-  DeviceArray(const DeviceArray&) = delete;
-  DeviceArray& operator=(const DeviceArray&) = delete;
-  T* get() const { return p_; }
-  std::size_t size() const { return n_; }
-
- private:
-  T* p_ = nullptr;
-  std::size_t n_;
-};
-
-float median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 std::uint64_t fnv1a(const std::vector<std::uint8_t>& bytes) {
   std::uint64_t h = 0xcbf29ce484222325ull;
   for (std::uint8_t b : bytes) h = (h ^ b) * 0x100000001b3ull;
   return h;
-}
-
-template <class F>
-float time_ms(F&& launch, cudaStream_t stream) {
-  cudaEvent_t e0, e1;
-  KVSIFT_CUDA_CHECK(cudaEventCreate(&e0));
-  KVSIFT_CUDA_CHECK(cudaEventCreate(&e1));
-  std::vector<float> ms;
-  for (int r = 0; r < kWarmup + kReps; ++r) {
-    KVSIFT_CUDA_CHECK(cudaEventRecord(e0, stream));
-    launch();
-    KVSIFT_CUDA_CHECK(cudaEventRecord(e1, stream));
-    KVSIFT_CUDA_CHECK(cudaEventSynchronize(e1));
-    float t = 0;
-    KVSIFT_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
-    if (r >= kWarmup) ms.push_back(t);
-  }
-  KVSIFT_CUDA_CHECK(cudaEventDestroy(e0));
-  KVSIFT_CUDA_CHECK(cudaEventDestroy(e1));
-  return median(ms);
 }
 
 void run(int tokens, cudaStream_t stream) {
@@ -145,6 +104,7 @@ void run(int tokens, cudaStream_t stream) {
   KVSIFT_CUDA_CHECK(cudaMemcpy(pool.data(), storage.get(), pool.size(), cudaMemcpyDeviceToHost));
   const std::vector<std::uint8_t> before = pool;
   float evict_ms = 0;
+  bench::EventPair evict_events;
   for (int h = 0; h < kKVHeads; ++h) {
     std::vector<ResidentToken> live = cpu.resident_tokens(seq, h);
     std::shuffle(live.begin(), live.end(), rng);
@@ -155,18 +115,8 @@ void run(int tokens, cudaStream_t stream) {
       victims.push_back(t.address);
     }
     DeviceArray<std::uint8_t> ws(dev.evict_workspace_bytes(victims.size()));
-    cudaEvent_t e0, e1;
-    KVSIFT_CUDA_CHECK(cudaEventCreate(&e0));
-    KVSIFT_CUDA_CHECK(cudaEventCreate(&e1));
-    KVSIFT_CUDA_CHECK(cudaEventRecord(e0, stream));
-    dev.evict(seq, h, victims, ws.get(), ws.size(), stream);
-    KVSIFT_CUDA_CHECK(cudaEventRecord(e1, stream));
-    KVSIFT_CUDA_CHECK(cudaEventSynchronize(e1));
-    float t = 0;
-    KVSIFT_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
-    evict_ms += t;
-    KVSIFT_CUDA_CHECK(cudaEventDestroy(e0));
-    KVSIFT_CUDA_CHECK(cudaEventDestroy(e1));
+    evict_ms += evict_events.time_ms(
+        [&] { dev.evict(seq, h, victims, ws.get(), ws.size(), stream); }, stream);
   }
   KVSIFT_CUDA_CHECK(cudaMemcpy(pool.data(), storage.get(), pool.size(), cudaMemcpyDeviceToHost));
   std::int64_t moved = 0;
@@ -209,19 +159,19 @@ void run(int tokens, cudaStream_t stream) {
       cuda::paged_decode_attention_workspace_bytes(dev, seq, kQHeads));
   DeviceArray<std::uint8_t> ws_dense(
       cuda::dense_decode_attention_workspace_bytes(kKVHeads, n, kQHeads, kHeadDim));
-  const float paged_ms = time_ms(
+  const float paged_ms = bench::median_ms(
       [&] {
         cuda::paged_decode_attention(dev, seq, dq.get(), kQHeads, kHeadDim, scale, out_paged.get(),
                                      ws_paged.get(), ws_paged.size(), stream);
       },
-      stream);
-  const float dense_ms = time_ms(
+      stream, kWarmup, kReps);
+  const float dense_ms = bench::median_ms(
       [&] {
         cuda::dense_decode_attention_bf16(ddk.get(), ddv.get(), kKVHeads, n, dq.get(), kQHeads,
                                           kHeadDim, scale, out_dense.get(), ws_dense.get(),
                                           ws_dense.size(), stream);
       },
-      stream);
+      stream, kWarmup, kReps);
   std::vector<float> op(q.size()), od(q.size());
   KVSIFT_CUDA_CHECK(cudaMemcpy(op.data(), out_paged.get(), op.size() * 4, cudaMemcpyDeviceToHost));
   KVSIFT_CUDA_CHECK(cudaMemcpy(od.data(), out_dense.get(), od.size() * 4, cudaMemcpyDeviceToHost));
@@ -253,11 +203,7 @@ int main(int argc, char** argv) {
   std::vector<int> lengths;
   for (int i = 1; i < argc; ++i) lengths.push_back(std::atoi(argv[i]));
   if (lengths.empty()) lengths = {4096, 16384, 32768};
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    std::printf("no CUDA device present: benchmark skipped\n");
-    return 0;
-  }
+  if (!bench::cuda_device_present()) return 0;
   cudaDeviceProp prop{};
   KVSIFT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   cudaStream_t stream;

@@ -23,35 +23,20 @@
 #include <cstdlib>
 #include <vector>
 
+#include "gpu_timing.hpp"
 #include "kvsift/backend/cuda/check.hpp"
 #include "kvsift/backend/cuda/compact.hpp"
 #include "kvsift/backend/cuda/rkv_scoring.hpp"
 #include "kvsift/core/dtype.hpp"
 
 using namespace kvsift;
+using bench::DeviceArray;
+using bench::median;
 
 namespace {
 
 constexpr int kQHeads = 32, kKVHeads = 8, kHeadDim = 128, kBudget = 1024, kWindow = 8;
 constexpr int kSeq = kBudget + 128, kLayers = 32, kWarmup = 3, kReps = 20;
-
-template <class T>
-class DeviceArray {
- public:
-  explicit DeviceArray(std::size_t n) : n_(n) {
-    KVSIFT_CUDA_CHECK(
-        cudaMalloc(reinterpret_cast<void**>(&p_), std::max<std::size_t>(n, 1) * sizeof(T)));
-  }
-  ~DeviceArray() { cudaFree(p_); }
-  DeviceArray(const DeviceArray&) = delete;
-  DeviceArray& operator=(const DeviceArray&) = delete;
-  T* get() const { return p_; }
-  std::size_t size() const { return n_; }
-
- private:
-  T* p_ = nullptr;
-  std::size_t n_;
-};
 
 // Cheap deterministic standard-normal-ish values (sum of uniforms), so setup stays fast at B=64.
 struct Noise {
@@ -75,33 +60,6 @@ std::vector<bf16_t> make_sequence(bool clustered, Noise& noise) {
             from_float<bf16_t>(noise.normal() + common[d]);
   }
   return out;
-}
-
-float median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-// Device-to-device copy bandwidth (bytes read + written per second) on a 1 GiB buffer.
-double copy_bandwidth(cudaStream_t stream) {
-  const std::size_t bytes = std::size_t(1) << 30;
-  DeviceArray<char> a(bytes), b(bytes);
-  cudaEvent_t e0, e1;
-  KVSIFT_CUDA_CHECK(cudaEventCreate(&e0));
-  KVSIFT_CUDA_CHECK(cudaEventCreate(&e1));
-  std::vector<float> ms;
-  for (int r = 0; r < kWarmup + kReps; ++r) {
-    KVSIFT_CUDA_CHECK(cudaEventRecord(e0, stream));
-    KVSIFT_CUDA_CHECK(cudaMemcpyAsync(b.get(), a.get(), bytes, cudaMemcpyDeviceToDevice, stream));
-    KVSIFT_CUDA_CHECK(cudaEventRecord(e1, stream));
-    KVSIFT_CUDA_CHECK(cudaEventSynchronize(e1));
-    float t = 0;
-    KVSIFT_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
-    if (r >= kWarmup) ms.push_back(t);
-  }
-  KVSIFT_CUDA_CHECK(cudaEventDestroy(e0));
-  KVSIFT_CUDA_CHECK(cudaEventDestroy(e1));
-  return 2.0 * static_cast<double>(bytes) / (median(ms) * 1e-3);
 }
 
 void run(int batch, bool clustered, bool tensor_core, double bandwidth, cudaStream_t stream) {
@@ -190,16 +148,13 @@ int main(int argc, char** argv) {
   std::vector<int> batches;
   for (int i = 1; i < argc; ++i) batches.push_back(std::atoi(argv[i]));
   if (batches.empty()) batches = {1, 8, 32, 64};
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    std::printf("no CUDA device present: benchmark skipped\n");
-    return 0;
-  }
+  if (!bench::cuda_device_present()) return 0;
   cudaDeviceProp prop{};
   KVSIFT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   cudaStream_t stream;
   KVSIFT_CUDA_CHECK(cudaStreamCreate(&stream));
-  const double bw = copy_bandwidth(stream);
+  // Device-to-device copy bandwidth (bytes read + written per second) on a 1 GiB buffer.
+  const double bw = bench::d2d_copy_bandwidth(std::size_t(1) << 30, stream, kWarmup, kReps);
   std::printf("R-KV step on %s: Hq %d / Hkv %d, head_dim %d, bf16, budget %d, S %d, window %d\n",
               prop.name, kQHeads, kKVHeads, kHeadDim, kBudget, kSeq, kWindow);
   std::printf("device-to-device copy bandwidth: %.0f GB/s (read + write)\n", bw * 1e-9);

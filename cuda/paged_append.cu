@@ -21,6 +21,7 @@
 #include "kvsift/backend/cuda/check.hpp"
 #include "kvsift/backend/cuda/paged_table.hpp"
 #include "kvsift/backend/cuda/workspace.hpp"
+#include "kvsift/paged/block_codec.hpp"
 #include "kvsift/quant/group_codec.hpp"
 
 namespace kvsift::cuda {
@@ -37,52 +38,6 @@ constexpr int kThreads = 256;
 
 __device__ __forceinline__ QuantFormat quant_of(int block_format) {
   return quant_format_of(static_cast<BlockFormat>(block_format));
-}
-
-// Device twin of block_codec.hpp's detail::encode_with_scale (that one is host-only): the code of x
-// under a sealed group's existing scale, nearest representable, saturating.
-__device__ __forceinline__ std::uint8_t encode_with_scale_dev(QuantFormat format, float x,
-                                                              std::uint8_t scale_code,
-                                                              float global_factor) {
-  switch (format) {
-    case QuantFormat::nvfp4: {
-      const float scale = e4m3_to_float(scale_code);
-      return scale > 0.0f ? e2m1_from_float(x * global_factor / scale) : 0;
-    }
-    case QuantFormat::fp8: {
-      const float inv = e8m0_to_float(static_cast<std::uint8_t>(254 - scale_code));
-      return e4m3_from_float(x * inv);
-    }
-    case QuantFormat::ternary: {
-      const float alpha = e4m3_to_float(scale_code);
-      const float a = x < 0.0f ? -x : x;
-      if (!(alpha > 0.0f) || !(a > 0.5f * alpha)) return kTernaryZero;
-      return x < 0.0f ? kTernaryMinus : kTernaryPlus;
-    }
-  }
-  return 0;
-}
-
-// Device twin of detail::set_element_code: replaces element i's bits of one packed group.
-__device__ __forceinline__ void set_element_code_dev(QuantFormat format, std::uint8_t* codes, int i,
-                                                     std::uint8_t code) {
-  switch (format) {
-    case QuantFormat::nvfp4: {
-      const int shift = (i & 1) * 4;
-      codes[i >> 1] =
-          static_cast<std::uint8_t>((codes[i >> 1] & ~(0xfu << shift)) | ((code & 0xfu) << shift));
-      return;
-    }
-    case QuantFormat::fp8:
-      codes[i] = code;
-      return;
-    case QuantFormat::ternary: {
-      const int shift = (i & 3) * 2;
-      codes[i >> 2] =
-          static_cast<std::uint8_t>((codes[i >> 2] & ~(0x3u << shift)) | ((code & 0x3u) << shift));
-      return;
-    }
-  }
 }
 
 // A frame the CPU table has just taken: zero bytes, every slot free, key groups unsealed (sealed
@@ -174,7 +129,10 @@ __global__ void write_keys_kernel(std::uint8_t* __restrict__ storage, std::int64
         const PagedKeyEntry en = entries[e];
         const float x = to_float(
             key[(static_cast<std::int64_t>(en.token) * kv_heads + task.head) * head_dim + c]);
-        set_element_code_dev(q, codes, en.row, encode_with_scale_dev(q, x, scale, gf));
+        // The CPU table's own element writers (block_codec.hpp, host/device), so both sides write
+        // bit-identical codes under a sealed group's scales.
+        kvsift::detail::set_element_code(q, codes, en.row,
+                                         kvsift::detail::encode_with_scale(q, x, scale, gf));
       }
       continue;
     }

@@ -10,94 +10,34 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "golden_case.hpp"
 #include "kvsift/core/compact.hpp"
 #include "kvsift/core/safetensors.hpp"
 #include "kvsift/policy/rkv.hpp"
 
 using namespace kvsift;
+using test::check_kept_sets;
+using test::check_scores;
+using test::GoldenCase;
 
 namespace {
 
-std::string golden(const std::string& name) { return std::string(KVSIFT_GOLDEN_DIR) + "/" + name; }
-
-// One golden case as owned fp32 buffers plus the views over them.
-struct GoldenCase {
-  SafetensorsFile file;
-  nlohmann::json config;
-  std::vector<float> keys, values, queries;
-  std::vector<std::uint8_t> mask;
-  std::vector<std::int32_t> lengths;
-  std::int64_t batch = 0, kv_heads = 0, seq = 0, dim = 0, q_heads = 0, window = 0;
-
-  explicit GoldenCase(const std::string& name) : file(SafetensorsFile::load(golden(name))) {
-    config = nlohmann::json::parse(file.metadata().at("config"));
-    const StTensor& k = file.get("keys");
-    REQUIRE(k.shape.size() == 4);
-    batch = k.shape[0], kv_heads = k.shape[1], seq = k.shape[2], dim = k.shape[3];
-    keys = k.to_f32();
-    if (file.has("values"))
-      values = file.get("values", k.shape).to_f32();
-    else
-      values = keys;
-    if (file.has("queries")) {
-      const StTensor& q = file.get("queries", {batch, -1, -1, dim});
-      q_heads = q.shape[1], window = q.shape[2];
-      queries = q.to_f32();
-    }
-    if (file.has("valid_mask")) {
-      const std::vector<std::int64_t> m = file.get("valid_mask", {batch, seq}).to_i64();
-      mask.assign(m.begin(), m.end());
-    }
-    lengths.assign(static_cast<std::size_t>(batch), static_cast<std::int32_t>(seq));
-  }
-  KVCacheView kv() {
-    return make_kv_cache_view(keys.data(), values.data(), DType::f32, Device::cpu, batch, kv_heads,
-                              seq, dim, lengths.data(), mask.empty() ? nullptr : mask.data());
-  }
-  TensorView q() {
-    return TensorView::contiguous(queries.data(), DType::f32, Device::cpu,
-                                  {batch, q_heads, window, dim});
-  }
-  RKVConfig rkv_config() const {
-    RKVConfig c;
-    c.budget = config.at("budget").get<int>();
-    c.window = config.at("window").get<int>();
-    c.kernel = config.at("kernel").get<int>();
-    c.mix_lambda = config.at("mix_lambda").get<float>();
-    c.threshold = config.at("threshold").get<float>();
-    c.buffer = std::max(128, c.window);
-    c.redundancy = RedundancyMode::faithful;  // the reference's column-0 fallback
-    return c;
-  }
-};
-
-bool within_tolerance(float x, float ref) {
-  return std::fabs(double(x) - ref) <= 1e-6 + 1e-4 * std::fabs(double(ref));
-}
-
-// Compares the first `n` entries of every (b, h) row with a reference [B, H, n] tensor.
-void check_scores(const cpu::ScoreTensor& ours, const std::vector<float>& ref, std::int64_t n,
-                  const char* what) {
-  std::int64_t bad = 0;
-  for (std::int64_t b = 0; b < ours.batch(); ++b) {
-    REQUIRE(ours.count(b) == n);
-    for (std::int64_t h = 0; h < ours.kv_heads(); ++h)
-      for (std::int64_t j = 0; j < n; ++j) {
-        const float r = ref[(b * ours.kv_heads() + h) * n + j];
-        if (!within_tolerance(ours.at(b, h, j), r)) {
-          if (bad++ < 5)
-            UNSCOPED_INFO(what << " [" << b << ", " << h << ", " << j << "]: " << ours.at(b, h, j)
-                               << " vs reference " << r);
-        }
-      }
-  }
-  INFO(what << ": " << bad << " entries outside |x-ref| <= 1e-6 + 1e-4|ref|");
-  CHECK(bad == 0);
+// The reference's R-KV settings of a case (its "config" metadata).
+RKVConfig rkv_config(const GoldenCase& g) {
+  RKVConfig c;
+  c.budget = g.config.at("budget").get<int>();
+  c.window = g.config.at("window").get<int>();
+  c.kernel = g.config.at("kernel").get<int>();
+  c.mix_lambda = g.config.at("mix_lambda").get<float>();
+  c.threshold = g.config.at("threshold").get<float>();
+  c.buffer = std::max(128, c.window);
+  c.redundancy = RedundancyMode::faithful;  // the reference's column-0 fallback
+  return c;
 }
 
 void check_rkv_case(const std::string& name) {
   GoldenCase g(name);
-  const RKVConfig cfg = g.rkv_config();
+  const RKVConfig cfg = rkv_config(g);
   REQUIRE(cfg.window == g.window);
   const std::int64_t s = g.seq, n = s - cfg.window, keep = cfg.budget - cfg.window;
   const std::int64_t B = g.batch, H = g.kv_heads, D = g.dim;
@@ -121,30 +61,8 @@ void check_rkv_case(const std::string& name) {
   const std::vector<float> ref_cv = g.file.get("compacted_values", {B, H, cfg.budget, D}).to_f32();
 
   // Kept sets: equal except for tokens whose reference score is within 1e-6 of the cut.
-  std::int64_t swapped = 0;
-  for (std::int64_t b = 0; b < B; ++b)
-    for (std::int64_t h = 0; h < H; ++h) {
-      REQUIRE(plan.row_size(b, h) == cfg.budget);
-      const std::int32_t* row = plan.row(b, h);
-      const float* rs = &ref_score[(b * H + h) * n];
-      std::vector<float> sorted(rs, rs + n);
-      std::sort(sorted.begin(), sorted.end(), std::greater<float>());
-      const float cut = sorted[keep - 1];
-      std::vector<std::int64_t> ours(row, row + keep);
-      std::vector<std::int64_t> ref(&ref_sorted[(b * H + h) * keep],
-                                    &ref_sorted[(b * H + h) * keep] + keep);
-      REQUIRE(std::is_sorted(ref.begin(), ref.end()));
-      std::vector<std::int64_t> diff;
-      std::set_symmetric_difference(ours.begin(), ours.end(), ref.begin(), ref.end(),
-                                    std::back_inserter(diff));
-      for (std::int64_t j : diff) {
-        INFO("(b=" << b << ", h=" << h << ") slot " << j << " kept by one side only; score "
-                   << rs[j] << ", cut " << cut);
-        CHECK(std::fabs(rs[j] - cut) <= 1e-6f);
-      }
-      swapped += static_cast<std::int64_t>(diff.size());
-      for (std::int64_t k = 0; k < cfg.window; ++k) CHECK(row[keep + k] == s - cfg.window + k);
-    }
+  const std::int64_t swapped =
+      check_kept_sets(plan, ref_sorted, ref_score, H, s, cfg.budget, cfg.window);
   UNSCOPED_INFO(name << ": " << swapped << " near-cut tokens differ");
 
   // Compaction: our rows in sorted-slot order, the reference's in top-k order then window; every
@@ -205,7 +123,7 @@ TEST_CASE("R-KV parity: sparing the last near-duplicate and the column-0 fallbac
 TEST_CASE("SkipKV parity: importance and redundancy under left padding", "[golden][skipkv]") {
   GoldenCase g("skipkv_pad.safetensors");
   REQUIRE(!g.mask.empty());
-  const RKVConfig cfg = g.rkv_config();
+  const RKVConfig cfg = rkv_config(g);
   const std::int64_t n = g.seq - cfg.window;
   const cpu::ScoreTensor a = cpu::window_importance(g.kv(), g.q(), cfg.importance_config());
   check_scores(a, g.file.get("importance", {g.batch, g.kv_heads, n}).to_f32(), n,

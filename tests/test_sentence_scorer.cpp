@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "golden_case.hpp"
 #include "kvsift/core/compact.hpp"
 #include "kvsift/core/safetensors.hpp"
 #include "kvsift/core/segment_table.hpp"
@@ -18,43 +19,17 @@
 #include "kvsift/policy/sentence_tracker.hpp"
 
 using namespace kvsift;
+using test::check_kept_sets;
+using test::check_scores;
 
 namespace {
 
-// A golden case as owned fp32 buffers plus views over them.
-struct Golden {
-  SafetensorsFile file;
-  nlohmann::json config;
-  std::vector<float> keys, values, queries;
-  std::vector<std::uint8_t> mask;  // [B, S]
-  std::vector<std::int32_t> lengths;
-  std::int64_t B = 0, H = 0, S = 0, D = 0, Hq = 0, W = 0;
-
-  explicit Golden(const std::string& name)
-      : file(SafetensorsFile::load(std::string(KVSIFT_GOLDEN_DIR) + "/" + name)) {
-    config = nlohmann::json::parse(file.metadata().at("config"));
-    const StTensor& k = file.get("keys", {-1, -1, -1, -1});
-    B = k.shape[0], H = k.shape[1], S = k.shape[2], D = k.shape[3];
-    keys = k.to_f32();
-    values = file.get("values", k.shape).to_f32();
-    const StTensor& q = file.get("queries", {B, -1, -1, D});
-    Hq = q.shape[1], W = q.shape[2];
-    queries = q.to_f32();
-    const std::vector<std::int64_t> m = file.get("valid_mask", {B, S}).to_i64();
-    mask.assign(m.begin(), m.end());
-    lengths.assign(static_cast<std::size_t>(B), static_cast<std::int32_t>(S));
-  }
-  KVCacheView kv() {
-    return make_kv_cache_view(keys.data(), values.data(), DType::f32, Device::cpu, B, H, S, D,
-                              lengths.data(), mask.data());
-  }
-  TensorView q() {
-    return TensorView::contiguous(queries.data(), DType::f32, Device::cpu, {B, Hq, W, D});
-  }
-  std::int64_t pads(std::int64_t b) const {
-    std::int64_t p = 0;
-    while (p < S && mask[b * S + p] == 0) ++p;
-    return p;
+// A SkipKV scorer case: a golden case that must carry values, queries and a valid_mask.
+struct Golden : test::GoldenCase {
+  explicit Golden(const std::string& name) : GoldenCase(name) {
+    REQUIRE(file.has("values"));
+    REQUIRE(!queries.empty());
+    REQUIRE(!mask.empty());
   }
   // The reference's settings: faithful redundancy fallback and faithful pads.
   SentenceScorerConfig scorer_config(PadMode mode = PadMode::faithful) const {
@@ -70,56 +45,6 @@ struct Golden {
   }
 };
 
-bool within_tolerance(float x, float ref) {
-  return std::fabs(double(x) - ref) <= 1e-6 + 1e-4 * std::fabs(double(ref));
-}
-
-void check_scores(const cpu::ScoreTensor& ours, const std::vector<float>& ref, std::int64_t n,
-                  const char* what) {
-  std::int64_t bad = 0;
-  for (std::int64_t b = 0; b < ours.batch(); ++b) {
-    REQUIRE(ours.count(b) == n);
-    for (std::int64_t h = 0; h < ours.kv_heads(); ++h)
-      for (std::int64_t j = 0; j < n; ++j) {
-        const float r = ref[(b * ours.kv_heads() + h) * n + j];
-        if (!within_tolerance(ours.at(b, h, j), r) && bad++ < 5)
-          UNSCOPED_INFO(what << " [" << b << ", " << h << ", " << j << "]: " << ours.at(b, h, j)
-                             << " vs reference " << r);
-      }
-  }
-  INFO(what << ": " << bad << " entries outside tolerance");
-  CHECK(bad == 0);
-}
-
-// Kept sets equal the reference's keep_sorted except for tokens whose reference score lies
-// within 1e-6 of the cut (the (budget − W)-th largest); the window follows. golden/README.md.
-void check_keep(const KeepPlan& plan, const std::vector<std::int64_t>& ref_sorted,
-                const std::vector<float>& ref_score, std::int64_t H, std::int64_t S,
-                std::int64_t budget, std::int64_t W) {
-  const std::int64_t keep = budget - W, n = S - W;
-  for (std::int64_t b = 0; b < plan.batch(); ++b)
-    for (std::int64_t h = 0; h < H; ++h) {
-      REQUIRE(plan.row_size(b, h) == budget);
-      const std::int32_t* row = plan.row(b, h);
-      const float* rs = &ref_score[(b * H + h) * n];
-      std::vector<float> sorted(rs, rs + n);
-      std::sort(sorted.begin(), sorted.end(), std::greater<float>());
-      const float cut = sorted[keep - 1];
-      std::vector<std::int64_t> ours(row, row + keep);
-      std::vector<std::int64_t> ref(&ref_sorted[(b * H + h) * keep],
-                                    &ref_sorted[(b * H + h) * keep] + keep);
-      std::vector<std::int64_t> diff;
-      std::set_symmetric_difference(ours.begin(), ours.end(), ref.begin(), ref.end(),
-                                    std::back_inserter(diff));
-      for (std::int64_t j : diff) {
-        INFO("(b=" << b << ", h=" << h << ") slot " << j << " kept by one side only; score "
-                   << rs[j] << ", cut " << cut);
-        CHECK(std::fabs(rs[j] - cut) <= 1e-6f);
-      }
-      for (std::int64_t k = 0; k < W; ++k) CHECK(row[keep + k] == S - W + k);
-    }
-}
-
 // The golden `sentences` rows as SegmentTable penalties: each sequence's stream rebuilt from the
 // mask (pads) and the row ends (delimiters), marks applied as given (cache range = generation
 // range in these cases, golden/README.md).
@@ -127,23 +52,23 @@ SentencePenalties golden_penalties(const Golden& g, std::vector<SentenceTracker>
   const std::vector<float> rows = g.file.get("sentences", {-1, 4}).to_f32();
   SentenceTrackerConfig tc;
   tc.tokens = SentenceTokens{{1}, {}};
-  for (std::int64_t b = 0; b < g.B; ++b) {
+  for (std::int64_t b = 0; b < g.batch; ++b) {
     SentenceTracker t(tc);
     t.add_padding(g.pads(b));
-    std::vector<std::int32_t> ids(static_cast<std::size_t>(g.S - g.pads(b)), 5);
+    std::vector<std::int32_t> ids(static_cast<std::size_t>(g.seq - g.pads(b)), 5);
     for (std::size_t r = 0; r < rows.size() / 4; ++r)
       if (rows[4 * r] == b) ids[static_cast<std::size_t>(rows[4 * r + 2]) - g.pads(b)] = 1;
     t.observe(ids);
     trackers.push_back(t);
   }
   apply_sentence_marks(trackers, rows.data(), static_cast<std::int64_t>(rows.size() / 4));
-  SegmentTable table(1, g.B, g.H);
-  SentencePenalties pen(static_cast<std::size_t>(g.B * g.H));
-  for (std::int64_t b = 0; b < g.B; ++b) {
+  SegmentTable table(1, g.batch, g.kv_heads);
+  SentencePenalties pen(static_cast<std::size_t>(g.batch * g.kv_heads));
+  for (std::int64_t b = 0; b < g.batch; ++b) {
     table.set_first_position(b, g.pads(b));
-    table.append_closed(0, b, trackers[b].sentences(), trackers[b].position(), g.S);
-    for (std::int64_t h = 0; h < g.H; ++h)
-      pen[b * g.H + h] = table.penalty_ranges(0, b, h, trackers[b].sentences());
+    table.append_closed(0, b, trackers[b].sentences(), trackers[b].position(), g.seq);
+    for (std::int64_t h = 0; h < g.kv_heads; ++h)
+      pen[b * g.kv_heads + h] = table.penalty_ranges(0, b, h, trackers[b].sentences());
   }
   return pen;
 }
@@ -154,32 +79,35 @@ TEST_CASE("golden skipkv_pad: faithful pads (+100, force-kept) match the referen
           "[golden][scorer]") {
   Golden g("skipkv_pad.safetensors");
   const SentenceScorerConfig cfg = g.scorer_config();
-  const std::int64_t n = g.S - g.W;
+  const std::int64_t n = g.seq - g.window;
   const SentenceScorer scorer(cfg);
   const SentenceScores s = scorer.scores(g.kv(), g.q(), {});
-  check_scores(s.importance, g.file.get("importance", {g.B, g.H, n}).to_f32(), n, "importance");
-  check_scores(s.redundancy, g.file.get("redundancy", {g.B, g.H, n}).to_f32(), n, "redundancy");
-  const std::vector<float> ref_score = g.file.get("score", {g.B, g.H, n}).to_f32();
+  check_scores(s.importance, g.file.get("importance", {g.batch, g.kv_heads, n}).to_f32(), n,
+               "importance");
+  check_scores(s.redundancy, g.file.get("redundancy", {g.batch, g.kv_heads, n}).to_f32(), n,
+               "redundancy");
+  const std::vector<float> ref_score = g.file.get("score", {g.batch, g.kv_heads, n}).to_f32();
   check_scores(s.score, ref_score, n, "score");
 
   KVCacheView kv = g.kv();
   const KeepPlan plan = scorer.select(kv, g.q(), {});
   plan.validate();
-  check_keep(plan, g.file.get("keep_sorted", {g.B, g.H, cfg.budget - g.W}).to_i64(), ref_score, g.H,
-             g.S, cfg.budget, g.W);
+  check_kept_sets(plan,
+                  g.file.get("keep_sorted", {g.batch, g.kv_heads, cfg.budget - g.window}).to_i64(),
+                  ref_score, g.kv_heads, g.seq, cfg.budget, g.window);
   // Every pad is kept in every head (0, 17 and 40 pads, all below budget − W) and eats budget.
   REQUIRE(g.pads(1) == 17);
   REQUIRE(g.pads(2) == 40);
-  for (std::int64_t b = 0; b < g.B; ++b)
-    for (std::int64_t h = 0; h < g.H; ++h) {
+  for (std::int64_t b = 0; b < g.batch; ++b)
+    for (std::int64_t h = 0; h < g.kv_heads; ++h) {
       REQUIRE(plan.row_size(b, h) == cfg.budget);
       for (std::int64_t j = 0; j < g.pads(b); ++j) CHECK(plan.row(b, h)[j] == j);
     }
   compact(kv, plan);  // accepts it: pads agree across heads
-  for (std::int64_t b = 0; b < g.B; ++b) {
+  for (std::int64_t b = 0; b < g.batch; ++b) {
     CHECK(kv.lengths[b] == cfg.budget);
     const std::int64_t kept_pads =
-        std::count(g.mask.begin() + b * g.S, g.mask.begin() + b * g.S + cfg.budget, 0);
+        std::count(g.mask.begin() + b * g.seq, g.mask.begin() + b * g.seq + cfg.budget, 0);
     CHECK(kept_pads == g.pads(b));
   }
 }
@@ -188,26 +116,27 @@ TEST_CASE("golden skipkv_sentences: the sentence penalty and its eviction match 
           "[golden][scorer]") {
   Golden g("skipkv_sentences.safetensors");
   const SentenceScorerConfig cfg = g.scorer_config();
-  const std::int64_t n = g.S - g.W;
+  const std::int64_t n = g.seq - g.window;
   std::vector<SentenceTracker> trackers;
   const SentencePenalties pen = golden_penalties(g, trackers);
   const SentenceScorer scorer(cfg);
   const SentenceScores s = scorer.scores(g.kv(), g.q(), pen);
-  const std::vector<float> ref_score = g.file.get("score", {g.B, g.H, n}).to_f32();
+  const std::vector<float> ref_score = g.file.get("score", {g.batch, g.kv_heads, n}).to_f32();
   check_scores(s.score, ref_score, n, "score");
 
   const KeepPlan plan = scorer.select(g.kv(), g.q(), pen);
   plan.validate();
-  check_keep(plan, g.file.get("keep_sorted", {g.B, g.H, cfg.budget - g.W}).to_i64(), ref_score, g.H,
-             g.S, cfg.budget, g.W);
+  check_kept_sets(plan,
+                  g.file.get("keep_sorted", {g.batch, g.kv_heads, cfg.budget - g.window}).to_i64(),
+                  ref_score, g.kv_heads, g.seq, cfg.budget, g.window);
   // Independent of the reference: every redundant sentence (more than one token) is gone whole
   // in every head, since enough unpenalized tokens remain to fill the budget.
   std::int64_t redundant_seen = 0;
-  for (std::int64_t b = 0; b < g.B; ++b)
+  for (std::int64_t b = 0; b < g.batch; ++b)
     for (const Sentence& sen : trackers[b].sentences()) {
       if (!sen.redundant() || sen.end <= sen.start) continue;
       ++redundant_seen;
-      for (std::int64_t h = 0; h < g.H; ++h) {
+      for (std::int64_t h = 0; h < g.kv_heads; ++h) {
         const std::int32_t* row = plan.row(b, h);
         const std::int32_t* lo = std::lower_bound(row, row + cfg.budget, sen.start);
         INFO("b=" << b << " h=" << h << " sentence [" << sen.start << ", " << sen.end << "]");
@@ -224,19 +153,19 @@ TEST_CASE("golden skipkv_sentences: the sentence penalty and its eviction match 
 TEST_CASE("exclude mode: no pad kept, kept count = min(budget, real tokens)", "[scorer][pads]") {
   Golden g("skipkv_pad.safetensors");
   // Sequence 2 gets 100 pads: 60 real tokens, fewer than the budget of 96.
-  for (std::int64_t j = 40; j < 100; ++j) g.mask[2 * g.S + j] = 0;
+  for (std::int64_t j = 40; j < 100; ++j) g.mask[2 * g.seq + j] = 0;
   const SentenceScorerConfig faithful_cfg = g.scorer_config(PadMode::faithful);
   const SentenceScorerConfig cfg = g.scorer_config(PadMode::exclude);
-  const std::int64_t n = g.S - g.W, keep = cfg.budget - g.W;
+  const std::int64_t n = g.seq - g.window, keep = cfg.budget - g.window;
   KVCacheView kv = g.kv();
   const SentenceScores s = SentenceScorer(cfg).scores(kv, g.q(), {});
   const SentenceScores sf = SentenceScorer(faithful_cfg).scores(kv, g.q(), {});
   const KeepPlan plan = SentenceScorer(cfg).select(kv, g.q(), {});
   plan.validate();
   const std::int64_t real[3] = {160, 143, 60};
-  for (std::int64_t b = 0; b < g.B; ++b) {
+  for (std::int64_t b = 0; b < g.batch; ++b) {
     CHECK(plan.kept_length(b) == std::min<std::int64_t>(cfg.budget, real[b]));
-    for (std::int64_t h = 0; h < g.H; ++h) {
+    for (std::int64_t h = 0; h < g.kv_heads; ++h) {
       const std::int32_t* row = plan.row(b, h);
       for (std::int64_t i = 0; i < plan.row_size(b, h); ++i) CHECK(kv.is_valid(b, row[i]));
       // Real tokens score the same in both modes; only pads differ (+100 when faithful).
@@ -261,7 +190,7 @@ TEST_CASE("exclude mode: no pad kept, kept count = min(budget, real tokens)", "[
     }
   }
   compact(kv, plan);
-  for (std::int64_t b = 0; b < g.B; ++b) {
+  for (std::int64_t b = 0; b < g.batch; ++b) {
     CHECK(kv.lengths[b] == std::min<std::int64_t>(cfg.budget, real[b]));
     for (std::int64_t j = 0; j < kv.lengths[b]; ++j) CHECK(kv.is_valid(b, j));
   }
@@ -270,13 +199,14 @@ TEST_CASE("exclude mode: no pad kept, kept count = min(budget, real tokens)", "[
 TEST_CASE("faithful mode: more pads than budget − W keeps the same pads in every head",
           "[scorer][pads]") {
   Golden g("skipkv_pad.safetensors");
-  for (std::int64_t j = 0; j < 120; ++j) g.mask[2 * g.S + j] = 0;  // 120 pads > 88
+  for (std::int64_t j = 0; j < 120; ++j) g.mask[2 * g.seq + j] = 0;  // 120 pads > 88
   const SentenceScorerConfig cfg = g.scorer_config(PadMode::faithful);
   KVCacheView kv = g.kv();
   const KeepPlan plan = SentenceScorer(cfg).select(kv, g.q(), {});
-  for (std::int64_t h = 0; h < g.H; ++h) {
+  for (std::int64_t h = 0; h < g.kv_heads; ++h) {
     const std::int32_t* row = plan.row(2, h);
-    for (std::int64_t i = 0; i < cfg.budget - g.W; ++i) CHECK(row[i] == i);  // the first 88 pads
+    // the first 88 pads
+    for (std::int64_t i = 0; i < cfg.budget - g.window; ++i) CHECK(row[i] == i);
   }
   compact(kv, plan);
   CHECK(kv.lengths[2] == cfg.budget);
@@ -285,14 +215,16 @@ TEST_CASE("faithful mode: more pads than budget − W keeps the same pads in eve
 TEST_CASE("the penalty subtracts λ exactly over mapped ranges with lo < hi < S", "[scorer]") {
   Golden g("skipkv_pad.safetensors");
   const SentenceScorerConfig cfg = g.scorer_config(PadMode::exclude);
-  const std::int64_t n = g.S - g.W;
-  SentencePenalties pen(static_cast<std::size_t>(g.B * g.H));
-  pen[0 * g.H + 1] = {{10, 19, 0.97f}, {15, 30, 0.5f}, {40, 40, 0.9f}};  // overlap; one-token
-  pen[1 * g.H + 0] = {{150, 159, 0.96f}, {100, 200, 0.99f}};  // tail into the window; hi >= S
+  const std::int64_t n = g.seq - g.window;
+  SentencePenalties pen(static_cast<std::size_t>(g.batch * g.kv_heads));
+  // overlap; one-token
+  pen[0 * g.kv_heads + 1] = {{10, 19, 0.97f}, {15, 30, 0.5f}, {40, 40, 0.9f}};
+  // tail into the window; hi >= S
+  pen[1 * g.kv_heads + 0] = {{150, 159, 0.96f}, {100, 200, 0.99f}};
   const SentenceScores with = SentenceScorer(cfg).scores(g.kv(), g.q(), pen);
   const SentenceScores without = SentenceScorer(cfg).scores(g.kv(), g.q(), {});
-  for (std::int64_t b = 0; b < g.B; ++b)
-    for (std::int64_t h = 0; h < g.H; ++h)
+  for (std::int64_t b = 0; b < g.batch; ++b)
+    for (std::int64_t h = 0; h < g.kv_heads; ++h)
       for (std::int64_t t = 0; t < n; ++t) {
         double expected = 0;  // hand-written: which ranges cover t
         if (b == 0 && h == 1)
@@ -332,7 +264,7 @@ TEST_CASE("bad configs and penalties raise errors naming the values", "[scorer][
   REQUIRE_THROWS_WITH(
       scorer.scores(g.kv(), g.q(), wrong),
       Catch::Matchers::Contains("penalties has 3 lists, expected 0 or batch * kv_heads = 3 * 2"));
-  SentencePenalties nan_pen(static_cast<std::size_t>(g.B * g.H));
+  SentencePenalties nan_pen(static_cast<std::size_t>(g.batch * g.kv_heads));
   nan_pen[0] = {{1, 5, NAN}};
   REQUIRE_THROWS_WITH(scorer.scores(g.kv(), g.q(), nan_pen),
                       Catch::Matchers::Contains("non-finite lambda"));

@@ -15,19 +15,18 @@
 
 #include "catch.hpp"
 #include "device_buffer.hpp"
+#include "golden_case.hpp"
 #include "kvsift/backend/cpu/select_topk.hpp"
 #include "kvsift/backend/cuda/rkv_scoring.hpp"
 #include "kvsift/core/safetensors.hpp"
 #include "kvsift/policy/rkv.hpp"
 
 using namespace kvsift;
+using test::check_kept_sets;
 using test::DeviceBuffer;
+using test::within_score_tolerance;
 
 namespace {
-
-bool within_tolerance(double x, double ref) {
-  return std::fabs(x - ref) <= 1e-6 + 1e-4 * std::fabs(ref);
-}
 
 // Counts entries of `ours` [rows, stride] (first n of each row) outside tolerance of `ref`.
 std::int64_t count_mismatches(const std::vector<float>& ours, std::int64_t ours_stride,
@@ -37,7 +36,7 @@ std::int64_t count_mismatches(const std::vector<float>& ours, std::int64_t ours_
   for (std::int64_t r = 0; r < rows; ++r)
     for (std::int64_t j = 0; j < n; ++j) {
       const float x = ours[r * ours_stride + j], y = ref(r, j);
-      if (!within_tolerance(x, y)) {
+      if (!within_score_tolerance(x, y)) {
         if (bad++ < 5)
           UNSCOPED_INFO(what << " row " << r << " slot " << j << ": " << x << " vs " << y);
       }
@@ -248,7 +247,7 @@ void check_case(TestCase<T>& tc, const cuda::RKVScoringConfig& cfg) {
       const std::vector<double> r =
           naive_redundancy(k, valid, tc.S, tc.D, cfg.threshold, cfg.faithful);
       for (int j = 0; j < tc.S; ++j)
-        naive_bad += within_tolerance(g.redundancy[(b * H + h) * tc.S + j], r[j]) ? 0 : 1;
+        naive_bad += within_score_tolerance(g.redundancy[(b * H + h) * tc.S + j], r[j]) ? 0 : 1;
     }
   CHECK(naive_bad == 0);
 
@@ -290,7 +289,7 @@ void check_case(TestCase<T>& tc, const cuda::RKVScoringConfig& cfg) {
       for (std::int32_t j : diff) {
         INFO("(b=" << b << ", h=" << h << ") slot " << j << " score " << ref.score.at(b, h, j)
                    << " cut " << cut);
-        CHECK(within_tolerance(ref.score.at(b, h, j), cut));
+        CHECK(within_score_tolerance(ref.score.at(b, h, j), cut));
       }
       swapped += static_cast<std::int64_t>(diff.size());
     }
@@ -328,8 +327,6 @@ void run_random(int B, int Hkv, int G, int S, int D, int W, int budget, int kern
             << dtype_name(dtype_of<T>::value));
   check_case(tc, cfg);
 }
-
-std::string golden(const std::string& name) { return std::string(KVSIFT_GOLDEN_DIR) + "/" + name; }
 
 }  // namespace
 
@@ -379,7 +376,7 @@ TEST_CASE("cuda R-KV matches the published reference (golden cases)", "[cuda][rk
   for (const char* name :
        {"rkv_mha.safetensors", "rkv_gqa.safetensors", "rkv_batch2.safetensors"}) {
     INFO(name);
-    const SafetensorsFile f = SafetensorsFile::load(golden(name));
+    const SafetensorsFile f = SafetensorsFile::load(test::golden_path(name));
     const nlohmann::json c = nlohmann::json::parse(f.metadata().at("config"));
     const StTensor& k = f.get("keys");
     const int B = int(k.shape[0]), H = int(k.shape[1]), S = int(k.shape[2]), D = int(k.shape[3]);
@@ -393,7 +390,7 @@ TEST_CASE("cuda R-KV matches the published reference (golden cases)", "[cuda][rk
     cfg.mix_lambda = c.at("mix_lambda").get<float>();
     cfg.threshold = c.at("threshold").get<float>();
     cfg.faithful = true;  // the reference's column-0 fallback
-    const std::int64_t rows = std::int64_t(B) * H, n = S - W, keep = cfg.budget - W;
+    const std::int64_t rows = std::int64_t(B) * H, n = S - W;
     const GpuScores g = gpu_scores(tc, cfg);
     const std::vector<float> ref_a = f.get("importance").to_f32();
     const std::vector<float> ref_r = f.get("redundancy_full").to_f32();
@@ -408,29 +405,13 @@ TEST_CASE("cuda R-KV matches the published reference (golden cases)", "[cuda][rk
     bool compressed = false;
     const KeepPlan plan = gpu_plan(tc, cfg, &compressed);
     REQUIRE(compressed);
-    const std::vector<std::int64_t> ref_keep = f.get("keep_sorted").to_i64();
-    for (std::int64_t r = 0; r < rows; ++r) {
-      std::vector<float> sorted(&ref_s[r * n], &ref_s[r * n] + n);
-      std::sort(sorted.begin(), sorted.end(), std::greater<float>());
-      const float cut = sorted[keep - 1];
-      REQUIRE(plan.row_size(r / H, r % H) == cfg.budget);
-      std::vector<std::int64_t> ours(plan.row(r / H, r % H), plan.row(r / H, r % H) + keep);
-      std::vector<std::int64_t> ref(&ref_keep[r * keep], &ref_keep[r * keep] + keep);
-      std::vector<std::int64_t> diff;
-      std::set_symmetric_difference(ours.begin(), ours.end(), ref.begin(), ref.end(),
-                                    std::back_inserter(diff));
-      for (std::int64_t j : diff) {
-        INFO("row " << r << " slot " << j << " score " << ref_s[r * n + j] << " cut " << cut);
-        CHECK(std::fabs(ref_s[r * n + j] - cut) <= 1e-6f);
-      }
-      for (int w = 0; w < W; ++w) CHECK(plan.row(r / H, r % H)[keep + w] == S - W + w);
-    }
+    check_kept_sets(plan, f.get("keep_sorted").to_i64(), ref_s, H, S, cfg.budget, W);
   }
 }
 
 TEST_CASE("cuda R-KV redundancy: sparing the last near-duplicate, column-0 fallback",
           "[cuda][rkv][golden]") {
-  const SafetensorsFile f = SafetensorsFile::load(golden("rkv_retain6.safetensors"));
+  const SafetensorsFile f = SafetensorsFile::load(test::golden_path("rkv_retain6.safetensors"));
   const nlohmann::json c = nlohmann::json::parse(f.metadata().at("config"));
   const StTensor& k = f.get("keys", {1, 1, 6, -1});
   const int D = int(k.shape[3]);
@@ -446,7 +427,7 @@ TEST_CASE("cuda R-KV redundancy: sparing the last near-duplicate, column-0 fallb
   const GpuScores g = gpu_scores(tc, cfg);
   for (int j = 0; j < 6; ++j) {
     INFO("column " << j << ": " << g.redundancy[j] << " vs " << ref[j]);
-    CHECK(within_tolerance(g.redundancy[j], ref[j]));
+    CHECK(within_score_tolerance(g.redundancy[j], ref[j]));
   }
   cfg.faithful = false;  // the sound mode moves column 0 only
   const GpuScores sound = gpu_scores(tc, cfg);

@@ -18,6 +18,7 @@
 #include <string>
 #include <string_view>
 
+#include "kvsift/core/config.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/quant/e2m1.hpp"
 #include "kvsift/quant/e4m3.hpp"
@@ -95,8 +96,11 @@ struct BlockHeadLayout {
 };
 
 namespace detail {
+// The two element-level helpers below are host/device: the CPU table and the CUDA append kernel
+// (cuda/paged_append.cu) must write bit-identical codes, so both call this one definition.
 // Replaces the code of element i (0..15) of one packed group, leaving every other element's bits.
-inline void set_element_code(QuantFormat format, std::uint8_t* codes, int i, std::uint8_t code) {
+KVSIFT_HOST_DEVICE void set_element_code(QuantFormat format, std::uint8_t* codes, int i,
+                                         std::uint8_t code) {
   switch (format) {
     case QuantFormat::nvfp4: {
       const int shift = (i & 1) * 4;
@@ -118,8 +122,8 @@ inline void set_element_code(QuantFormat format, std::uint8_t* codes, int i, std
 
 // The code of x in a group whose scale is already fixed: the nearest representable value under that
 // scale, saturating (NVFP4 at ±6·s/g, FP8 at ±448·s, ternary at ±α). A zero scale encodes zero.
-inline std::uint8_t encode_with_scale(QuantFormat format, float x, std::uint8_t scale_code,
-                                      float global_factor) {
+KVSIFT_HOST_DEVICE std::uint8_t encode_with_scale(QuantFormat format, float x,
+                                                  std::uint8_t scale_code, float global_factor) {
   switch (format) {
     case QuantFormat::nvfp4: {
       const float scale = e4m3_to_float(scale_code);

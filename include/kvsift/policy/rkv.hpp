@@ -107,11 +107,9 @@ class RKV final : public Policy {
 
   // Scores and plans the sequences over budget; the others keep everything.
   KeepPlan select(const StepInputs& in) override {
-    in.kv.validate();
-    const std::vector<std::uint8_t> over = cpu::sequences_over_budget(in.kv, cfg_.budget);
-    if (std::find(over.begin(), over.end(), 1) == over.end()) return KeepPlan::keep_all(in.kv);
-    const RKVScores s = cpu::rkv_scores(in.kv, in.window_queries, cfg_, over.data());
-    return cpu::plan_from_scores(in.kv, &s.score, cfg_.selection());
+    return cpu::select_scored_over_budget(in.kv, cfg_.selection(), [&](const std::uint8_t* over) {
+      return cpu::rkv_scores(in.kv, in.window_queries, cfg_, over).score;
+    });
   }
 
  private:

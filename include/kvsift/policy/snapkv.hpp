@@ -53,13 +53,11 @@ class SnapKV final : public Policy {
     return reaches_budget_plus_buffer(kv, cfg_.budget, cfg_.buffer);
   }
 
+  // Scores and plans the sequences over budget; the others keep everything.
   KeepPlan select(const StepInputs& in) override {
-    in.kv.validate();
-    const std::vector<std::uint8_t> over = cpu::sequences_over_budget(in.kv, cfg_.budget);
-    if (std::find(over.begin(), over.end(), 1) == over.end()) return KeepPlan::keep_all(in.kv);
-    const cpu::ScoreTensor a =
-        cpu::window_importance(in.kv, in.window_queries, cfg_.importance_config(), over.data());
-    return cpu::plan_from_scores(in.kv, &a, cfg_.selection());
+    return cpu::select_scored_over_budget(in.kv, cfg_.selection(), [&](const std::uint8_t* over) {
+      return cpu::window_importance(in.kv, in.window_queries, cfg_.importance_config(), over);
+    });
   }
 
  private:

@@ -132,5 +132,20 @@ inline KeepPlan plan_from_scores(const KVCacheView& kv, const ScoreTensor* score
   return plan;
 }
 
+// The select() of a policy that scores and then plans with plan_from_scores (R-KV, SnapKV):
+// validates the cache, and if no sequence is over `sel.budget` keeps everything without scoring
+// (ALGORITHMS.md §1.3: selection is then a no-op); otherwise `score(over)` scores the sequences
+// marked in the [batch] mask `over` and returns a ScoreTensor [batch, kv_heads, capacity], from
+// which the plan is made (the others keep everything).
+template <class ScoreOverBudget>
+KeepPlan select_scored_over_budget(const KVCacheView& kv, const TopKSelection& sel,
+                                   ScoreOverBudget&& score) {
+  kv.validate();
+  const std::vector<std::uint8_t> over = sequences_over_budget(kv, sel.budget);
+  if (std::find(over.begin(), over.end(), 1) == over.end()) return KeepPlan::keep_all(kv);
+  const ScoreTensor scores = score(over.data());
+  return plan_from_scores(kv, &scores, sel);
+}
+
 }  // namespace cpu
 }  // namespace kvsift
