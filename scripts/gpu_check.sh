@@ -2,7 +2,7 @@
 # On a machine with an NVIDIA GPU: build everything, run all tests (GPU tests for real), run the GPU
 # tests under compute-sanitizer (memcheck, racecheck), then the GPU benchmarks and the PyTorch
 # side-by-side R-KV benchmark. Logs go to $OUT (default ./gpu-out). Extra arguments pass to CMake
-# (e.g. -DCMAKE_PREFIX_PATH=... -DKVSIFT_SHARED_DIR=...).
+# (e.g. -DCMAKE_PREFIX_PATH=... -DKVSIFT_SHARED_DIR=...). SKIP_BENCH=1 stops after the sanitizers.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$ROOT/gpu-out}
@@ -55,6 +55,7 @@ for t in "$BUILD"/tests/cuda/gpu_*; do
     rm -f "$log"
   done
 done | tee "$OUT/sanitizer.txt"
+[ -n "${SKIP_BENCH:-}" ] && exit 0  # correctness only
 echo "== GPU benchmarks"
 for b in "$BUILD"/bench/gpu_bench_*; do
   [ -x "$b" ] || continue
