@@ -155,6 +155,31 @@ StDType parse_st_dtype(const std::string& name) {
   KVSIFT_FAIL("unknown dtype '", name, "' (kvsift reads F32, F16, BF16, I64, I32, U8)");
 }
 
+StDType st_dtype_of(DType t) {
+  switch (t) {
+    case DType::f32:
+      return StDType::f32;
+    case DType::f16:
+      return StDType::f16;
+    case DType::bf16:
+      return StDType::bf16;
+  }
+  KVSIFT_FAIL("unknown kvsift dtype code ", static_cast<int>(t));
+}
+
+std::optional<DType> storage_dtype_of(StDType t) {
+  switch (t) {
+    case StDType::f32:
+      return DType::f32;
+    case StDType::f16:
+      return DType::f16;
+    case StDType::bf16:
+      return DType::bf16;
+    default:
+      return std::nullopt;
+  }
+}
+
 // --- StTensor ---------------------------------------------------------------------------------
 
 std::int64_t StTensor::numel() const {

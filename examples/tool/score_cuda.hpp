@@ -149,9 +149,7 @@ inline RKVRun run_rkv_cuda(const KVCacheView& kv, const TensorView& queries, con
   check_rkv_run_inputs(kv, queries, cfg);
   const cuda::RKVScoringConfig c = cuda_rkv_config(cfg, kv, queries, tensor_core_search);
   require_cuda_device();
-  RKVRun run;
-  run.batch = kv.batch(), run.kv_heads = kv.kv_heads(), run.seq = kv.capacity();
-  run.dim = kv.head_dim(), run.window = cfg.window, run.dtype = kv.dtype();
+  RKVRun run = shaped_run(kv, cfg.window);
   const std::int64_t rows = run.batch * run.kv_heads, n = run.candidates();
 
   DeviceRKVInputs dev(kv, queries);
@@ -201,9 +199,7 @@ inline RKVRun run_skipkv_cuda(const KVCacheView& kv, const TensorView& queries,
   c.faithful_pads = sc.pad_mode == PadMode::faithful;
   c.validate();
   require_cuda_device();
-  RKVRun run;
-  run.batch = kv.batch(), run.kv_heads = kv.kv_heads(), run.seq = kv.capacity();
-  run.dim = kv.head_dim(), run.window = sc.window, run.dtype = kv.dtype();
+  RKVRun run = shaped_run(kv, sc.window);
   const std::int64_t rows = run.batch * run.kv_heads, n = run.candidates();
 
   DeviceRKVInputs dev(kv, queries);

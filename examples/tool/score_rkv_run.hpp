@@ -66,6 +66,14 @@ inline void check_rkv_run_inputs(const KVCacheView& kv, const TensorView& querie
                ") must exceed the window (", cfg.window, ")");
 }
 
+// An empty run shaped for `kv` (contiguous host [batch, kv_heads, S, head_dim]) and `window`.
+inline RKVRun shaped_run(const KVCacheView& kv, std::int64_t window) {
+  RKVRun run;
+  run.batch = kv.batch(), run.kv_heads = kv.kv_heads(), run.seq = kv.capacity();
+  run.dim = kv.head_dim(), run.window = window, run.dtype = kv.dtype();
+  return run;
+}
+
 inline std::vector<float> dense_scores(const cpu::ScoreTensor& s, std::int64_t n) {
   std::vector<float> out(static_cast<std::size_t>(s.batch() * s.kv_heads() * n));
   for (std::int64_t b = 0; b < s.batch(); ++b)
@@ -92,19 +100,22 @@ inline void compact_copy(RKVRun& run, const KVCacheView& kv) {
           run.plan);
 }
 
-// The CPU reference: cpu::rkv_scores for the tensors, RKV::select for the plan (so sequences at or
-// under the budget keep everything, §1.3), kvsift::compact on a copy of the cache.
-inline RKVRun run_rkv_cpu(const KVCacheView& kv, const TensorView& queries, const RKVConfig& cfg) {
-  check_rkv_run_inputs(kv, queries, cfg);
-  RKVRun run;
-  run.batch = kv.batch(), run.kv_heads = kv.kv_heads(), run.seq = kv.capacity();
-  run.dim = kv.head_dim(), run.window = cfg.window, run.dtype = kv.dtype();
+// The four score tensors of a CPU scorer (RKVScores or SentenceScores), made dense in `run`.
+template <class Scores>
+inline void take_dense_scores(RKVRun& run, const Scores& s) {
   const std::int64_t n = run.candidates();
-  const RKVScores s = cpu::rkv_scores(kv, queries, cfg);
   run.importance = dense_scores(s.importance, n);
   run.redundancy = dense_scores(s.redundancy, n);
   run.redundancy_full = dense_scores(s.redundancy_full, run.seq);
   run.score = dense_scores(s.score, n);
+}
+
+// The CPU reference: cpu::rkv_scores for the tensors, RKV::select for the plan (so sequences at or
+// under the budget keep everything, §1.3), kvsift::compact on a copy of the cache.
+inline RKVRun run_rkv_cpu(const KVCacheView& kv, const TensorView& queries, const RKVConfig& cfg) {
+  check_rkv_run_inputs(kv, queries, cfg);
+  RKVRun run = shaped_run(kv, cfg.window);
+  take_dense_scores(run, cpu::rkv_scores(kv, queries, cfg));
   RKV policy(cfg);
   run.plan = policy.select(StepInputs{0, kv, queries});
   run.plan.validate();
@@ -122,15 +133,8 @@ inline RKVRun run_skipkv_cpu(const KVCacheView& kv, const TensorView& queries,
                              const SentenceScorerConfig& sc, const SentencePenalties& penalties) {
   check_rkv_run_inputs(kv, queries, sc.rkv_config());
   const SentenceScorer scorer(sc);
-  RKVRun run;
-  run.batch = kv.batch(), run.kv_heads = kv.kv_heads(), run.seq = kv.capacity();
-  run.dim = kv.head_dim(), run.window = sc.window, run.dtype = kv.dtype();
-  const std::int64_t n = run.candidates();
-  const SentenceScores s = scorer.scores(kv, queries, penalties);
-  run.importance = dense_scores(s.importance, n);
-  run.redundancy = dense_scores(s.redundancy, n);
-  run.redundancy_full = dense_scores(s.redundancy_full, run.seq);
-  run.score = dense_scores(s.score, n);
+  RKVRun run = shaped_run(kv, sc.window);
+  take_dense_scores(run, scorer.scores(kv, queries, penalties));
   run.plan = scorer.select(kv, queries, penalties);
   run.plan.validate();
   run.compressed = !run.plan.keeps_everything();

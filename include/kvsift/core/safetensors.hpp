@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -19,6 +20,13 @@ enum class StDType : std::uint8_t { f32, f16, bf16, i64, i32, u8 };
 std::size_t st_dtype_size(StDType t);
 const char* st_dtype_name(StDType t);  // the safetensors spelling, e.g. "BF16"
 StDType parse_st_dtype(const std::string& name);
+
+// The one mapping between kvsift's storage dtypes and the safetensors element types that hold them
+// (f32 <-> F32, f16 <-> F16, bf16 <-> BF16), for every reader and writer of KV tensors.
+StDType st_dtype_of(DType t);
+// nullopt for the integer types (I64, I32, U8): no KV cache stores them, and callers name the
+// tensor in their own error.
+std::optional<DType> storage_dtype_of(StDType t);
 
 struct StTensor {
   StDType dtype = StDType::f32;
