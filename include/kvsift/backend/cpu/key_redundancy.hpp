@@ -51,9 +51,15 @@ inline constexpr std::int64_t kRedundancySearchBlock = 128;
 inline void last_matches(const RowMatrix& kn, float threshold, std::vector<std::int64_t>& r) {
   const std::int64_t s = kn.rows();
   r.assign(static_cast<std::size_t>(s), -1);
-  std::vector<std::int64_t> open(static_cast<std::size_t>(s));  // rows still searching
-  for (std::int64_t i = 0; i < s; ++i) open[i] = i;
-  RowMatrix rows = kn;  // [open.size(), D], the open rows, gathered
+  // Rows still searching. A zero row (a zeroed pad key) has cosine exactly 0 with every key, so
+  // with a threshold >= 0 it can never match: it skips the search instead of scanning all S.
+  std::vector<std::int64_t> open;
+  open.reserve(static_cast<std::size_t>(s));
+  for (std::int64_t i = 0; i < s; ++i) {
+    if (threshold < 0.0f || kn.row(i).squaredNorm() > 0.0f) open.push_back(i);
+  }
+  RowMatrix rows(static_cast<std::int64_t>(open.size()), kn.cols());  // [open.size(), D]
+  for (std::size_t o = 0; o < open.size(); ++o) rows.row(o) = kn.row(open[o]);
   for (std::int64_t hi = s; hi > 0 && !open.empty(); hi -= kRedundancySearchBlock) {
     const std::int64_t lo = std::max<std::int64_t>(0, hi - kRedundancySearchBlock);
     const RowMatrix c = rows * kn.middleRows(lo, hi - lo).transpose();  // [open, hi - lo]
