@@ -512,3 +512,27 @@ TEST_CASE("TBE's eviction marks for a segment apply per head as bits", "[thought
       }(),
       Contains("segment 2 of sequence 0 outside [0, 2)"));
 }
+
+TEST_CASE("block formats: names, every accepted spelling, and unknown names", "[table][errors]") {
+  const std::vector<std::pair<std::string, BlockFormat>> spellings = {
+      {"f32", BlockFormat::f32}, {"full", BlockFormat::f32},        {"32", BlockFormat::f32},
+      {"16", BlockFormat::f32},  {"nvfp4", BlockFormat::nvfp4},     {"fp4", BlockFormat::nvfp4},
+      {"4", BlockFormat::nvfp4}, {"fp8", BlockFormat::fp8},         {"e4m3", BlockFormat::fp8},
+      {"8", BlockFormat::fp8},   {"ternary", BlockFormat::ternary}, {"2", BlockFormat::ternary}};
+  for (const auto& [name, format] : spellings) {
+    INFO(name);
+    REQUIRE(parse_block_format(name) == format);
+  }
+  REQUIRE(block_format_name(BlockFormat::f32) == "f32");
+  REQUIRE(block_format_name(BlockFormat::nvfp4) == "nvfp4");
+  REQUIRE(block_format_name(BlockFormat::fp8) == "fp8");
+  REQUIRE(block_format_name(BlockFormat::ternary) == "ternary");
+  for (BlockFormat f : {BlockFormat::nvfp4, BlockFormat::fp8, BlockFormat::ternary}) {
+    REQUIRE(block_format_of(quant_format_of(f)) == f);
+    REQUIRE(parse_block_format(block_format_name(f)) == f);
+  }
+  REQUIRE_THROWS_WITH(parse_block_format("int4"),
+                      Catch::Matchers::Contains("unknown block format 'int4'"));
+  REQUIRE_THROWS_WITH(parse_quant_format("f32"),
+                      Catch::Matchers::Contains("unknown quantization format 'f32'"));
+}

@@ -32,36 +32,32 @@ namespace kvsift {
 
 enum class BlockFormat : std::uint8_t { f32, nvfp4, fp8, ternary };
 
-inline constexpr std::string_view block_format_name(BlockFormat f) {
-  switch (f) {
-    case BlockFormat::f32:
-      return "f32";
-    case BlockFormat::nvfp4:
-      return "nvfp4";
-    case BlockFormat::fp8:
-      return "fp8";
-    case BlockFormat::ternary:
-      return "ternary";
-  }
-  return "unknown";
-}
-
-// Accepts the names above and TBQ's bit-width shorthand: "32"/"16" (full precision), "8", "4", "2".
-inline BlockFormat parse_block_format(std::string_view name) {
-  if (name == "f32" || name == "full" || name == "32" || name == "16") return BlockFormat::f32;
-  if (name == "nvfp4" || name == "fp4" || name == "4") return BlockFormat::nvfp4;
-  if (name == "fp8" || name == "e4m3" || name == "8") return BlockFormat::fp8;
-  if (name == "ternary" || name == "2") return BlockFormat::ternary;
-  KVSIFT_FAIL("unknown block format '", std::string(name),
-              "' (expected f32, nvfp4, fp8 or ternary, or 32/16, 4, 8, 2)");
-}
-
 inline constexpr bool is_quantized(BlockFormat f) { return f != BlockFormat::f32; }
 
 inline constexpr QuantFormat quant_format_of(BlockFormat f) {
   return f == BlockFormat::fp8       ? QuantFormat::fp8
          : f == BlockFormat::ternary ? QuantFormat::ternary
                                      : QuantFormat::nvfp4;
+}
+
+inline constexpr BlockFormat block_format_of(QuantFormat f) {
+  return f == QuantFormat::fp8       ? BlockFormat::fp8
+         : f == QuantFormat::ternary ? BlockFormat::ternary
+                                     : BlockFormat::nvfp4;
+}
+
+// The quantized formats take their names and spellings from quant/format.hpp.
+inline constexpr std::string_view block_format_name(BlockFormat f) {
+  return is_quantized(f) ? quant_format_name(quant_format_of(f)) : "f32";
+}
+
+// Accepts "f32" (or "full", and the bit widths "32"/"16") and every spelling parse_quant_format
+// accepts.
+inline BlockFormat parse_block_format(std::string_view name) {
+  if (name == "f32" || name == "full" || name == "32" || name == "16") return BlockFormat::f32;
+  if (const auto q = find_quant_format(name)) return block_format_of(*q);
+  KVSIFT_FAIL("unknown block format '", std::string(name),
+              "' (expected f32, nvfp4, fp8 or ternary, or 32/16, 4, 8, 2)");
 }
 
 // Geometry and byte offsets of one (block, head) in one format.

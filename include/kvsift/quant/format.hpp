@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -32,11 +33,17 @@ inline constexpr std::string_view quant_format_name(QuantFormat f) {
   return "unknown";
 }
 
-// Accepts the names above and the paper's bit-width shorthand ("4", "8", "2" as in "R4 E4 T2").
-inline QuantFormat parse_quant_format(std::string_view name) {
+// The names above, their aliases and the paper's bit-width shorthand ("4", "8", "2" as in
+// "R4 E4 T2"); nullopt for anything else. The one list of accepted spellings.
+inline std::optional<QuantFormat> find_quant_format(std::string_view name) {
   if (name == "nvfp4" || name == "fp4" || name == "4") return QuantFormat::nvfp4;
   if (name == "fp8" || name == "e4m3" || name == "8") return QuantFormat::fp8;
   if (name == "ternary" || name == "2") return QuantFormat::ternary;
+  return std::nullopt;
+}
+
+inline QuantFormat parse_quant_format(std::string_view name) {
+  if (const auto f = find_quant_format(name)) return *f;
   KVSIFT_FAIL("unknown quantization format '", std::string(name),
               "' (expected nvfp4, fp8 or ternary)");
 }
