@@ -1,6 +1,9 @@
-// One R-KV compression step on the GPU (score + select + plan download + kvsift::cuda::compact) at
-// R1-Llama-8B attention: 32 query / 8 KV heads, head_dim 128, bf16, budget 1024, S = budget + 128
-// (the decode trigger, ALGORITHMS.md §1.3), batch 1, 8, 32, 64.
+// One R-KV or SkipKV compression step on the GPU (score + select + plan download +
+// kvsift::cuda::compact) at R1-Llama-8B attention: 32 query / 8 KV heads, head_dim 128, bf16,
+// budget 1024, S = budget + 128 (the decode trigger, ALGORITHMS.md §1.3), batch 1, 8, 32, 64.
+// SkipKV (§2.4) adds the sentence penalties: every (sequence, KV head) has a redundant 24-token
+// sentence every 120 tokens (λ_i 0.01 .. 0.1), uploaded inside the timed selection, as an engine
+// uploads a step's fresh penalties.
 //
 // Prints per layer: scoring+selection (device time, CUDA events), plan download (host wall time),
 // compaction (device time, including its host-side plan checks), the whole layer (host wall time),
@@ -27,6 +30,7 @@
 #include "kvsift/backend/cuda/check.hpp"
 #include "kvsift/backend/cuda/compact.hpp"
 #include "kvsift/backend/cuda/rkv_scoring.hpp"
+#include "kvsift/backend/cuda/sentence_scoring.hpp"
 #include "kvsift/core/dtype.hpp"
 
 using namespace kvsift;
@@ -62,7 +66,18 @@ std::vector<bf16_t> make_sequence(bool clustered, Noise& noise) {
   return out;
 }
 
-void run(int batch, bool clustered, bool tensor_core, double bandwidth, cudaStream_t stream) {
+// SkipKV's penalties for every (sequence, KV head): a redundant sentence [lo, lo + 23] every 120
+// tokens, λ_i cycling through 0.01 .. 0.1.
+cuda::SentencePenaltyCsr bench_penalties(int batch) {
+  std::vector<std::vector<PenaltyRange>> per_row(static_cast<std::size_t>(batch) * kKVHeads);
+  for (auto& row : per_row)
+    for (int lo = 0, i = 0; lo + 23 < kSeq - kWindow; lo += 120, ++i)
+      row.push_back(PenaltyRange{lo, lo + 23, 0.01f * static_cast<float>(1 + i % 10)});
+  return cuda::build_penalty_csr(per_row, batch, kKVHeads);
+}
+
+void run(int batch, bool clustered, bool tensor_core, bool skipkv, double bandwidth,
+         cudaStream_t stream) {
   const std::size_t cache_elems = static_cast<std::size_t>(batch) * kKVHeads * kSeq * kHeadDim;
   DeviceArray<bf16_t> keys(cache_elems), values(cache_elems);
   DeviceArray<bf16_t> queries(static_cast<std::size_t>(batch) * kQHeads * kWindow * kHeadDim);
@@ -86,11 +101,15 @@ void run(int batch, bool clustered, bool tensor_core, double bandwidth, cudaStre
                                             batch, kKVHeads, kSeq, kHeadDim, lengths.data());
   const TensorView qv = TensorView::contiguous(queries.get(), DType::bf16, Device::cuda,
                                                {batch, kQHeads, kWindow, kHeadDim});
-  cuda::RKVScoringConfig cfg;
+  cuda::SkipKVScoringConfig skip_cfg;
+  cuda::RKVScoringConfig& cfg = skip_cfg.rkv;
   cfg.budget = kBudget;
   cfg.window = kWindow;
   cfg.tensor_core_search = tensor_core;
-  DeviceArray<char> ws(cuda::rkv_workspace_bytes(kv, qv, cfg));
+  const cuda::SentencePenaltyCsr csr = bench_penalties(batch);
+  DeviceArray<char> penalty_ws(cuda::sentence_penalty_workspace_bytes(csr));
+  DeviceArray<char> ws(skipkv ? cuda::skipkv_workspace_bytes(kv, qv, skip_cfg)
+                              : cuda::rkv_workspace_bytes(kv, qv, cfg));
   DeviceArray<std::int32_t> slots(static_cast<std::size_t>(batch) * kKVHeads * kBudget);
 
   cudaEvent_t e0, e1, e2, e3;
@@ -103,7 +122,14 @@ void run(int batch, bool clustered, bool tensor_core, double bandwidth, cudaStre
     // selection (device work plus launch overhead), the plan download, the compaction.
     const auto h0 = std::chrono::steady_clock::now();
     KVSIFT_CUDA_CHECK(cudaEventRecord(e0, stream));
-    cuda::rkv_select(kv, qv, cfg, slots.get(), nullptr, ws.get(), ws.size(), stream);
+    if (skipkv) {
+      const cuda::SentencePenaltiesDevice pen =
+          cuda::upload_sentence_penalties(csr, penalty_ws.get(), penalty_ws.size(), stream);
+      cuda::skipkv_select(kv, qv, skip_cfg, pen, slots.get(), nullptr, ws.get(), ws.size(),
+                          stream);
+    } else {
+      cuda::rkv_select(kv, qv, cfg, slots.get(), nullptr, ws.get(), ws.size(), stream);
+    }
     KVSIFT_CUDA_CHECK(cudaEventRecord(e1, stream));
     KVSIFT_CUDA_CHECK(cudaEventSynchronize(e1));
     const auto h1 = std::chrono::steady_clock::now();
@@ -135,8 +161,9 @@ void run(int batch, bool clustered, bool tensor_core, double bandwidth, cudaStre
   const double query_bytes = static_cast<double>(q.size()) * elem;
   const double floor_ms = (2 * cache_bytes + query_bytes + 2 * kept_bytes) / bandwidth * 1e3;
   const float layer = median(t_total);
-  std::printf("%-9s %-6s %5d %10.3f %10.3f %10.3f %10.3f %12.2f %9.3f %8.1fx\n",
-              clustered ? "clustered" : "random", tensor_core ? "tc" : "fp32", batch,
+  std::printf("%-7s %-9s %-6s %5d %10.3f %10.3f %10.3f %10.3f %12.2f %9.3f %8.1fx\n",
+              skipkv ? "skipkv" : "rkv", clustered ? "clustered" : "random",
+              tensor_core ? "tc" : "fp32", batch,
               median(t_select), median(t_plan), median(t_compact), layer, layer * kLayers, floor_ms,
               layer / floor_ms);
 }
@@ -155,18 +182,19 @@ int main(int argc, char** argv) {
   KVSIFT_CUDA_CHECK(cudaStreamCreate(&stream));
   // Device-to-device copy bandwidth (bytes read + written per second) on a 1 GiB buffer.
   const double bw = bench::d2d_copy_bandwidth(std::size_t(1) << 30, stream, kWarmup, kReps);
-  std::printf("R-KV step on %s: Hq %d / Hkv %d, head_dim %d, bf16, budget %d, S %d, window %d\n",
+  std::printf("R-KV / SkipKV step on %s: Hq %d / Hkv %d, head_dim %d, bf16, budget %d, S %d, window %d\n",
               prop.name, kQHeads, kKVHeads, kHeadDim, kBudget, kSeq, kWindow);
   std::printf("device-to-device copy bandwidth: %.0f GB/s (read + write)\n", bw * 1e-9);
   std::printf("median of %d reps after %d warm-up; ms per layer unless noted\n", kReps, kWarmup);
-  std::printf("%-9s %-6s %5s %10s %10s %10s %10s %12s %9s %9s\n", "keys", "search", "batch",
+  std::printf("%-7s %-9s %-6s %5s %10s %10s %10s %10s %12s %9s %9s\n", "policy", "keys", "search",
+              "batch",
               "score+sel", "plan(host)", "compact", "layer", "32 layers", "HBM floor", "ratio");
+  for (int batch : batches) KVSIFT_CHECK(batch >= 1, "gpu_bench_rkv: batch must be >= 1, got ", batch);
   for (bool clustered : {false, true})
     for (bool tensor_core : {false, true})
-      for (int batch : batches) {
-        KVSIFT_CHECK(batch >= 1, "gpu_bench_rkv: batch must be >= 1, got ", batch);
-        run(batch, clustered, tensor_core, bw, stream);
-      }
+      for (int batch : batches) run(batch, clustered, tensor_core, false, bw, stream);
+  for (bool clustered : {false, true})  // SkipKV with the search the engine would pick
+    for (int batch : batches) run(batch, clustered, true, true, bw, stream);
   KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
   return 0;
 }

@@ -34,6 +34,10 @@ BF16_BYTES = 2
 CAPI_BF16 = 2  # kvsift::DType::bf16, KVSIFT_CAPI_BF16 in bench/capi/kvsift_capi.h
 POOL_TARGET_BYTES = 512 << 20  # input pool per config: ~10x an H200's L2 cache
 POOL_MIN, POOL_MAX = 4, 32
+# A whole step runs as one kvsift call over all layers (kvsift_rkv_layers_step) while layers * batch
+# stays at or below this many sequences; larger batches are compressed layer by layer (one call
+# each), which is how an engine would bound the step's workspace.
+ONE_CALL_MAX_SEQUENCES = 256
 
 
 # ---------------------------------------------------------------------------------------------
@@ -72,6 +76,20 @@ class Kvsift:
             fn = getattr(self.lib, name)
             fn.restype = c.c_int
             fn.argtypes = step_args
+        self.lib.kvsift_rkv_layers_workspace_bytes.restype = c.c_int
+        self.lib.kvsift_rkv_layers_workspace_bytes.argtypes = [
+            c.c_int, c.c_int, c.c_int, c.c_int, c.c_int, c.c_int64, c.c_int, c.c_int32, c.c_int,
+            c.c_int, c.POINTER(c.c_size_t)]
+        self.lib.kvsift_rkv_layers_step.restype = c.c_int
+        self.lib.kvsift_rkv_layers_step.argtypes = [
+            c.c_int, c.c_int,                             # dtype, n_layers
+            c.POINTER(c.c_void_p), c.POINTER(c.c_void_p),  # keys[l], values[l]  host arrays
+            c.POINTER(c.c_void_p),                        # queries[l]
+            c.c_int, c.c_int, c.c_int, c.c_int64, c.c_int,  # batch, Hkv, Hq, capacity, head_dim
+            c.POINTER(c.c_int32),                         # lengths host [B]
+            c.c_int, c.c_int, c.c_float, c.c_float,       # budget, window, mix_lambda, threshold
+            c.c_void_p, c.c_size_t, c.c_void_p,           # workspace, bytes, stream
+            c.POINTER(c.c_int)]                           # compressed (out)
 
     def _check(self, rc, what):
         if rc != 0:
@@ -100,6 +118,28 @@ class Kvsift:
 
     def step(self, *args, **kw):
         return self._call("kvsift_rkv_step", *args, **kw)
+
+    def layers_workspace_bytes(self, n_layers, batch, capacity, length, budget, window):
+        out = ctypes.c_size_t(0)
+        rc = self.lib.kvsift_rkv_layers_workspace_bytes(CAPI_BF16, n_layers, batch, KV_HEADS,
+                                                        Q_HEADS, capacity, HEAD_DIM, length,
+                                                        budget, window, ctypes.byref(out))
+        self._check(rc, "kvsift_rkv_layers_workspace_bytes")
+        return out.value
+
+    def layers_step(self, keys, values, queries, shape, lengths, budget, window, lam, threshold,
+                    workspace, workspace_bytes, stream):
+        """All layers in one call; keys/values/queries are lists of device pointers (ints)."""
+        batch, kv_heads, q_heads, capacity, head_dim = shape
+        n = len(keys)
+        arr = lambda xs: (ctypes.c_void_p * n)(*xs)
+        compressed = ctypes.c_int(-1)
+        rc = self.lib.kvsift_rkv_layers_step(CAPI_BF16, n, arr(keys), arr(values), arr(queries),
+                                             batch, kv_heads, q_heads, capacity, head_dim, lengths,
+                                             budget, window, lam, threshold, workspace,
+                                             workspace_bytes, stream, ctypes.byref(compressed))
+        self._check(rc, "kvsift_rkv_layers_step")
+        return compressed.value == 1
 
     def select(self, *args, **kw):
         return self._call("kvsift_rkv_select", *args, **kw)
@@ -158,13 +198,13 @@ def compare_kept_sets(kv_rows, ref_rows, ref_scores, n_keep, rel_tol):
 def format_table(rows, layers=32):
     """Markdown table of the measured rows (dicts), one line per (batch, budget)."""
     head = ("| batch | budget | S | kvsift ms/layer | kvsift score+select ms"
-            " | kvsift ms/%d-layer step | HBM floor ms/layer | ratio to floor"
+            " | kvsift ms/%d-layer step (calls) | HBM floor ms/layer | ratio to floor"
             " | PyTorch ms/layer | speedup |" % layers)
     lines = [head, "|" + "---|" * 10]
     for r in rows:
-        lines.append("| %d | %d | %d | %.3f | %.3f | %.3f | %.4f | %.1fx | %s | %s |" % (
+        lines.append("| %d | %d | %d | %.3f | %.3f | %.3f (%s) | %.4f | %.1fx | %s | %s |" % (
             r["batch"], r["budget"], r["seq"], r["kv_ms"], r["sel_ms"], r["step_ms"],
-            r["floor_ms"], r["kv_ms"] / r["floor_ms"],
+            r.get("step_mode", "%d calls" % layers), r["floor_ms"], r["kv_ms"] / r["floor_ms"],
             "%.3f" % r["torch_ms"] if r.get("torch_ms") is not None else "n/a",
             "%.1fx" % (r["torch_ms"] / r["kv_ms"]) if r.get("torch_ms") is not None else "n/a"))
     return "\n".join(lines)
@@ -343,6 +383,56 @@ class KvsiftRunner:
         return self._run(self.lib.select, k, v, q, self.slots.data_ptr())
 
 
+class KvsiftLayersRunner:
+    """All layers of a step in one kvsift call, on torch's current stream."""
+
+    def __init__(self, lib, n_layers, batch, seq, budget, window, mix_lambda, threshold):
+        import torch
+
+        self.lib, self.batch, self.seq = lib, batch, seq
+        self.budget, self.window, self.lam, self.thr = budget, window, mix_lambda, threshold
+        self.shape = (batch, KV_HEADS, Q_HEADS, seq, HEAD_DIM)
+        self.ws_bytes = lib.layers_workspace_bytes(n_layers, batch, seq, seq, budget, window)
+        self.ws = torch.empty(max(self.ws_bytes, 1), dtype=torch.uint8, device="cuda")
+        self.lengths = (ctypes.c_int32 * batch)()
+
+    def step(self, layers):
+        """layers: a list of (k, v, q) tensors, one per layer."""
+        import torch
+
+        for i in range(self.batch):
+            self.lengths[i] = self.seq
+        return self.lib.layers_step(
+            [k.data_ptr() for k, _, _ in layers], [v.data_ptr() for _, v, _ in layers],
+            [q.data_ptr() for _, _, q in layers], self.shape, self.lengths, self.budget,
+            self.window, self.lam, self.thr, self.ws.data_ptr(), self.ws_bytes,
+            torch.cuda.current_stream().cuda_stream)
+
+
+def check_layers_parity(lib, batch, budget, n_layers, args, gen):
+    """The one-call step equals kvsift's per-layer step on every layer, bit for bit."""
+    import torch
+
+    seq = budget + args.buffer
+    layers = [make_inputs(batch, seq, args.window, keys, gen)
+              for keys in ("random", "clustered") * (n_layers // 2)]
+    copies = [(k.clone(), v.clone(), q) for k, v, q in layers]
+    runner = KvsiftLayersRunner(lib, len(layers), batch, seq, budget, args.window,
+                                args.mix_lambda, args.threshold)
+    one = KvsiftRunner(lib, batch, seq, budget, args.window, args.mix_lambda, args.threshold)
+    ran = runner.step(layers)
+    for k, v, q in copies:
+        one.step(k, v, q)
+    torch.cuda.synchronize()
+    same = all(torch.equal(a[0][:, :, :budget], b[0][:, :, :budget]) and
+               torch.equal(a[1][:, :, :budget], b[1][:, :, :budget])
+               for a, b in zip(layers, copies))
+    ok = ran and same and list(runner.lengths) == [budget] * batch
+    print("parity one-call step, %d layers, batch %d budget %d: %s" % (
+        len(layers), batch, budget, "identical to per-layer calls" if ok else "DIFFERS"))
+    return ok
+
+
 def check_parity(lib, batch, budget, args, gen):
     """Same kept sets as the PyTorch formulation (up to near-cut ties) and an exact compaction."""
     import torch
@@ -395,7 +485,10 @@ def bench_config(lib, batch, budget, args, bandwidth, gen):
     import torch
 
     seq = budget + args.buffer
+    one_call = batch * args.layers <= ONE_CALL_MAX_SEQUENCES
     n_sets = pool_size(input_set_bytes(batch, seq, args.window))
+    if one_call:  # a one-call step needs a distinct input set per layer
+        n_sets = max(n_sets, args.layers)
     pool = [make_inputs(batch, seq, args.window, args.keys, gen) for _ in range(n_sets)]
     runner = KvsiftRunner(lib, batch, seq, budget, args.window, args.mix_lambda, args.threshold)
     torch.cuda.synchronize()
@@ -403,11 +496,19 @@ def bench_config(lib, batch, budget, args, bandwidth, gen):
     kv_ms = event_times(lambda r: runner.step(*pool[r % n_sets]), args.reps, args.warmup)
     sel_ms = event_times(lambda r: runner.select(*pool[r % n_sets]), args.reps, args.warmup)
 
-    def whole_step(r):  # one decode step's compression of every layer, each on its own inputs
-        for layer in range(args.layers):
-            runner.step(*pool[(r * args.layers + layer) % n_sets])
+    if one_call:  # one decode step's compression of every layer, each on its own inputs
+        layers_runner = KvsiftLayersRunner(lib, args.layers, batch, seq, budget, args.window,
+                                           args.mix_lambda, args.threshold)
+        step_ms = event_times(
+            lambda r: layers_runner.step([pool[(r * args.layers + l) % n_sets]
+                                          for l in range(args.layers)]), args.reps, args.warmup)
+        del layers_runner
+    else:
+        def whole_step(r):
+            for layer in range(args.layers):
+                runner.step(*pool[(r * args.layers + layer) % n_sets])
 
-    step_ms = event_times(whole_step, args.reps, args.warmup)
+        step_ms = event_times(whole_step, args.reps, args.warmup)
     torch_ms = None
     if not args.skip_torch:
         def torch_layer(r):
@@ -419,11 +520,13 @@ def bench_config(lib, batch, budget, args, bandwidth, gen):
     torch.cuda.empty_cache()
     floor_ms = layer_floor_bytes(batch, budget, args.buffer, args.window) / bandwidth * 1e3
     row = dict(batch=batch, budget=budget, seq=seq, kv_ms=kv_ms, sel_ms=sel_ms, step_ms=step_ms,
-               floor_ms=floor_ms, torch_ms=torch_ms, pool=n_sets)
-    print("batch %3d budget %4d: kvsift %.3f ms/layer (score+select %.3f), %d layers %.3f ms, "
-          "floor %.4f ms (%.1fx), PyTorch %s, pool %d sets" % (
-              batch, budget, kv_ms, sel_ms, args.layers, step_ms, floor_ms, kv_ms / floor_ms,
-              "%.3f ms" % torch_ms if torch_ms is not None else "skipped", n_sets), flush=True)
+               floor_ms=floor_ms, torch_ms=torch_ms, pool=n_sets,
+               step_mode="1 call" if one_call else "%d calls" % args.layers)
+    print("batch %3d budget %4d: kvsift %.3f ms/layer (score+select %.3f), %d layers %.3f ms "
+          "(%s), floor %.4f ms (%.1fx), PyTorch %s, pool %d sets" % (
+              batch, budget, kv_ms, sel_ms, args.layers, step_ms, row["step_mode"], floor_ms,
+              kv_ms / floor_ms, "%.3f ms" % torch_ms if torch_ms is not None else "skipped",
+              n_sets), flush=True)
     return row
 
 
@@ -444,7 +547,8 @@ def main(argv):
     gen.manual_seed(args.seed)
 
     # A small case and the smallest benchmark case; both run even when the first fails.
-    parity_ok = all([check_parity(lib, 2, 256, args, gen), check_parity(lib, 1, 1024, args, gen)])
+    parity_ok = all([check_parity(lib, 2, 256, args, gen), check_parity(lib, 1, 1024, args, gen),
+                     check_layers_parity(lib, 2, 256, 4, args, gen)])
     bandwidth = copy_bandwidth(args.reps, args.warmup)
     name = torch.cuda.get_device_name()
     header = [
@@ -454,8 +558,9 @@ def main(argv):
         "after %d warm-up, inputs cycled through a pool (>= %d MiB)" % (
             Q_HEADS, KV_HEADS, HEAD_DIM, args.buffer, args.window, args.keys, args.reps,
             args.warmup, POOL_TARGET_BYTES >> 20),
-        "device-to-device copy bandwidth %.0f GB/s (read + write); %d-layer step measured as %d "
-        "back-to-back layer calls" % (bandwidth * 1e-9, args.layers, args.layers),
+        "device-to-device copy bandwidth %.0f GB/s (read + write); %d-layer step: one "
+        "kvsift_rkv_layers_step call over all layers while layers x batch <= %d, else one call "
+        "per layer back to back" % (bandwidth * 1e-9, args.layers, ONE_CALL_MAX_SEQUENCES),
         "kvsift ms/layer: score + select (tensor-core redundancy search) + compaction from device slot rows, no host round trip",
         "parity vs PyTorch before timing: %s" % ("PASS" if parity_ok else "FAILED"),
     ]
@@ -509,8 +614,8 @@ def self_test(lib_path):
     row = dict(batch=64, budget=1024, seq=1152, kv_ms=0.5, sel_ms=0.3, step_ms=16.0,
                floor_ms=0.3, torch_ms=30.0)
     table = format_table([row])
-    expect(table.count("\n") == 2 and "| 64 | 1024 | 1152 | 0.500 |" in table and "60.0x" in table,
-           "table row")
+    expect(table.count("\n") == 2 and "| 64 | 1024 | 1152 | 0.500 |" in table and "60.0x" in table
+           and "16.000 (32 calls)" in table, "table row")
     lines = target_lines([row, dict(row, batch=1, step_ms=0.8)], 32)
     expect(any("1.67x the HBM floor" in l and "PASS" in l for l in lines), "floor target")
     expect(any("60.0x faster" in l and "PASS" in l for l in lines), "speedup target")
@@ -552,6 +657,12 @@ def self_test(lib_path):
                                         fake, 1 << 40, None))
         expect("mix_lambda" in msg and "1.5" in msg, "bad lambda: " + msg)
         expect(list(lengths) == [1152, 1152], "failed calls leave lengths alone")
+        ws32 = lib.layers_workspace_bytes(32, 1, 1152, 1152, 1024, 8)
+        expect(ws32 >= 32 * 8 * 1152 * 128 * 4, "one-call step workspace holds every layer's keys")
+        msg = error_of(lambda: lib.layers_workspace_bytes(0, 1, 1152, 1152, 1024, 8))
+        expect("n_layers must be >= 1, got 0" in msg, "no layers: " + msg)
+        msg = error_of(lambda: lib.layers_workspace_bytes(129, 1, 1152, 1152, 1024, 8))
+        expect("n_layers (129) must be in [1, 128]" in msg, "too many layers: " + msg)
     print("%d failure(s)" % len(failures))
     return 1 if failures else 0
 

@@ -12,6 +12,7 @@
 #include "kvsift/backend/cuda/compact.hpp"
 #include "kvsift/backend/cuda/rkv_scoring.hpp"
 #include "kvsift/backend/cuda/workspace.hpp"
+#include "rkv_kernels.cuh"
 
 namespace kvsift::cuda {
 
@@ -20,37 +21,45 @@ static_assert(kRowEnd == kUnusedSlot && kRowInvalid == kNanScoreSlot,
 
 namespace {
 
+using detail::StepBases;
+using detail::StepView;
+
 constexpr int kThreads = 512;
 
-// A sequence whose rows hold a kRowInvalid marker is left untouched by compact_device_rows.
-__device__ __forceinline__ bool sequence_invalid(const std::int32_t* slots, int b, int kv_heads,
-                                                 int row_stride) {
-  for (int h = 0; h < kv_heads; ++h) {
-    if (slots[(std::int64_t{b} * kv_heads + h) * row_stride] == kRowInvalid) return true;
-  }
+// A sequence whose rows hold a kRowInvalid marker in any layer is left untouched by
+// compact_device_rows(_step) in every layer: its layers and its mask stay consistent.
+//   slots [n_layers, batch, kv_heads, row_stride]
+__device__ __forceinline__ bool sequence_invalid(const std::int32_t* slots, int b, int batch,
+                                                 int n_layers, int kv_heads, int row_stride) {
+  for (int l = 0; l < n_layers; ++l)
+    for (int h = 0; h < kv_heads; ++h) {
+      const std::int64_t row = (std::int64_t{l} * batch + b) * kv_heads + h;
+      if (slots[row * row_stride] == kRowInvalid) return true;
+    }
   return false;
 }
 constexpr int kRowsPerThread = 8;  // independent loads in flight per thread: fewer, larger tiles
 
 template <class Unit>
-__global__ void compact_rows_kernel(char* __restrict__ base,  // cache tensor (K or V)
-                                    std::int64_t stride_b,    // bytes between sequences
-                                    std::int64_t stride_h,    // bytes between heads
-                                    std::int64_t stride_s,    // bytes between slots
-                                    int units_per_row, int slice_units, int kv_heads,
+__global__ void compact_rows_kernel(StepBases bases,        // K or V of every layer
+                                    std::int64_t stride_h,  // bytes between heads
+                                    std::int64_t stride_s,  // bytes between slots
+                                    int units_per_row, int slice_units, int n_layers, int kv_heads,
                                     const std::int64_t* __restrict__ indptr,  // [B*H + 1] or null
                                     const std::int32_t* __restrict__ slots,   // [nnz]
                                     int row_stride, std::int64_t capacity) {
-  const int row = blockIdx.x;  // (b, h) flattened
-  const int b = row / kv_heads, h = row % kv_heads;
-  if (indptr == nullptr && sequence_invalid(slots, b, kv_heads, row_stride)) return;
+  const int row = blockIdx.x;  // (layer, b, h) flattened
+  const int z = row / kv_heads, h = row % kv_heads;
+  if (indptr == nullptr &&
+      sequence_invalid(slots, z % bases.batch, bases.batch, n_layers, kv_heads, row_stride))
+    return;
   const int unit = blockIdx.y * slice_units + threadIdx.x % slice_units;
   const int rows_per_pass = kThreads / slice_units;
   const int lane_row = threadIdx.x / slice_units;
   const bool active = unit < units_per_row && lane_row < rows_per_pass;
   const std::int64_t begin = indptr != nullptr ? indptr[row] : std::int64_t{row} * row_stride;
   const std::int64_t n = indptr != nullptr ? indptr[row + 1] - begin : row_stride;
-  char* head_base = base + b * stride_b + h * stride_h;
+  char* head_base = bases.seq<char>(z) + h * stride_h;
   const int tile = rows_per_pass * kRowsPerThread;
   for (std::int64_t t0 = 0; t0 < n; t0 += tile) {
     Unit buf[kRowsPerThread];
@@ -75,16 +84,16 @@ __global__ void compact_rows_kernel(char* __restrict__ base,  // cache tensor (K
   }
 }
 
-// The mask follows head 0's row of each sequence: one block per sequence, same tiling. With
-// device rows (indptr null) the block also writes the sequence's new length.
+// The mask follows head 0's row of each sequence in layer 0: one block per sequence, same tiling.
+// With device rows (indptr null) the block also writes the sequence's new length.
 __global__ void compact_mask_kernel(std::uint8_t* __restrict__ mask,  // [batch, capacity] or null
-                                    std::int64_t capacity, int kv_heads,
+                                    std::int64_t capacity, int n_layers, int kv_heads,
                                     const std::int64_t* __restrict__ indptr,  // [B*H + 1] or null
                                     const std::int32_t* __restrict__ slots, int row_stride,
                                     std::int32_t* __restrict__ new_lengths) {  // [batch] or null
   const int b = blockIdx.x;
   const bool device_rows = indptr == nullptr;
-  if (device_rows && sequence_invalid(slots, b, kv_heads, row_stride)) {
+  if (device_rows && sequence_invalid(slots, b, gridDim.x, n_layers, kv_heads, row_stride)) {
     if (threadIdx.x == 0 && new_lengths != nullptr) new_lengths[b] = -1;
     return;
   }
@@ -114,33 +123,55 @@ __global__ void compact_mask_kernel(std::uint8_t* __restrict__ mask,  // [batch,
   }
 }
 
+// One tensor (K or V) of every layer of the step; `t` is layer 0's view, `bases` all layers'.
 template <class Unit>
-void launch_rows(const TensorView& t, int kv_heads, std::int64_t rows, const std::int64_t* indptr,
-                 const std::int32_t* slots, int row_stride, cudaStream_t stream) {
+void launch_rows(const TensorView& t, const StepBases& bases, int n_layers,
+                 const std::int64_t* indptr, const std::int32_t* slots, int row_stride,
+                 cudaStream_t stream) {
   const std::int64_t esz = static_cast<std::int64_t>(dtype_size(t.dtype));
   const int units = static_cast<int>(t.shape[3] * esz / static_cast<std::int64_t>(sizeof(Unit)));
   const int slice = std::min(units, 32);
+  const std::int64_t rows = n_layers * t.shape[0] * t.shape[1];
   const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>((units + slice - 1) / slice));
   compact_rows_kernel<Unit><<<grid, kThreads, 0, stream>>>(
-      static_cast<char*>(t.data), t.stride[0] * esz, t.stride[1] * esz, t.stride[2] * esz, units,
-      slice, kv_heads, indptr, slots, row_stride, t.shape[2]);
+      bases, t.stride[1] * esz, t.stride[2] * esz, units, slice, n_layers,
+      static_cast<int>(t.shape[1]), indptr, slots, row_stride, t.shape[2]);
   KVSIFT_CUDA_CHECK(cudaGetLastError());
 }
 
-// Widest access unit that divides the row and every stride: 16-byte accesses when possible.
-void launch_tensor(const TensorView& t, int kv_heads, std::int64_t rows, const std::int64_t* indptr,
-                   const std::int32_t* slots, int row_stride, cudaStream_t stream) {
+// Widest access unit that divides the row, every stride and every layer's base address: 16-byte
+// accesses when possible.
+void launch_tensor(const TensorView& t, const StepBases& bases, int n_layers,
+                   const std::int64_t* indptr, const std::int32_t* slots, int row_stride,
+                   cudaStream_t stream) {
   const std::int64_t esz = static_cast<std::int64_t>(dtype_size(t.dtype));
   auto fits = [&](std::int64_t w) {
-    return (t.shape[3] * esz) % w == 0 && (t.stride[0] * esz) % w == 0 &&
-           (t.stride[1] * esz) % w == 0 && (t.stride[2] * esz) % w == 0 &&
-           reinterpret_cast<std::uintptr_t>(t.data) % w == 0;
+    bool ok = (t.shape[3] * esz) % w == 0 && (t.stride[0] * esz) % w == 0 &&
+              (t.stride[1] * esz) % w == 0 && (t.stride[2] * esz) % w == 0;
+    for (int l = 0; l < n_layers; ++l) ok = ok && reinterpret_cast<std::uintptr_t>(bases.base[l]) % w == 0;
+    return ok;
   };
-  if (fits(16)) return launch_rows<uint4>(t, kv_heads, rows, indptr, slots, row_stride, stream);
+  if (fits(16)) return launch_rows<uint4>(t, bases, n_layers, indptr, slots, row_stride, stream);
   if (fits(4)) {
-    return launch_rows<std::uint32_t>(t, kv_heads, rows, indptr, slots, row_stride, stream);
+    return launch_rows<std::uint32_t>(t, bases, n_layers, indptr, slots, row_stride, stream);
   }
-  launch_rows<std::uint16_t>(t, kv_heads, rows, indptr, slots, row_stride, stream);
+  launch_rows<std::uint16_t>(t, bases, n_layers, indptr, slots, row_stride, stream);
+}
+
+// Keys and values of every layer from device rows, then layer 0's head-0 rows into the mask and
+// the new lengths.
+void launch_device_rows(const StepView& step, const std::int32_t* slots, int row_stride,
+                        std::int32_t* new_lengths, cudaStream_t stream) {
+  const KVCacheView& kv = step.first();
+  launch_tensor(kv.keys, detail::key_bases(step), step.n_layers, nullptr, slots, row_stride, stream);
+  launch_tensor(kv.values, detail::value_bases(step), step.n_layers, nullptr, slots, row_stride,
+                stream);
+  if (kv.valid_mask != nullptr || new_lengths != nullptr) {
+    compact_mask_kernel<<<static_cast<unsigned>(kv.batch()), kThreads, 0, stream>>>(
+        kv.valid_mask, kv.capacity(), step.n_layers, static_cast<int>(kv.kv_heads()), nullptr,
+        slots, row_stride, new_lengths);
+    KVSIFT_CUDA_CHECK(cudaGetLastError());
+  }
 }
 
 }  // namespace
@@ -167,16 +198,43 @@ void compact(const KVCacheView& kv, const KeepPlan& plan, void* workspace,
   KVSIFT_CUDA_CHECK(cudaMemcpyAsync(d_slots, plan.slots().data(),
                                     plan.slots().size() * sizeof(std::int32_t),
                                     cudaMemcpyHostToDevice, stream));
-  const std::int64_t rows = plan.batch() * plan.kv_heads();
-  const int heads = static_cast<int>(plan.kv_heads());
-  launch_tensor(kv.keys, heads, rows, d_indptr, d_slots, 0, stream);
-  launch_tensor(kv.values, heads, rows, d_indptr, d_slots, 0, stream);
+  const StepView one{&kv, nullptr, 1};
+  launch_tensor(kv.keys, detail::key_bases(one), 1, d_indptr, d_slots, 0, stream);
+  launch_tensor(kv.values, detail::value_bases(one), 1, d_indptr, d_slots, 0, stream);
   if (kv.valid_mask != nullptr) {
     compact_mask_kernel<<<static_cast<unsigned>(plan.batch()), kThreads, 0, stream>>>(
-        kv.valid_mask, kv.capacity(), heads, d_indptr, d_slots, 0, nullptr);
+        kv.valid_mask, kv.capacity(), 1, static_cast<int>(plan.kv_heads()), d_indptr, d_slots, 0,
+        nullptr);
     KVSIFT_CUDA_CHECK(cudaGetLastError());
   }
   for (std::int64_t b = 0; b < plan.batch(); ++b) kv.lengths[b] = plan.kept_length(b);
+}
+
+void compact_device_rows_step(const KVCacheView* layers, int n_layers, const std::int32_t* slots,
+                              int row_stride, std::int32_t* new_lengths, cudaStream_t stream) {
+  const char* op = "cuda::compact_device_rows_step";
+  KVSIFT_CHECK(n_layers >= 1 && n_layers <= detail::kMaxStepLayers, op, ": n_layers (", n_layers,
+               ") must be in [1, ", detail::kMaxStepLayers, "]");
+  KVSIFT_CHECK(layers != nullptr, op, ": layers is null");
+  KVSIFT_CHECK(slots != nullptr, op, ": slots is null");
+  const KVCacheView& kv0 = layers[0];
+  for (int l = 0; l < n_layers; ++l) {
+    const KVCacheView& kv = layers[l];
+    kv.validate();
+    KVSIFT_CHECK(kv.device() == Device::cuda, op, ": layer ", l,
+                 " is in host memory; use kvsift::compact");
+    KVSIFT_CHECK(kv.keys.shape == kv0.keys.shape && kv.dtype() == kv0.dtype(), op, ": layer ", l,
+                 " keys ", kv.keys.shape_string(), " ", dtype_name(kv.dtype()),
+                 " differ from layer 0's ", kv0.keys.shape_string(), " ", dtype_name(kv0.dtype()));
+    KVSIFT_CHECK(kv.keys.stride == kv0.keys.stride && kv.values.stride == kv0.values.stride, op,
+                 ": layer ", l, " key/value strides differ from layer 0's");
+    KVSIFT_CHECK(kv.valid_mask == kv0.valid_mask, op, ": layer ", l,
+                 " valid_mask differs from layer 0's (the mask is per sequence: one for all layers)");
+  }
+  KVSIFT_CHECK(row_stride > 0 && row_stride <= kv0.capacity(), op, ": row_stride (", row_stride,
+               ") must be in [1, capacity = ", kv0.capacity(), "]");
+  if (kv0.batch() == 0) return;
+  launch_device_rows(StepView{layers, nullptr, n_layers}, slots, row_stride, new_lengths, stream);
 }
 
 void compact_device_rows(const KVCacheView& kv, const std::int32_t* slots, int row_stride,
@@ -185,18 +243,11 @@ void compact_device_rows(const KVCacheView& kv, const std::int32_t* slots, int r
   KVSIFT_CHECK(kv.device() == Device::cuda,
                "cuda::compact_device_rows: the cache is in host memory; use kvsift::compact");
   KVSIFT_CHECK(slots != nullptr, "cuda::compact_device_rows: slots is null");
-  KVSIFT_CHECK(row_stride > 0 && row_stride <= kv.capacity(), "cuda::compact_device_rows: row_stride (",
-               row_stride, ") must be in [1, capacity = ", kv.capacity(), "]");
+  KVSIFT_CHECK(row_stride > 0 && row_stride <= kv.capacity(),
+               "cuda::compact_device_rows: row_stride (", row_stride,
+               ") must be in [1, capacity = ", kv.capacity(), "]");
   if (kv.batch() == 0) return;
-  const std::int64_t rows = kv.batch() * kv.kv_heads();
-  const int heads = static_cast<int>(kv.kv_heads());
-  launch_tensor(kv.keys, heads, rows, nullptr, slots, row_stride, stream);
-  launch_tensor(kv.values, heads, rows, nullptr, slots, row_stride, stream);
-  if (kv.valid_mask != nullptr || new_lengths != nullptr) {
-    compact_mask_kernel<<<static_cast<unsigned>(kv.batch()), kThreads, 0, stream>>>(
-        kv.valid_mask, kv.capacity(), heads, nullptr, slots, row_stride, new_lengths);
-    KVSIFT_CUDA_CHECK(cudaGetLastError());
-  }
+  launch_device_rows(StepView{&kv, nullptr, 1}, slots, row_stride, new_lengths, stream);
 }
 
 }  // namespace kvsift::cuda

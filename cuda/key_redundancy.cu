@@ -33,7 +33,7 @@ constexpr int kColumnsPerBlock = 64;          // columns of rbar per block of co
 constexpr double kFixedScale = 4294967296.0;  // 2^32: cosines in [-1, 1] to 32.32 fixed point
 
 struct KeyStrides {  // in elements
-  std::int64_t b, h, s;
+  std::int64_t h, s;
 };
 
 struct MaxOp {
@@ -59,19 +59,20 @@ __device__ __forceinline__ float warp_sum(float x) {
 // (x / (||K|| + 1e-8), a division, not a reciprocal multiply).
 template <class T>
 __global__ void __launch_bounds__(kBlockThreads)
-    normalize_keys_kernel(const T* __restrict__ keys,  // [batch, kv_heads, capacity, head_dim]
+    normalize_keys_kernel(StepBases keys,  // per layer [batch, kv_heads, capacity, head_dim]
                           KeyStrides ks,
                           const std::uint8_t* __restrict__ valid,  // [batch, capacity] or nullptr
                           std::int64_t capacity, int kv_heads, int length, int head_dim,
-                          std::int64_t rows,           // batch * kv_heads * length
-                          float* __restrict__ unit) {  // [batch, kv_heads, length, head_dim]
+                          std::int64_t rows,           // sequences * kv_heads * length
+                          float* __restrict__ unit) {  // [sequences, kv_heads, length, head_dim]
   const std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   if (r >= rows) return;  // whole warps leave; no block barrier follows
   const int lane = threadIdx.x % 32;
   const int i = static_cast<int>(r % length);
   const std::int64_t bh = r / length;
-  const int b = static_cast<int>(bh / kv_heads), h = static_cast<int>(bh % kv_heads);
-  const T* k = keys + b * ks.b + h * ks.h + i * ks.s;
+  const int z = static_cast<int>(bh / kv_heads), h = static_cast<int>(bh % kv_heads);
+  const int b = z % keys.batch;  // the padding mask is per sequence, shared by the layers
+  const T* k = keys.seq<const T>(z) + h * ks.h + i * ks.s;
   float* out = unit + r * head_dim;
   if (valid != nullptr && valid[b * capacity + i] == 0) {
     for (int d = lane; d < head_dim; d += 32) out[d] = 0.0f;
@@ -298,13 +299,15 @@ __global__ void __launch_bounds__(kBlockThreads)
 
 }  // namespace
 
-void launch_key_redundancy(const KVCacheView& kv, int length, float threshold, bool faithful,
+void launch_key_redundancy(const StepView& step, int length, float threshold, bool faithful,
                            bool tensor_core, float* unit, unsigned long long* spared,
                            float* partial, float* redundancy, cudaStream_t stream) {
-  const int batch = static_cast<int>(kv.batch()), kv_heads = static_cast<int>(kv.kv_heads());
+  const KVCacheView& kv = step.first();
+  // Every kernel after the normalisation works on the fp32 unit keys, [sequences, kv_heads, ...].
+  const int batch = step.sequences(), kv_heads = static_cast<int>(kv.kv_heads());
   const int head_dim = static_cast<int>(kv.head_dim());
   const std::int64_t rows = static_cast<std::int64_t>(batch) * kv_heads * length;
-  const KeyStrides ks{kv.keys.stride[0], kv.keys.stride[1], kv.keys.stride[2]};
+  const KeyStrides ks{kv.keys.stride[1], kv.keys.stride[2]};
   KVSIFT_CUDA_CHECK(
       cudaMemsetAsync(spared, 0, static_cast<std::size_t>(rows) * sizeof(*spared), stream));
   const int chunks = key_sum_chunks(length);
@@ -315,8 +318,8 @@ void launch_key_redundancy(const KVCacheView& kv, int length, float threshold, b
   KVSIFT_DISPATCH_DTYPE(kv.dtype(), T, [&] {
     normalize_keys_kernel<T>
         <<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kBlockThreads, 0, stream>>>(
-            static_cast<const T*>(kv.keys.data), ks, kv.valid_mask, kv.capacity(), kv_heads, length,
-            head_dim, rows, unit);
+            key_bases(step), ks, kv.valid_mask, kv.capacity(), kv_heads, length, head_dim, rows,
+            unit);
   });
   KVSIFT_CUDA_CHECK(cudaGetLastError());
   if (tensor_core && tc_search_supported(head_dim)) {  // same r_i and spared sums, faster

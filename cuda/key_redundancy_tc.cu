@@ -39,6 +39,7 @@
 #include <cstdint>
 
 #include "kvsift/backend/cuda/check.hpp"
+#include "mma.cuh"
 #include "rkv_kernels.cuh"
 
 namespace kvsift::cuda::detail {
@@ -71,28 +72,6 @@ __device__ __forceinline__ float exact_cosine(const float* __restrict__ ui,
 #pragma unroll 8
   for (int d = 0; d < head_dim; ++d) acc = fmaf(ui[d], uj[d], acc);
   return acc;
-}
-
-__device__ __forceinline__ std::uint32_t pack_bf16(float lo, float hi) {
-  const __nv_bfloat162 p = __floats2bfloat162_rn(lo, hi);  // .x = lo (lower address / bits)
-  return *reinterpret_cast<const std::uint32_t*>(&p);
-}
-
-__device__ __forceinline__ void ldmatrix_x4(std::uint32_t (&r)[4], const void* smem) {
-  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-// D = A·B + D, A 16×16 (row), B 16×8 (col), bf16 in, fp32 accumulate.
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const std::uint32_t (&a)[4],
-                                         std::uint32_t b0, std::uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // Which column tile a search visits next, at or below `jt` (−1: none left). Phase 1 visits the
@@ -215,8 +194,9 @@ __global__ void __launch_bounds__(kTcThreads, 1)
 
     // A warp multiplies when its rows still search or (transposed tiles) all its real rows count.
     const bool open = __any_sync(0xffffffffu, match[warp * kTcWarpRows + lane] < 0);
+    const bool multiply = warp_has_rows && (open || transposed);
     float acc[2][8][4];
-    if (warp_has_rows && (open || transposed)) {
+    if (multiply) {
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
@@ -236,9 +216,25 @@ __global__ void __launch_bounds__(kTcThreads, 1)
         for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
           for (int nt = 0; nt < 8; ++nt)
-            mma_bf16(acc[mt][nt], a_frag[mt][ks], bf[nt / 2][(nt % 2) * 2],
+            mma_16816(acc[mt][nt], a_frag[mt][ks], bf[nt / 2][(nt % 2) * 2],
                      bf[nt / 2][(nt % 2) * 2 + 1]);
       }
+    }
+    // Nothing in the warp's 32×64 tile above t − m (random keys: almost every tile) decides or
+    // needs a re-check, so both bookkeeping passes below are skipped (fmaxf drops NaN, which
+    // cannot match anyway).
+    bool near = false;
+    if (multiply) {
+      float top = -INFINITY;
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+          for (int q = 0; q < 4; ++q) top = fmaxf(top, acc[mt][nt][q]);
+      near = __any_sync(0xffffffffu, top > below);
+    }
+    if (near && open) {
       // Rows: each thread holds 4 rows × 16 columns: row g (+8) of each m tile, columns 8nt + 2t
       // (+1).
 #pragma unroll
@@ -281,7 +277,7 @@ __global__ void __launch_bounds__(kTcThreads, 1)
     // Columns (transposed tiles): the last certain row per column, max over the block. Bit
     // 8nt + 4c + 2mt + half of col_uncertain: row (mt, half) of column (nt, c) needs a re-check.
     unsigned long long col_uncertain = 0;
-    if (transposed && warp_has_rows) {
+    if (transposed && near) {
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt)
 #pragma unroll

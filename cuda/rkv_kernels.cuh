@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "kvsift/core/dtype.hpp"
 #include "kvsift/core/kv_cache_view.hpp"
 #include "kvsift/core/tensor_view.hpp"
 
@@ -18,23 +19,71 @@ inline constexpr int kKeySumRows = 128;    // rows per partial sum of the unit k
 // Partial sums of the unit keys per (b, h) for a sequence of `length` tokens.
 inline int key_sum_chunks(int length) { return (length + kKeySumRows - 1) / kKeySumRows; }
 
-// Window importance a (ALGORITHMS.md §1.1) of all sequences, each of `length` tokens.
-//   queries     [batch, q_heads, window, head_dim], keys' dtype
-//   logits      [batch, kv_heads, window, length − window] scratch: GQA-max logits
-//   pre_pool    [batch, kv_heads, length − window] scratch: window-mean attention A
-//   importance  [batch, kv_heads, length − window] output a
-void launch_window_importance(const KVCacheView& kv, const TensorView& queries, int length,
-                              int kernel, float* logits, float* pre_pool, float* importance,
-                              cudaStream_t stream);
+// The layers of one compression step, scored together (ALGORITHMS.md §1.3 selects in every layer
+// independently, so a step is a batch of n_layers · batch sequences). Sequence z = layer · batch
+// + b; every layer has the same shape, dtype, strides, lengths and padding mask (the public entry
+// points check it), so only the base pointers differ.
+struct StepView {
+  const KVCacheView* layers;   // [n_layers]
+  const TensorView* queries;   // [n_layers] or nullptr (compaction needs no queries)
+  int n_layers;
+  const KVCacheView& first() const { return layers[0]; }
+  int batch() const { return static_cast<int>(layers[0].batch()); }
+  int sequences() const { return n_layers * batch(); }
+};
 
-// Key redundancy R over all `length` tokens (ALGORITHMS.md §1.2 steps 1–5, before the slice).
-//   unit        [batch, kv_heads, length, head_dim] scratch: k̂ = K / (||K|| + 1e-8), fp32
-//   spared      [batch, kv_heads, length] scratch: fixed-point sums of spared cosines per column
-//   partial     [batch, kv_heads, key_sum_chunks(length), head_dim] scratch: sums of k̂ per chunk
-//   redundancy  [batch, kv_heads, length] output R
+// At most this many layers per call: their base pointers travel as kernel parameters (1 KiB).
+inline constexpr int kMaxStepLayers = 128;
+
+// Base of sequence z of one tensor of a step, in bytes: base[z / batch] + (z % batch)·stride_b.
+struct StepBases {
+  char* base[kMaxStepLayers];
+  std::int64_t stride_b;  // bytes between the sequences of one layer
+  int batch;              // sequences per layer
+  template <class T>
+  __host__ __device__ T* seq(int z) const {
+    return reinterpret_cast<T*>(base[z / batch] + (z % batch) * stride_b);
+  }
+};
+
+// StepBases of the step's keys, values or queries (`which` picks the tensor of a layer).
+template <class Which>
+StepBases step_bases(const StepView& step, Which which) {
+  StepBases s{};
+  const TensorView& t0 = which(0);
+  s.stride_b = t0.stride[0] * static_cast<std::int64_t>(dtype_size(t0.dtype));
+  s.batch = step.batch();
+  for (int l = 0; l < step.n_layers; ++l) s.base[l] = static_cast<char*>(which(l).data);
+  return s;
+}
+inline StepBases key_bases(const StepView& step) {
+  return step_bases(step, [&](int l) -> const TensorView& { return step.layers[l].keys; });
+}
+inline StepBases value_bases(const StepView& step) {
+  return step_bases(step, [&](int l) -> const TensorView& { return step.layers[l].values; });
+}
+inline StepBases query_bases(const StepView& step) {
+  return step_bases(step, [&](int l) -> const TensorView& { return step.queries[l]; });
+}
+
+// Window importance a (ALGORITHMS.md §1.1) of all sequences of the step, each of `length` tokens;
+// z = layer · batch + b below.
+//   queries     per layer [batch, q_heads, window, head_dim], keys' dtype
+//   logits      [z, kv_heads, window, length − window] scratch: GQA-max logits
+//   pre_pool    [z, kv_heads, length − window] scratch: window-mean attention A
+//   importance  [z, kv_heads, length − window] output a
+void launch_window_importance(const StepView& step, int length, int kernel, float* logits,
+                              float* pre_pool, float* importance, cudaStream_t stream);
+
+// Key redundancy R over all `length` tokens (ALGORITHMS.md §1.2 steps 1–5, before the slice) of
+// every sequence z = layer · batch + b of the step.
+//   unit        [z, kv_heads, length, head_dim] scratch: k̂ = K / (||K|| + 1e-8), fp32
+//   spared      [z, kv_heads, length] scratch: fixed-point sums of spared cosines per column
+//   partial     [z, kv_heads, key_sum_chunks(length), head_dim] scratch: sums of k̂ per chunk
+//   redundancy  [z, kv_heads, length] output R
 //   tensor_core: find r_i with launch_last_match_tc when tc_search_supported(head_dim), else
 //                the fp32 search (both give identical results)
-void launch_key_redundancy(const KVCacheView& kv, int length, float threshold, bool faithful,
+void launch_key_redundancy(const StepView& step, int length, float threshold, bool faithful,
                            bool tensor_core, float* unit, unsigned long long* spared,
                            float* partial, float* redundancy, cudaStream_t stream);
 
@@ -64,6 +113,13 @@ void launch_last_match_tc(const float* unit, int batch, int kv_heads, int length
 //   importance, score [batch * kv_heads, n]; redundancy [batch * kv_heads, length]
 void launch_joint_score(const float* importance, const float* redundancy, int rows, int n,
                         int length, float mix_lambda, float* score, cudaStream_t stream);
+
+// Top-(budget − window) selection of every row (select_topk_slots), for `rows` = sequences ·
+// kv_heads rows whose padding mask row is (row / kv_heads) % mask_batch.
+//   scores [rows, length − window]; valid_mask [mask_batch, capacity] or nullptr; slots [rows, budget]
+void launch_select_topk(const float* scores, const std::uint8_t* valid_mask, int mask_batch,
+                        int sequences, int kv_heads, std::int64_t capacity, int length, int budget,
+                        int window, std::int32_t* slots, cudaStream_t stream);
 
 // The no-op plan: rows 0 .. length − 1, then kUnusedSlot up to `budget`.
 //   slots [rows, budget]

@@ -1,6 +1,7 @@
 // Host side of the R-KV CUDA pipeline (ALGORITHMS.md §1.1–§1.3): validation, workspace layout,
 // the joint score λ·a − (1−λ)·R, and the download of selected slots into a KeepPlan.
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "kvsift/backend/cuda/check.hpp"
@@ -42,15 +43,15 @@ void launch_joint_score(const float* importance, const float* redundancy, int ro
 namespace {
 
 struct CallShape {
-  std::int64_t batch = 0, kv_heads = 0, window = 0, length = 0, head_dim = 0;
+  std::int64_t layers = 1, batch = 0, kv_heads = 0, window = 0, length = 0, head_dim = 0;
   std::int64_t n() const { return length > window ? length - window : 0; }
-  std::int64_t rows() const { return batch * kv_heads; }
+  std::int64_t sequences() const { return layers * batch; }
+  std::int64_t rows() const { return sequences() * kv_heads; }
 };
 
-// Everything rkv_* check before touching the device. `op` names the caller in messages.
-CallShape check_call(const KVCacheView& kv, const TensorView& queries, const RKVScoringConfig& cfg,
-                     const char* op) {
-  cfg.validate();
+// Everything rkv_* check of one layer before touching the device. `op` names the caller.
+CallShape check_layer(const KVCacheView& kv, const TensorView& queries,
+                      const RKVScoringConfig& cfg, const std::string& op) {
   kv.validate();
   KVSIFT_CHECK(kv.device() == Device::cuda, op, ": the cache is in host memory (device ",
                device_name(kv.device()), "); use the CPU scorers");
@@ -73,8 +74,6 @@ CallShape check_call(const KVCacheView& kv, const TensorView& queries, const RKV
   KVSIFT_CHECK(cfg.window <= kMaxWindow, op, ": window (", cfg.window, ") exceeds ", kMaxWindow);
   KVSIFT_CHECK(kv.head_dim() >= 1 && kv.head_dim() <= kMaxHeadDim, op, ": head_dim (",
                kv.head_dim(), ") must be in [1, ", kMaxHeadDim, "]");
-  KVSIFT_CHECK(kv.batch() <= 65535 && kv.kv_heads() <= 65535, op, ": batch (", kv.batch(),
-               ") and kv_heads (", kv.kv_heads(), ") must be <= 65535 (grid limits)");
   KVSIFT_CHECK(kv.capacity() <= 0x7fffffff, op, ": capacity (", kv.capacity(),
                ") must fit in int32 slot indices");
   CallShape s;
@@ -88,6 +87,38 @@ CallShape check_call(const KVCacheView& kv, const TensorView& queries, const RKV
                  " != lengths[0] = ", s.length,
                  " (this version needs equal sequence lengths across the batch)");
   }
+  return s;
+}
+
+// The checks of a whole step: every layer as above, and all layers alike (shape, dtype, strides,
+// lengths, one shared padding mask), since the kernels address them through one set of strides.
+CallShape check_step(const KVCacheView* layers, const TensorView* queries, int n_layers,
+                     const RKVScoringConfig& cfg, const char* op) {
+  cfg.validate();
+  KVSIFT_CHECK(n_layers >= 1 && n_layers <= kMaxStepLayers, op, ": n_layers (", n_layers,
+               ") must be in [1, ", kMaxStepLayers, "]");
+  KVSIFT_CHECK(layers != nullptr && queries != nullptr, op,
+               ": layers and queries must point to n_layers views, got null");
+  CallShape s = check_layer(layers[0], queries[0], cfg, op);
+  for (int l = 1; l < n_layers; ++l) {
+    const std::string op_l = std::string(op) + " (layer " + std::to_string(l) + ")";
+    const CallShape sl = check_layer(layers[l], queries[l], cfg, op_l);
+    const KVCacheView &kv = layers[l], &kv0 = layers[0];
+    KVSIFT_CHECK(kv.keys.shape == kv0.keys.shape && kv.dtype() == kv0.dtype(), op_l, ": keys ",
+                 kv.keys.shape_string(), " ", dtype_name(kv.dtype()), " differ from layer 0's ",
+                 kv0.keys.shape_string(), " ", dtype_name(kv0.dtype()));
+    KVSIFT_CHECK(kv.keys.stride == kv0.keys.stride && kv.values.stride == kv0.values.stride, op_l,
+                 ": key/value strides differ from layer 0's (all layers need one layout)");
+    KVSIFT_CHECK(sl.length == s.length, op_l, ": length ", sl.length, " != layer 0's ", s.length);
+    KVSIFT_CHECK(kv.valid_mask == kv0.valid_mask, op_l,
+                 ": valid_mask differs from layer 0's (the mask is per sequence: one for all layers)");
+    KVSIFT_CHECK(queries[l].shape == queries[0].shape && queries[l].stride == queries[0].stride,
+                 op_l, ": queries ", queries[l].shape_string(), " (or their strides) differ from layer 0's ",
+                 queries[0].shape_string());
+  }
+  s.layers = n_layers;
+  KVSIFT_CHECK(s.sequences() <= 65535 && s.kv_heads <= 65535, op, ": n_layers * batch (",
+               s.sequences(), ") and kv_heads (", s.kv_heads, ") must be <= 65535 (grid limits)");
   return s;
 }
 
@@ -133,14 +164,14 @@ std::size_t workspace_bytes_for(const CallShape& s) {
 }
 
 // The scoring proper, after validation: writes `score` and, when given, importance/redundancy.
-void enqueue_scores(const KVCacheView& kv, const TensorView& queries, const RKVScoringConfig& cfg,
-                    const CallShape& s, const Workspace& w, float* score, float* importance,
-                    float* redundancy, cudaStream_t stream) {
+void enqueue_scores(const StepView& step, const RKVScoringConfig& cfg, const CallShape& s,
+                    const Workspace& w, float* score, float* importance, float* redundancy,
+                    cudaStream_t stream) {
   float* a = importance != nullptr ? importance : w.importance;
   float* r = redundancy != nullptr ? redundancy : w.redundancy;
   const int length = static_cast<int>(s.length);
-  launch_window_importance(kv, queries, length, cfg.kernel, w.logits, w.pre_pool, a, stream);
-  launch_key_redundancy(kv, length, cfg.threshold, cfg.faithful, cfg.tensor_core_search,
+  launch_window_importance(step, length, cfg.kernel, w.logits, w.pre_pool, a, stream);
+  launch_key_redundancy(step, length, cfg.threshold, cfg.faithful, cfg.tensor_core_search,
                         w.unit_keys, w.spared, w.key_sums, r, stream);
   launch_joint_score(a, r, static_cast<int>(s.rows()), static_cast<int>(s.n()), length,
                      cfg.mix_lambda, score, stream);
@@ -149,41 +180,70 @@ void enqueue_scores(const KVCacheView& kv, const TensorView& queries, const RKVS
 }  // namespace
 }  // namespace detail
 
+std::size_t rkv_step_workspace_bytes(const KVCacheView* layers, const TensorView* queries,
+                                     int n_layers, const RKVScoringConfig& cfg) {
+  return detail::workspace_bytes_for(
+      detail::check_step(layers, queries, n_layers, cfg, "rkv_step_workspace_bytes"));
+}
+
 std::size_t rkv_workspace_bytes(const KVCacheView& kv, const TensorView& queries,
                                 const RKVScoringConfig& cfg) {
-  return detail::workspace_bytes_for(detail::check_call(kv, queries, cfg, "rkv_workspace_bytes"));
+  return detail::workspace_bytes_for(
+      detail::check_step(&kv, &queries, 1, cfg, "rkv_workspace_bytes"));
 }
 
 void rkv_score(const KVCacheView& kv, const TensorView& queries, const RKVScoringConfig& cfg,
                const RKVScoreOutputs& out, void* workspace, std::size_t workspace_bytes,
                cudaStream_t stream) {
-  const detail::CallShape s = detail::check_call(kv, queries, cfg, "rkv_score");
+  const detail::CallShape s = detail::check_step(&kv, &queries, 1, cfg, "rkv_score");
   KVSIFT_CHECK(out.score != nullptr, "rkv_score: out.score must be a device pointer, got null");
   if (s.batch == 0) return;
   KVSIFT_CHECK(s.length > cfg.window, "rkv_score: length (", s.length, ") must exceed the window (",
                cfg.window, ")");
   const detail::Workspace w = detail::carve_workspace(s, workspace, workspace_bytes, "rkv_score");
-  detail::enqueue_scores(kv, queries, cfg, s, w, out.score, out.importance, out.redundancy, stream);
+  detail::enqueue_scores(detail::StepView{&kv, &queries, 1}, cfg, s, w, out.score, out.importance,
+                         out.redundancy, stream);
 }
+
+namespace detail {
+namespace {
+
+bool select_step(const KVCacheView* layers, const TensorView* queries, int n_layers,
+                 const RKVScoringConfig& cfg, std::int32_t* slots, float* scores, void* workspace,
+                 std::size_t workspace_bytes, cudaStream_t stream, const char* op) {
+  const CallShape s = check_step(layers, queries, n_layers, cfg, op);
+  KVSIFT_CHECK(slots != nullptr, op, ": slots must be a device pointer, got null");
+  if (s.batch == 0) return false;
+  if (s.length <= cfg.budget) {  // ALGORITHMS.md §1.3: at or below the budget nothing is evicted
+    launch_keep_all_slots(static_cast<int>(s.rows()), static_cast<int>(s.length), cfg.budget,
+                          slots, stream);
+    return false;
+  }
+  const Workspace w = carve_workspace(s, workspace, workspace_bytes, op);
+  float* score = scores != nullptr ? scores : w.score;
+  const KVCacheView& kv = layers[0];
+  enqueue_scores(StepView{layers, queries, n_layers}, cfg, s, w, score, nullptr, nullptr, stream);
+  launch_select_topk(score, kv.valid_mask, static_cast<int>(s.batch),
+                     static_cast<int>(s.sequences()), static_cast<int>(s.kv_heads), kv.capacity(),
+                     static_cast<int>(s.length), cfg.budget, cfg.window, slots, stream);
+  return true;
+}
+
+}  // namespace
+}  // namespace detail
 
 bool rkv_select(const KVCacheView& kv, const TensorView& queries, const RKVScoringConfig& cfg,
                 std::int32_t* slots, float* scores, void* workspace, std::size_t workspace_bytes,
                 cudaStream_t stream) {
-  const detail::CallShape s = detail::check_call(kv, queries, cfg, "rkv_select");
-  KVSIFT_CHECK(slots != nullptr, "rkv_select: slots must be a device pointer, got null");
-  if (s.batch == 0) return false;
-  if (s.length <= cfg.budget) {  // ALGORITHMS.md §1.3: at or below the budget nothing is evicted
-    detail::launch_keep_all_slots(static_cast<int>(s.rows()), static_cast<int>(s.length),
-                                  cfg.budget, slots, stream);
-    return false;
-  }
-  const detail::Workspace w = detail::carve_workspace(s, workspace, workspace_bytes, "rkv_select");
-  float* score = scores != nullptr ? scores : w.score;
-  detail::enqueue_scores(kv, queries, cfg, s, w, score, nullptr, nullptr, stream);
-  select_topk_slots(score, kv.valid_mask, static_cast<int>(s.batch), static_cast<int>(s.kv_heads),
-                    kv.capacity(), static_cast<int>(s.length), cfg.budget, cfg.window, slots,
-                    stream);
-  return true;
+  return detail::select_step(&kv, &queries, 1, cfg, slots, scores, workspace, workspace_bytes,
+                             stream, "rkv_select");
+}
+
+bool rkv_select_step(const KVCacheView* layers, const TensorView* queries, int n_layers,
+                     const RKVScoringConfig& cfg, std::int32_t* slots, float* scores,
+                     void* workspace, std::size_t workspace_bytes, cudaStream_t stream) {
+  return detail::select_step(layers, queries, n_layers, cfg, slots, scores, workspace,
+                             workspace_bytes, stream, "rkv_select_step");
 }
 
 KeepPlan download_keep_plan(const KVCacheView& kv, const std::int32_t* slots, int budget,

@@ -31,8 +31,9 @@ __device__ __forceinline__ unsigned order_key(float x) {
 
 __global__ void __launch_bounds__(kBlockThreads)
     select_topk_kernel(const float* __restrict__ scores,        // [rows, n]
-                       const std::uint8_t* __restrict__ valid,  // [batch, capacity] or nullptr
-                       std::int64_t capacity, int kv_heads, int n, int keep, int window, int budget,
+                       const std::uint8_t* __restrict__ valid,  // [mask_batch, capacity] or null
+                       int mask_batch, std::int64_t capacity, int kv_heads, int n, int keep,
+                       int window, int budget,
                        std::int32_t* __restrict__ slots) {  // [rows, budget]
   using Scan = cub::BlockScan<int, kBlockThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
@@ -40,7 +41,7 @@ __global__ void __launch_bounds__(kBlockThreads)
   __shared__ unsigned cut_prefix;
   __shared__ int cut_remaining;
   const std::int64_t row = blockIdx.x;
-  const int b = static_cast<int>(row / kv_heads);
+  const int b = static_cast<int>(row / kv_heads) % mask_batch;  // layers share the mask
   const float* sc = scores + row * n;
   const std::uint8_t* vm = valid != nullptr ? valid + b * capacity : nullptr;
   std::int32_t* out = slots + row * budget;
@@ -125,6 +126,16 @@ __global__ void keep_all_kernel(std::int64_t total, int length, int budget,
 
 }  // namespace
 
+void launch_select_topk(const float* scores, const std::uint8_t* valid_mask, int mask_batch,
+                        int sequences, int kv_heads, std::int64_t capacity, int length, int budget,
+                        int window, std::int32_t* slots, cudaStream_t stream) {
+  if (sequences == 0) return;
+  select_topk_kernel<<<static_cast<unsigned>(sequences * kv_heads), kBlockThreads, 0, stream>>>(
+      scores, valid_mask, mask_batch, capacity, kv_heads, length - window, budget - window, window,
+      budget, slots);
+  KVSIFT_CUDA_CHECK(cudaGetLastError());
+}
+
 void launch_keep_all_slots(int rows, int length, int budget, std::int32_t* slots,
                            cudaStream_t stream) {
   const std::int64_t total = static_cast<std::int64_t>(rows) * budget;
@@ -150,10 +161,8 @@ void select_topk_slots(const float* scores, const std::uint8_t* valid_mask, int 
   if (batch == 0) return;
   KVSIFT_CHECK(scores != nullptr && slots != nullptr,
                "select_topk_slots: scores and slots must be device pointers, got null");
-  detail::select_topk_kernel<<<static_cast<unsigned>(batch * kv_heads), detail::kBlockThreads, 0,
-                               stream>>>(scores, valid_mask, capacity, kv_heads, length - window,
-                                         budget - window, window, budget, slots);
-  KVSIFT_CUDA_CHECK(cudaGetLastError());
+  detail::launch_select_topk(scores, valid_mask, batch, batch, kv_heads, capacity, length, budget,
+                             window, slots, stream);
 }
 
 }  // namespace kvsift::cuda

@@ -2,17 +2,21 @@
 // logits, softmax over the tokens before the window, mean over the window, max pooling).
 //
 // Two kernels, because the softmax of a window row needs the whole row:
-//   1. gqa_logits_kernel: L[b,h,w,j] = max_g (q_{hG+g,w} · k_j) / sqrt(D) for a tile of keys, pads
-//      set to −1e9. Each thread owns 8 (g, w) query rows × 4 keys in registers, so the GQA max
-//      never leaves the thread; keys are staged transposed in shared memory in head_dim slices.
+//   1. L[b,h,w,j] = max_g (q_{hG+g,w} · k_j) / sqrt(D) for a tile of keys, pads set to −1e9, by
+//      gqa_logits_mma_kernel (16-bit storage: tensor cores, the common case) or gqa_logits_kernel
+//      (fp32 storage and the shapes the first does not take: fp32 FMAs, each thread owning 8
+//      (g, w) query rows × 4 keys in registers, keys staged transposed in shared memory).
 //   2. window_softmax_pool_kernel: one block per (b, h) row: softmax statistics per window row,
 //      the window mean A, then the max pool (edges: over the entries that exist).
 #include <cmath>
 #include <cstdint>
 #include <cub/block/block_reduce.cuh>
 
+#include <type_traits>
+
 #include "kvsift/backend/cuda/check.hpp"
 #include "kvsift/core/dtype.hpp"
+#include "mma.cuh"
 #include "rkv_kernels.cuh"
 
 namespace kvsift::cuda::detail {
@@ -26,10 +30,10 @@ constexpr int kKeyTilePitch = kKeyTile + 4;  // keeps every transposed row 16-by
 constexpr float kPadLogit = -1e9f;           // ALGORITHMS.md §1.1 step 5
 
 struct KeyStrides {  // in elements
-  std::int64_t b, h, s;
+  std::int64_t h, s;
 };
 struct QueryStrides {  // in elements
-  std::int64_t b, h, w, d;
+  std::int64_t h, w, d;
 };
 
 struct MaxOp {
@@ -42,23 +46,24 @@ struct MaxOp {
 // power of two >= G (capped at 8), so the max over a window's slots is a register tree.
 template <class T>
 __global__ void __launch_bounds__(kBlockThreads)
-    gqa_logits_kernel(const T* __restrict__ keys,  // [batch, kv_heads, capacity, head_dim]
+    gqa_logits_kernel(StepBases keys,  // per layer [batch, kv_heads, capacity, head_dim]
                       KeyStrides ks,
-                      const T* __restrict__ queries,  // [batch, q_heads, window, head_dim]
+                      StepBases queries,  // per layer [batch, q_heads, window, head_dim]
                       QueryStrides qs,
                       const std::uint8_t* __restrict__ valid,  // [batch, capacity] or nullptr
                       std::int64_t capacity, int group, int window, int head_dim, int n,
                       int group_slots, float scale,
-                      float* __restrict__ logits) {  // [batch, kv_heads, window, n]
+                      float* __restrict__ logits) {  // [sequences, kv_heads, window, n]
   __shared__ __align__(16) float key_t[kDimChunk][kKeyTilePitch];
   __shared__ float query_s[kWarps][kRowSlots][kDimChunk];
-  const int b = blockIdx.z, h = blockIdx.y, kv_heads = gridDim.y;
+  const int z = blockIdx.z, h = blockIdx.y, kv_heads = gridDim.y;
+  const int b = z % keys.batch;  // the padding mask is per sequence, shared by the layers
   const int j0 = blockIdx.x * kKeyTile;
   const int warp = threadIdx.x / 32, quad = threadIdx.x % 32;
   const int w_slots = kRowSlots / group_slots;
-  const T* kbase = keys + b * ks.b + h * ks.h;
-  const T* qbase = queries + b * qs.b + static_cast<std::int64_t>(h) * group * qs.h;
-  float* out = logits + (static_cast<std::int64_t>(b) * kv_heads + h) * window * n;
+  const T* kbase = keys.seq<const T>(z) + h * ks.h;
+  const T* qbase = queries.seq<const T>(z) + static_cast<std::int64_t>(h) * group * qs.h;
+  float* out = logits + (static_cast<std::int64_t>(z) * kv_heads + h) * window * n;
 
   for (int w_lo = 0; w_lo < window; w_lo += kWarps * w_slots) {
     float best[kRowSlots][4];
@@ -144,6 +149,100 @@ __global__ void __launch_bounds__(kBlockThreads)
   }
 }
 
+// Tensor-core logits for 16-bit storage. A product of two bf16 (or two f16) values is exact in
+// fp32 and mma.sync accumulates in fp32, so these logits differ from the fp32 FMA chain of
+// gqa_logits_kernel (and of the CPU reference) only by summation order, ~1e-7 relative: far inside
+// the 1e-4 parity tolerance of the scores. One block: 64 keys of one (sequence, KV head) against
+// all G·W <= 64 window rows of the group (row r = g·W + w); warp w multiplies keys 16w .. 16w + 15.
+// The dot products then go through shared memory (over the key tile's bytes) for the GQA max.
+constexpr int kMmaThreads = 128;
+constexpr int kMmaKeyTile = 64;
+constexpr int kMmaMaxRows = 64;
+constexpr int kMmaMaxDim = 128;
+constexpr int kMmaPitch = kMmaMaxDim + 8;  // b16 per staged row: 272 B, ldmatrix conflict-free
+constexpr int kMmaDotPitch = kMmaKeyTile + 4;
+static_assert(kMmaMaxRows * kMmaDotPitch * 4 <= kMmaKeyTile * kMmaPitch * 2,
+              "the fp32 dot products fit in the key tile's bytes");
+
+// Rows [0, n_rows) of 16-bit values, 8 per 16-byte chunk, into `dst` [rows][kMmaPitch] up to
+// `chunks_padded` chunks; rows and chunks past the data are zero. row_ptr(r) is the row's start.
+template <class RowPtr>
+__device__ __forceinline__ void stage_rows(std::uint16_t (*dst)[kMmaPitch], int rows_padded,
+                                           int n_rows, int chunks, int chunks_padded,
+                                           RowPtr row_ptr) {
+  for (int e = threadIdx.x; e < rows_padded * chunks_padded; e += kMmaThreads) {
+    const int r = e / chunks_padded, c = e % chunks_padded;
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (r < n_rows && c < chunks) v = reinterpret_cast<const uint4*>(row_ptr(r))[c];
+    *reinterpret_cast<uint4*>(&dst[r][c * 8]) = v;
+  }
+}
+
+template <class T>
+__global__ void __launch_bounds__(kMmaThreads)
+    gqa_logits_mma_kernel(StepBases keys,  // per layer [batch, kv_heads, capacity, head_dim]
+                          KeyStrides ks,
+                          StepBases queries,  // per layer [batch, q_heads, window, head_dim]
+                          QueryStrides qs,
+                          const std::uint8_t* __restrict__ valid,  // [batch, capacity] or nullptr
+                          std::int64_t capacity, int group, int window, int head_dim, int n,
+                          float scale,
+                          float* __restrict__ logits) {  // [sequences, kv_heads, window, n]
+  constexpr Half16 kType = std::is_same<T, bf16_t>::value ? Half16::bf16 : Half16::f16;
+  __shared__ __align__(16) std::uint16_t q_s[kMmaMaxRows][kMmaPitch];
+  __shared__ __align__(16) std::uint16_t k_s[kMmaKeyTile][kMmaPitch];
+  const int z = blockIdx.z, h = blockIdx.y, kv_heads = gridDim.y;
+  const int b = z % keys.batch;  // the padding mask is per sequence, shared by the layers
+  const int j0 = blockIdx.x * kMmaKeyTile;
+  const int rows = group * window, m_tiles = (rows + 15) / 16, k_steps = (head_dim + 15) / 16;
+  const T* kbase = keys.seq<const T>(z) + h * ks.h;
+  const T* qbase = queries.seq<const T>(z) + static_cast<std::int64_t>(h) * group * qs.h;
+  stage_rows(q_s, m_tiles * 16, rows, head_dim / 8, k_steps * 2,
+             [&](int r) { return qbase + (r / window) * qs.h + (r % window) * qs.w; });
+  stage_rows(k_s, kMmaKeyTile, min(kMmaKeyTile, n - j0), head_dim / 8, k_steps * 2,
+             [&](int r) { return kbase + static_cast<std::int64_t>(j0 + r) * ks.s; });
+  __syncthreads();
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  float acc[kMmaMaxRows / 16][2][4] = {};
+  for (int k = 0; k < k_steps; ++k) {
+    std::uint32_t bf[4];  // n tile 0: bf[0], bf[1]; n tile 1: bf[2], bf[3]
+    const int m = lane / 8;
+    ldmatrix_x4(bf, &k_s[warp * 16 + (m / 2) * 8 + lane % 8][k * 16 + (m % 2) * 8]);
+#pragma unroll
+    for (int mt = 0; mt < kMmaMaxRows / 16; ++mt) {
+      if (mt >= m_tiles) break;  // block-uniform
+      std::uint32_t a[4];
+      ldmatrix_x4(a, &q_s[mt * 16 + lane % 16][k * 16 + (lane / 16) * 8]);
+      mma_16816<kType>(acc[mt][0], a, bf[0], bf[1]);
+      mma_16816<kType>(acc[mt][1], a, bf[2], bf[3]);
+    }
+  }
+  __syncthreads();  // every warp is done with k_s: its bytes now hold the dot products
+  auto dots = reinterpret_cast<float (*)[kMmaDotPitch]>(&k_s[0][0]);
+#pragma unroll
+  for (int mt = 0; mt < kMmaMaxRows / 16; ++mt) {
+    if (mt >= m_tiles) break;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+        dots[mt * 16 + g + (q / 2) * 8][warp * 16 + nt * 8 + 2 * t + q % 2] = acc[mt][nt][q];
+  }
+  __syncthreads();
+  float* out = logits + (static_cast<std::int64_t>(z) * kv_heads + h) * window * n;
+  for (int e = threadIdx.x; e < window * kMmaKeyTile; e += kMmaThreads) {
+    const int w = e / kMmaKeyTile, jl = e % kMmaKeyTile, j = j0 + jl;
+    if (j >= n) continue;
+    float best = dots[w][jl];  // GQA max (§1.1 step 1): rows g·W + w
+    for (int gi = 1; gi < group; ++gi) best = fmaxf(best, dots[gi * window + w][jl]);
+    // max_g(x_g) * scale == max_g(x_g * scale) exactly, scale > 0 and rounding is monotone.
+    float v = best * scale;
+    if (valid != nullptr && valid[b * capacity + j] == 0) v = kPadLogit;
+    out[static_cast<std::int64_t>(w) * n + j] = v;
+  }
+}
+
 // One block per (b, h): P = softmax of each window row over j < n, A = mean_w P (written to
 // `pre_pool`), then a = maxpool(A). `pre_pool` is written and read back by the same block after a
 // barrier, so it is deliberately not a __restrict__ const pointer (no read-only cache path).
@@ -189,6 +288,23 @@ __global__ void __launch_bounds__(kBlockThreads)
   }
 }
 
+// gqa_logits_mma_kernel takes 16-bit storage, G·W <= 64 rows, head_dim <= 128 in whole 16-byte
+// chunks, and rows that start on 16-byte boundaries in every layer.
+bool mma_logits_supported(const StepView& step, int group, int window) {
+  const KVCacheView& kv = step.first();
+  const TensorView& q = step.queries[0];
+  const std::int64_t d = kv.head_dim();
+  bool ok = kv.dtype() != DType::f32 && group * window <= kMmaMaxRows && d <= kMmaMaxDim &&
+            d % 8 == 0 && q.stride[3] == 1 && kv.keys.stride[1] % 8 == 0 &&
+            kv.keys.stride[2] % 8 == 0 && q.stride[1] % 8 == 0 && q.stride[2] % 8 == 0;
+  for (int l = 0; l < step.n_layers; ++l) {
+    ok = ok && reinterpret_cast<std::uintptr_t>(step.layers[l].keys.data) % 16 == 0 &&
+         reinterpret_cast<std::uintptr_t>(step.queries[l].data) % 16 == 0 &&
+         (kv.keys.stride[0] * 2) % 16 == 0 && (q.stride[0] * 2) % 16 == 0;
+  }
+  return ok;
+}
+
 int pow2_at_least(int x) {
   int p = 1;
   while (p < x) p *= 2;
@@ -197,10 +313,11 @@ int pow2_at_least(int x) {
 
 }  // namespace
 
-void launch_window_importance(const KVCacheView& kv, const TensorView& queries, int length,
-                              int kernel, float* logits, float* pre_pool, float* importance,
-                              cudaStream_t stream) {
-  const int batch = static_cast<int>(kv.batch()), kv_heads = static_cast<int>(kv.kv_heads());
+void launch_window_importance(const StepView& step, int length, int kernel, float* logits,
+                              float* pre_pool, float* importance, cudaStream_t stream) {
+  const KVCacheView& kv = step.first();
+  const TensorView& queries = step.queries[0];
+  const int sequences = step.sequences(), kv_heads = static_cast<int>(kv.kv_heads());
   const int head_dim = static_cast<int>(kv.head_dim());
   const int group = static_cast<int>(queries.shape[1] / kv.kv_heads());
   const int window = static_cast<int>(queries.shape[2]);
@@ -208,18 +325,32 @@ void launch_window_importance(const KVCacheView& kv, const TensorView& queries, 
   const int group_slots = pow2_at_least(group) < kRowSlots ? pow2_at_least(group) : kRowSlots;
   // The same float expression as the CPU reference, so both scale by the identical value.
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
-  const KeyStrides ks{kv.keys.stride[0], kv.keys.stride[1], kv.keys.stride[2]};
-  const QueryStrides qs{queries.stride[0], queries.stride[1], queries.stride[2], queries.stride[3]};
+  const KeyStrides ks{kv.keys.stride[1], kv.keys.stride[2]};
+  const QueryStrides qs{queries.stride[1], queries.stride[2], queries.stride[3]};
   const dim3 grid(static_cast<unsigned>((n + kKeyTile - 1) / kKeyTile),
-                  static_cast<unsigned>(kv_heads), static_cast<unsigned>(batch));
-  KVSIFT_DISPATCH_DTYPE(kv.dtype(), T, [&] {
-    gqa_logits_kernel<T><<<grid, kBlockThreads, 0, stream>>>(
-        static_cast<const T*>(kv.keys.data), ks, static_cast<const T*>(queries.data), qs,
-        kv.valid_mask, kv.capacity(), group, window, head_dim, n, group_slots, scale, logits);
-  });
+                  static_cast<unsigned>(kv_heads), static_cast<unsigned>(sequences));
+  const StepBases kb = key_bases(step), qb = query_bases(step);
+  if (mma_logits_supported(step, group, window)) {
+    const dim3 mma_grid(static_cast<unsigned>((n + kMmaKeyTile - 1) / kMmaKeyTile),
+                        static_cast<unsigned>(kv_heads), static_cast<unsigned>(sequences));
+    auto launch = [&](auto tag) {
+      using T = decltype(tag);
+      gqa_logits_mma_kernel<T><<<mma_grid, kMmaThreads, 0, stream>>>(
+          kb, ks, qb, qs, kv.valid_mask, kv.capacity(), group, window, head_dim, n, scale, logits);
+    };
+    if (kv.dtype() == DType::bf16) launch(bf16_t{});
+    else launch(f16_t{});
+  } else {
+    KVSIFT_DISPATCH_DTYPE(kv.dtype(), T, [&] {
+      gqa_logits_kernel<T><<<grid, kBlockThreads, 0, stream>>>(kb, ks, qb, qs, kv.valid_mask,
+                                                               kv.capacity(), group, window,
+                                                               head_dim, n, group_slots, scale,
+                                                               logits);
+    });
+  }
   KVSIFT_CUDA_CHECK(cudaGetLastError());
   const std::size_t stats_bytes = 2 * static_cast<std::size_t>(window) * sizeof(float);
-  window_softmax_pool_kernel<<<static_cast<unsigned>(batch * kv_heads), kBlockThreads, stats_bytes,
+  window_softmax_pool_kernel<<<static_cast<unsigned>(sequences * kv_heads), kBlockThreads, stats_bytes,
                                stream>>>(logits, window, n, kernel, pre_pool, importance);
   KVSIFT_CUDA_CHECK(cudaGetLastError());
 }

@@ -133,6 +133,37 @@ bool select_into(const Shapes& s, const Views& v, const cuda::RKVScoringConfig& 
   return cuda::rkv_select(v.kv, v.queries, cfg, slots, nullptr, base, l.rkv, stream);
 }
 
+// Views of every layer of a step over the caller's per-layer device buffers (one lengths array:
+// all layers hold the same tokens).
+struct LayerViews {
+  std::vector<KVCacheView> kv;
+  std::vector<TensorView> queries;
+};
+
+LayerViews make_layer_views(const Shapes& s, int n_layers, void* const* keys, void* const* values,
+                            const void* const* queries, std::int32_t* lengths) {
+  KVSIFT_CHECK(n_layers >= 1, "kvsift_capi: n_layers must be >= 1, got ", n_layers);
+  KVSIFT_CHECK(keys != nullptr && values != nullptr && queries != nullptr,
+               "kvsift_capi: keys, values and queries must be arrays of n_layers pointers");
+  LayerViews lv;
+  for (int l = 0; l < n_layers; ++l) {
+    const Views v = make_views(s, keys[l], values[l], queries[l], lengths);
+    lv.kv.push_back(v.kv);
+    lv.queries.push_back(v.queries);
+  }
+  return lv;
+}
+
+// The step workspace: [R-KV scratch of all layers | slot rows [n_layers, batch, kv_heads, budget]].
+Layout layers_layout(const Shapes& s, const LayerViews& lv, const cuda::RKVScoringConfig& cfg) {
+  const int n = static_cast<int>(lv.kv.size());
+  Layout l;
+  l.rkv = cuda::align_up(cuda::rkv_step_workspace_bytes(lv.kv.data(), lv.queries.data(), n, cfg));
+  l.slots = cuda::align_up(std::max<std::size_t>(n * slot_count(s), 1) * sizeof(std::int32_t));
+  l.compact = 0;
+  return l;
+}
+
 }  // namespace
 
 extern "C" {
@@ -191,6 +222,47 @@ int kvsift_rkv_step(int dtype, void* keys, void* values, const void* queries, in
     // mask every compressed row keeps exactly `budget` slots, so the host lengths are known.
     cuda::compact_device_rows(v.kv, slots, s.budget, nullptr, st);
     for (int b = 0; b < s.batch; ++b) lengths[b] = s.budget;
+  });
+}
+
+int kvsift_rkv_layers_workspace_bytes(int dtype, int n_layers, int batch, int kv_heads,
+                                      int q_heads, int64_t capacity, int head_dim, int32_t length,
+                                      int budget, int window, size_t* bytes) {
+  return guarded([&] {
+    KVSIFT_CHECK(bytes != nullptr, "kvsift_rkv_layers_workspace_bytes: bytes must not be null");
+    const Shapes s =
+        check_shapes(dtype, batch, kv_heads, q_heads, capacity, head_dim, budget, window);
+    static char placeholder;  // never dereferenced: sizing reads shapes only
+    std::vector<void*> ptrs(static_cast<std::size_t>(std::max(n_layers, 0)), &placeholder);
+    std::vector<std::int32_t> lengths(static_cast<std::size_t>(batch), length);
+    const LayerViews lv =
+        make_layer_views(s, n_layers, ptrs.data(), ptrs.data(), ptrs.data(), lengths.data());
+    *bytes = layers_layout(s, lv, make_config(s, 0.1f, 0.5f)).total();
+  });
+}
+
+int kvsift_rkv_layers_step(int dtype, int n_layers, void* const* keys, void* const* values,
+                           const void* const* queries, int batch, int kv_heads, int q_heads,
+                           int64_t capacity, int head_dim, int32_t* lengths, int budget,
+                           int window, float mix_lambda, float threshold, void* workspace,
+                           size_t workspace_bytes, void* stream, int* compressed) {
+  return guarded([&] {
+    const Shapes s =
+        check_shapes(dtype, batch, kv_heads, q_heads, capacity, head_dim, budget, window);
+    const LayerViews lv = make_layer_views(s, n_layers, keys, values, queries, lengths);
+    const cuda::RKVScoringConfig cfg = make_config(s, mix_lambda, threshold);
+    const Layout l = layers_layout(s, lv, cfg);
+    KVSIFT_CHECK(workspace_bytes >= l.total(), "kvsift_capi: workspace of ", workspace_bytes,
+                 " bytes is too small (", l.total(), " needed)");
+    char* base = static_cast<char*>(workspace);
+    auto* slots = reinterpret_cast<std::int32_t*>(base + l.rkv);
+    const auto st = static_cast<cudaStream_t>(stream);
+    const bool ran = cuda::rkv_select_step(lv.kv.data(), lv.queries.data(), n_layers, cfg, slots,
+                                           nullptr, base, l.rkv, st);
+    if (compressed != nullptr) *compressed = ran ? 1 : 0;
+    if (!ran) return;
+    cuda::compact_device_rows_step(lv.kv.data(), n_layers, slots, s.budget, nullptr, st);
+    for (int b = 0; b < s.batch; ++b) lengths[b] = s.budget;  // no pad mask: full budget
   });
 }
 

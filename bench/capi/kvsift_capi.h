@@ -1,6 +1,7 @@
 /* kvsift_capi: a tiny C ABI over kvsift::cuda for benchmarks and bindings (Python ctypes).
  *
- * One call runs one R-KV compression step of one layer (ALGORITHMS.md §1.1–§1.3) on
+ * One call runs one R-KV compression step of one layer, or of all layers at once
+ * (kvsift_rkv_layers_step) (ALGORITHMS.md §1.1–§1.3) on
  * caller-owned device memory: score, select the top (budget − window) tokens plus the window per
  * (sequence, KV head), and compact keys and values in place. No function allocates device memory or
  * throws: each returns KVSIFT_CAPI_OK or an error code, and kvsift_capi_last_error() gives the
@@ -68,6 +69,23 @@ KVSIFT_CAPI_EXPORT int kvsift_rkv_step(int dtype, void* keys, void* values, cons
                                        void* workspace, size_t workspace_bytes, void* stream,
                                        int* compressed);
 
+/* All layers of one compression step in one call (kvsift::cuda::rkv_select_step, then
+ * compact_device_rows_step; asynchronous on `stream`): keys[l], values[l] and queries[l] are host
+ * arrays of n_layers device pointers, each layer shaped as in kvsift_rkv_select(); every layer
+ * holds lengths[b] tokens (host [batch], rewritten to the kept lengths); 1 <= n_layers <= 128. */
+KVSIFT_CAPI_EXPORT int kvsift_rkv_layers_workspace_bytes(int dtype, int n_layers, int batch,
+                                                         int kv_heads, int q_heads,
+                                                         int64_t capacity, int head_dim,
+                                                         int32_t length, int budget, int window,
+                                                         size_t* bytes);
+KVSIFT_CAPI_EXPORT int kvsift_rkv_layers_step(int dtype, int n_layers, void* const* keys,
+                                              void* const* values, const void* const* queries,
+                                              int batch, int kv_heads, int q_heads,
+                                              int64_t capacity, int head_dim, int32_t* lengths,
+                                              int budget, int window, float mix_lambda,
+                                              float threshold, void* workspace,
+                                              size_t workspace_bytes, void* stream,
+                                              int* compressed);
 #ifdef __cplusplus
 }
 #endif

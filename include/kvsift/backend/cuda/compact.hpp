@@ -36,4 +36,15 @@ inline constexpr std::int32_t kRowInvalid = -2;   // fills a row whose scores he
 void compact_device_rows(const KVCacheView& kv, const std::int32_t* slots, int row_stride,
                          std::int32_t* new_lengths, cudaStream_t stream);
 
+// compact_device_rows for all layers of one compression step in one set of launches (the rows
+// rkv_select_step writes). Layer l's rows are slots[l]; the layers must agree in shape, dtype and
+// strides and share one padding mask; 1 <= n_layers <= 128.
+//   slots        device [n_layers, batch, kv_heads, row_stride] int32
+//   new_lengths  device [batch] int32 out: layer 0's kept count per sequence (every kvsift selection
+//                keeps the same count in every layer), or -1 when a row of the sequence in any
+//                layer is kRowInvalid — that sequence is then left untouched in every layer.
+// The mask, when set, is compacted once, from layer 0's head-0 rows.
+void compact_device_rows_step(const KVCacheView* layers, int n_layers, const std::int32_t* slots,
+                              int row_stride, std::int32_t* new_lengths, cudaStream_t stream);
+
 }  // namespace kvsift::cuda

@@ -93,6 +93,24 @@ bool rkv_select(const KVCacheView& kv, const TensorView& queries, const RKVScori
                 std::int32_t* slots, float* scores, void* workspace, std::size_t workspace_bytes,
                 cudaStream_t stream);
 
+// All layers of one compression step in one set of launches: layer l's cache is layers[l], its
+// window queries queries[l]. Each layer is scored and selected independently (ALGORITHMS.md §1.3),
+// exactly as rkv_select() on that layer alone would, but the kernels see n_layers · batch
+// sequences at once, so a small batch still fills the GPU and pays the launch latency once per
+// step instead of once per layer. The layers must agree in shape, dtype, strides and lengths and
+// share one padding mask (it is per sequence); 1 <= n_layers <= 128 (call again for more) and
+// n_layers · batch <= 65535. Throws kvsift::Error naming the layer otherwise.
+//   layers   [n_layers] device caches, keys [batch, kv_heads, capacity, head_dim] each
+//   queries  [n_layers] device [batch, q_heads, window, head_dim]
+//   slots    device [n_layers, batch, kv_heads, budget] int32, rows as in rkv_select()
+//   scores   device [n_layers, batch, kv_heads, S − W] fp32 or nullptr
+// Returns false (every row keeps everything) when S <= budget.
+std::size_t rkv_step_workspace_bytes(const KVCacheView* layers, const TensorView* queries,
+                                     int n_layers, const RKVScoringConfig& cfg);
+bool rkv_select_step(const KVCacheView* layers, const TensorView* queries, int n_layers,
+                     const RKVScoringConfig& cfg, std::int32_t* slots, float* scores,
+                     void* workspace, std::size_t workspace_bytes, cudaStream_t stream);
+
 // The selection step alone, reusable by any score-based policy (SnapKV, H2O):
 //   scores      device [batch, kv_heads, length − window] fp32
 //   valid_mask  device [batch, capacity] (1 = real token) or nullptr
