@@ -1,20 +1,24 @@
 // Key redundancy on the GPU (ALGORITHMS.md §1.2) without the S×S cosine matrix, through the
 // column-sum identity of the §1.2 cost note:
 //   sum_i C[i,j] = (sum_i k̂_i)·k̂_j − k̂_j·k̂_j − sum_{i: r_i = j} k̂_i·k̂_j.
-// Five kernels:
+// The kernels:
 //   1. normalize_keys_kernel: k̂_i = K_i / (||K_i|| + 1e-8) in fp32, pads zeroed (steps 1, 6),
 //      written once so the O(S²·D) search below streams plain floats (no conversion, no
-//      division per use). The one kernel templated on the storage dtype.
+//      division per use), plus the bf16 copy the tensor-core search reads.
 //   2. last_match_kernel: for a tile of 64 rows, 64×64 cosine tiles from the sequence end
 //      backwards; a row's first match is its last one, r_i (step 3), and the block stops as soon
 //      as all its rows have matched. The spared cosine C[i, r_i] (and in faithful mode C[i, 0]
 //      of unmatched rows) is added to its column in 64-bit fixed point: integer atomics are
-//      exact, so the sum does not depend on the order blocks run in.
-//   3. unit_key_partial_sums_kernel: sum_i k̂_i over chunks of rows, in a fixed order.
+//      exact, so the sum does not depend on the order blocks run in. (Or the tensor-core search
+//      of key_redundancy_tc.cu, with identical results.)
+//   3. unit_key_partial_sums_kernel: sum_i k̂_i over chunks of rows, in a fixed order. For
+//      head_dim <= 256, normalize_and_sum_kernel does 1 and 3 in one pass over the keys.
 //   4. column_means_kernel: rbar_j = (total·k̂_j − k̂_j·k̂_j − spared_j) / S (step 4).
 //   5. redundancy_softmax_kernel: R = softmax(rbar) over all S (step 5), one block per (b, h).
 // Steps 3–4 are spread over many blocks: at batch 1 one block per (b, h) would leave the GPU
 // idle and be bound by memory latency.
+#include <cuda_bf16.h>
+
 #include <cstdint>
 #include <cub/block/block_reduce.cuh>
 
@@ -64,7 +68,9 @@ __global__ void __launch_bounds__(kBlockThreads)
                           const std::uint8_t* __restrict__ valid,  // [batch, capacity] or nullptr
                           std::int64_t capacity, int kv_heads, int length, int head_dim,
                           std::int64_t rows,           // sequences * kv_heads * length
-                          float* __restrict__ unit) {  // [sequences, kv_heads, length, head_dim]
+                          float* __restrict__ unit,    // [sequences, kv_heads, length, head_dim]
+                          __nv_bfloat16* __restrict__ unit16,  // [.., length, pitch16] or null
+                          int pitch16) {
   const std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   if (r >= rows) return;  // whole warps leave; no block barrier follows
   const int lane = threadIdx.x % 32;
@@ -74,6 +80,9 @@ __global__ void __launch_bounds__(kBlockThreads)
   const int b = z % keys.batch;  // the padding mask is per sequence, shared by the layers
   const T* k = keys.seq<const T>(z) + h * ks.h + i * ks.s;
   float* out = unit + r * head_dim;
+  __nv_bfloat16* out16 = unit16 != nullptr ? unit16 + r * pitch16 : nullptr;
+  if (out16 != nullptr)  // the padding channels, and whole pad rows, are zero
+    for (int d = lane; d < pitch16; d += 32) out16[d] = __float2bfloat16_rn(0.0f);
   if (valid != nullptr && valid[b * capacity + i] == 0) {
     for (int d = lane; d < head_dim; d += 32) out[d] = 0.0f;
     return;
@@ -85,7 +94,75 @@ __global__ void __launch_bounds__(kBlockThreads)
   }
   for (int off = 16; off > 0; off /= 2) sq += __shfl_xor_sync(0xffffffffu, sq, off);
   const float denom = sqrtf(sq) + 1e-8f;  // the butterfly leaves the same sum in every lane
-  for (int d = lane; d < head_dim; d += 32) out[d] = to_float(k[d]) / denom;
+  for (int d = lane; d < head_dim; d += 32) {
+    const float v = to_float(k[d]) / denom;
+    out[d] = v;
+    if (out16 != nullptr) out16[d] = __float2bfloat16_rn(v);  // RNE, as the search's bound assumes
+  }
+}
+
+// normalize_keys_kernel and unit_key_partial_sums_kernel in one pass, for head_dim <= 256 (every
+// channel of a row in registers): grid (chunks, kv_heads, sequences); warp w normalises rows w,
+// w + 8, ... of its chunk with the same arithmetic as normalize_keys_kernel and adds them up in
+// the order unit_key_partial_sums_kernel uses, so `unit`, `unit16` and `partial` are bit-identical
+// to the two-kernel path while the keys are read once and the fp32 unit keys not re-read.
+constexpr int kFusedMaxDim = kBlockThreads;  // 8 channels per lane
+template <class T>
+__global__ void __launch_bounds__(kBlockThreads)
+    normalize_and_sum_kernel(StepBases keys,  // per layer [batch, kv_heads, capacity, head_dim]
+                             KeyStrides ks,
+                             const std::uint8_t* __restrict__ valid,  // [batch, capacity] or null
+                             std::int64_t capacity, int length, int head_dim,
+                             float* __restrict__ unit,  // [sequences, kv_heads, length, head_dim]
+                             __nv_bfloat16* __restrict__ unit16,  // [.., length, pitch16] or null
+                             int pitch16,
+                             float* __restrict__ partial) {  // [sequences, kv_heads, chunks, D]
+  constexpr int kPerLane = kFusedMaxDim / 32;
+  __shared__ float warp_sums[kWarps][kFusedMaxDim];
+  const int z = blockIdx.z, h = blockIdx.y, kv_heads = gridDim.y, chunk = blockIdx.x;
+  const int b = z % keys.batch;  // the padding mask is per sequence, shared by the layers
+  const std::int64_t bh = static_cast<std::int64_t>(z) * kv_heads + h;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int first = chunk * kKeySumRows, last = min(length, first + kKeySumRows);
+  const T* kbase = keys.seq<const T>(z) + h * ks.h;
+  float acc[kPerLane];
+#pragma unroll
+  for (int m = 0; m < kPerLane; ++m) acc[m] = 0.0f;
+  for (int i = first + warp; i < last; i += kWarps) {
+    const std::int64_t r = bh * length + i;
+    float* out = unit + r * head_dim;
+    __nv_bfloat16* out16 = unit16 != nullptr ? unit16 + r * pitch16 : nullptr;
+    const bool pad = valid != nullptr && valid[b * capacity + i] == 0;
+    float x[kPerLane];
+    float sq = 0.0f;
+#pragma unroll
+    for (int m = 0; m < kPerLane; ++m) {
+      const int d = lane + 32 * m;
+      x[m] = (!pad && d < head_dim) ? to_float(kbase[i * ks.s + d]) : 0.0f;
+      if (d < head_dim) sq = fmaf(x[m], x[m], sq);
+    }
+    for (int off = 16; off > 0; off /= 2) sq += __shfl_xor_sync(0xffffffffu, sq, off);
+    const float denom = sqrtf(sq) + 1e-8f;
+#pragma unroll
+    for (int m = 0; m < kPerLane; ++m) {
+      const int d = lane + 32 * m;
+      const float v = pad ? 0.0f : x[m] / denom;  // pads: zero keys (§1.2 step 6)
+      if (d < head_dim) {
+        out[d] = v;
+        acc[m] += v;
+      }
+      if (out16 != nullptr && d < pitch16) out16[d] = __float2bfloat16_rn(d < head_dim ? v : 0.0f);
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < kPerLane; ++m) warp_sums[warp][lane + 32 * m] = acc[m];
+  __syncthreads();
+  const int d = threadIdx.x;
+  if (d < head_dim) {
+    float t = 0.0f;
+    for (int w = 0; w < kWarps; ++w) t += warp_sums[w][d];
+    partial[(bh * gridDim.x + chunk) * head_dim + d] = t;
+  }
 }
 
 // Rows [first, first + kRows) x channels [d0, d0 + kDimChunk) of `unit`, transposed into `dst`;
@@ -300,7 +377,8 @@ __global__ void __launch_bounds__(kBlockThreads)
 }  // namespace
 
 void launch_key_redundancy(const StepView& step, int length, float threshold, bool faithful,
-                           bool tensor_core, float* unit, unsigned long long* spared,
+                           float* unit, void* unit16, int* tc_reached,
+                           unsigned long long* spared,
                            float* partial, float* redundancy, cudaStream_t stream) {
   const KVCacheView& kv = step.first();
   // Every kernel after the normalisation works on the fp32 unit keys, [sequences, kv_heads, ...].
@@ -315,27 +393,34 @@ void launch_key_redundancy(const StepView& step, int length, float threshold, bo
     return dim3(static_cast<unsigned>(x), static_cast<unsigned>(kv_heads),
                 static_cast<unsigned>(batch));
   };
+  const bool fused = head_dim <= kFusedMaxDim;  // normalisation and key sums in one pass
   KVSIFT_DISPATCH_DTYPE(kv.dtype(), T, [&] {
-    normalize_keys_kernel<T>
-        <<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kBlockThreads, 0, stream>>>(
-            key_bases(step), ks, kv.valid_mask, kv.capacity(), kv_heads, length, head_dim, rows,
-            unit);
+    if (fused) {
+      normalize_and_sum_kernel<T><<<grid(chunks), kBlockThreads, 0, stream>>>(
+          key_bases(step), ks, kv.valid_mask, kv.capacity(), length, head_dim, unit,
+          static_cast<__nv_bfloat16*>(unit16), tc_row_pitch(head_dim), partial);
+    } else {
+      normalize_keys_kernel<T>
+          <<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kBlockThreads, 0, stream>>>(
+              key_bases(step), ks, kv.valid_mask, kv.capacity(), kv_heads, length, head_dim, rows,
+              unit, static_cast<__nv_bfloat16*>(unit16), tc_row_pitch(head_dim));
+    }
   });
   KVSIFT_CUDA_CHECK(cudaGetLastError());
-  if (tensor_core && tc_search_supported(head_dim)) {  // same r_i and spared sums, faster
-    // Scratch: r_i in `redundancy` and the phase-1 reach in `partial` (int-sized, ceil(S/256) <=
-    // key_sum_chunks(S)·head_dim per (b, h)), both written for real further down.
-    launch_last_match_tc(unit, batch, kv_heads, length, head_dim, threshold, faithful, spared,
-                         reinterpret_cast<int*>(redundancy), reinterpret_cast<int*>(partial),
-                         stream);
+  if (unit16 != nullptr) {  // the tensor-core search: same r_i and spared sums, faster
+    // r_i go to `redundancy` as scratch (int-sized), written for real further down.
+    launch_last_match_tc(unit, unit16, batch, kv_heads, length, head_dim, threshold, faithful,
+                         spared, reinterpret_cast<int*>(redundancy), tc_reached, stream);
   } else {
     last_match_kernel<<<grid((length + kRowTile - 1) / kRowTile), kBlockThreads, 0, stream>>>(
         unit, length, head_dim, threshold, faithful, spared);
     KVSIFT_CUDA_CHECK(cudaGetLastError());
   }
-  unit_key_partial_sums_kernel<<<grid(chunks), kBlockThreads, 0, stream>>>(unit, length, head_dim,
-                                                                           partial);
-  KVSIFT_CUDA_CHECK(cudaGetLastError());
+  if (!fused) {
+    unit_key_partial_sums_kernel<<<grid(chunks), kBlockThreads, 0, stream>>>(unit, length,
+                                                                             head_dim, partial);
+    KVSIFT_CUDA_CHECK(cudaGetLastError());
+  }
   const std::size_t total_bytes = static_cast<std::size_t>(head_dim) * sizeof(float);
   column_means_kernel<<<grid((length + kColumnsPerBlock - 1) / kColumnsPerBlock), kBlockThreads,
                         total_bytes, stream>>>(unit, spared, partial, chunks, length, head_dim,

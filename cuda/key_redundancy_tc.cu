@@ -4,7 +4,8 @@
 // as last_match_kernel in key_redundancy.cu, bit for bit, and spares the same fp32 cosines.
 //
 // How: 256×64 tiles of the cosine matrix are computed with mma.sync m16n8k16 on bf16 copies of
-// the unit keys (fp32 accumulate), from the sequence end backwards, and a block of 256 rows stops
+// the unit keys (written once by the normalisation, fp32 accumulate), from the sequence end
+// backwards, and a block of 256 rows stops
 // once each of its rows has its answer. C is symmetric, so in the worst case (no row matches) each
 // tile pair is computed once, not twice: phase 1 searches the columns right of a block's rows and
 // hands each column its last match among those rows; phase 2 searches what is left of the lower
@@ -31,7 +32,7 @@
 // outwards to float. D = 128: m ≈ 0.00787, so random keys (cosines ~ N(0, 1/D)) are almost never
 // rechecked; NaN cosines fail both comparisons, as they fail c32 > t.
 //
-// Scope: head_dim <= 128 and a multiple of 4 (float4 staging, zero-padded to a multiple of 16);
+// Scope: head_dim <= 128 and a multiple of 4 (the bf16 rows are zero-padded to a multiple of 16);
 // other head_dims use the fp32 path (tc_search_supported()).
 #include <cuda_bf16.h>
 
@@ -50,11 +51,35 @@ constexpr int kTcWarpRows = 32;              // rows per warp: two m16 tiles
 constexpr int kTcRowTile = 8 * kTcWarpRows;  // 256 rows per block: one per thread
 constexpr int kTcColTile = 64;               // columns per tile: eight n8 tiles per warp
 constexpr int kTcTilesPerRowTile = kTcRowTile / kTcColTile;  // 4
-constexpr int kTcMaxDim = 128;  // head_dim held as A fragments in registers
+constexpr int kTcMaxDim = 128;            // head_dim of the staged bf16 rows
 constexpr int kTcKSteps = kTcMaxDim / 16;
-constexpr int kTcStride = kTcMaxDim + 8;  // bf16 per staged column: 272 B, ldmatrix conflict-free
-constexpr int kTcPrefetch = kTcColTile * kTcMaxDim / 4 / kTcThreads;  // float4 per thread
+constexpr int kTcStride = kTcMaxDim + 8;  // bf16 per staged row: 272 B, ldmatrix conflict-free
 static_assert(kTcRowTile == kTcThreads, "one thread per row for the tile bookkeeping");
+
+// Shared memory of one block (dynamic: 105 KiB, two blocks per SM): the block's rows once, the
+// column tiles double-buffered (the next one arrives by cp.async during the current multiply).
+struct TcShared {
+  __nv_bfloat16 rows[kTcRowTile][kTcStride];
+  __nv_bfloat16 cols[2][kTcColTile][kTcStride];
+  int match[kTcRowTile];      // final r_i of the tile's rows; -1 while still searching
+  int cand[kTcRowTile];       // best match known so far of a row still searching
+  int tile_best[kTcRowTile];  // last match inside the current column tile, -1: none
+  int col_best[kTcColTile];   // phase 1: last matching row of each column, -1: none
+};
+
+// Rows [first, first + kRows) of the bf16 unit keys (`chunks` 16-byte chunks per row) into `dst`
+// asynchronously; rows at or past `length` are zero-filled.
+template <int kRows>
+__device__ __forceinline__ void stage_rows_async(__nv_bfloat16 (*dst)[kTcStride],
+                                                 const __nv_bfloat16* __restrict__ base,
+                                                 int first, int length, int chunks) {
+  for (int e = threadIdx.x; e < kRows * chunks; e += kTcThreads) {
+    const int r = e / chunks, c = e % chunks, i = first + r;
+    const bool inside = i < length;
+    cp_async16(&dst[r][c * 8], base + static_cast<std::int64_t>(inside ? i : 0) * chunks * 8 + c * 8,
+               inside);
+  }
+}
 constexpr double kTcFixedScale = 4294967296.0;  // must equal key_redundancy.cu's kFixedScale
 
 // Same conversion as key_redundancy.cu's add_fixed: 32.32 fixed point, exact order-free sum.
@@ -85,7 +110,7 @@ __device__ __forceinline__ int next_column_tile(int jt, bool upper, int own_firs
   return jt;
 }
 
-// Grid (row tiles, kv_heads, batch), 256 threads; launched twice.
+// Grid (row tiles, kv_heads, sequences), 256 threads; launched twice.
 //   Phase 1 (upper): row tile I against the column tiles right of and over its own rows, from the
 //     sequence end down, stopping once every row has matched. A row's first match is final
 //     (r_i >= i0 beats anything left of i0). Column tiles wholly right of the rows also give their
@@ -96,30 +121,33 @@ __device__ __forceinline__ int next_column_tile(int jt, bool upper, int own_firs
 //     tiles some phase-1 block covered are not recomputed (their matches are already in best[]).
 //     A row is answered once its best known match lies in a tile at or above the current one.
 //     Then the spared cosines are added and best[] becomes r_i.
-// Warp w owns rows 32w .. 32w + 31 of the tile (their bf16 A fragments stay in registers) against
-// all 64 columns of the staged tile; the next tile is loaded into registers during the multiply.
-__global__ void __launch_bounds__(kTcThreads, 1)
-    last_match_tc_kernel(const float* __restrict__ unit,  // [batch, kv_heads, length, head_dim]
+// Warp w owns rows 32w .. 32w + 31 of the tile against all 64 columns of the staged tile; A and B
+// fragments come from shared memory by ldmatrix, and the next column tile is copied in by
+// cp.async while this one is multiplied.
+__global__ void __launch_bounds__(kTcThreads, 2)
+    last_match_tc_kernel(const float* __restrict__ unit,  // [sequences, kv_heads, length, head_dim]
+                         const __nv_bfloat16* __restrict__ unit16,  // [.., length, 16·k_steps]
                          int length, int head_dim, float threshold, float below, float above,
                          bool faithful, bool upper,
-                         int* __restrict__ best,     // [batch, kv_heads, length], −1 at start
-                         int* __restrict__ reached,  // [batch, kv_heads, gridDim.x]
-                         unsigned long long* __restrict__ spared) {  // [batch, kv_heads, length]
-  __shared__ __align__(16) __nv_bfloat16 cols_s[kTcColTile][kTcStride];
-  __shared__ int match[kTcRowTile];      // final r_i of the tile's rows; -1 while still searching
-  __shared__ int cand[kTcRowTile];       // best match known so far of a row still searching
-  __shared__ int tile_best[kTcRowTile];  // last match inside the current column tile, -1: none
-  __shared__ int col_best[kTcColTile];   // phase 1: last matching row of each column, -1: none
+                         int* __restrict__ best,     // [sequences, kv_heads, length], −1 at start
+                         int* __restrict__ reached,  // [sequences, kv_heads, gridDim.x]
+                         unsigned long long* __restrict__ spared) {  // [sequences, kv_heads, length]
+  extern __shared__ __align__(16) unsigned char tc_shared_bytes[];
+  TcShared& sm = *reinterpret_cast<TcShared*>(tc_shared_bytes);
+  int* const match = sm.match;
+  int* const cand = sm.cand;
+  int* const tile_best = sm.tile_best;
+  int* const col_best = sm.col_best;
   const int b = blockIdx.z, h = blockIdx.y, kv_heads = gridDim.y;
   const int i0 = blockIdx.x * kTcRowTile, own_first = i0 / kTcColTile;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;  // mma fragment coordinates
   const std::int64_t bh = static_cast<std::int64_t>(b) * kv_heads + h;
   const float* ubase = unit + bh * length * head_dim;
+  const int ksteps = (head_dim + 15) / 16, chunks = 2 * ksteps;
+  const __nv_bfloat16* u16 = unit16 + bh * length * chunks * 8;
   int* bbase = best + bh * length;
   const int* rbase = reached + bh * gridDim.x;
-  const int ksteps = (head_dim + 15) / 16;
-  const int quads = head_dim / 4;  // float4 per key row
 
   {
     const int i = i0 + tid;
@@ -130,67 +158,30 @@ __global__ void __launch_bounds__(kTcThreads, 1)
     tile_best[tid] = -1;
     if (tid < kTcColTile) col_best[tid] = -1;
   }
-  // Channels past head_dim stay 0 for good: the staging below writes only d < head_dim.
-  for (int e = tid; e < kTcColTile * kTcStride / 2; e += kTcThreads)
-    reinterpret_cast<std::uint32_t*>(&cols_s[0][0])[e] = 0u;
-
-  // A fragments of this warp's rows (m16n8k16 layout: a0 row g, a1 row g + 8, a2/a3 the same rows
-  // 8 channels on), read straight from global memory once; rows past the end are 0.
-  std::uint32_t a_frag[2][kTcKSteps][4];
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-    for (int ks = 0; ks < kTcKSteps; ++ks)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int row = i0 + warp * kTcWarpRows + mt * 16 + g + (q % 2) * 8;
-        const int d = ks * 16 + 2 * t + (q / 2) * 8;  // even, and head_dim is even: d+1 valid too
-        float2 v = make_float2(0.0f, 0.0f);
-        if (row < length && d < head_dim)
-          v = *reinterpret_cast<const float2*>(ubase + static_cast<std::int64_t>(row) * head_dim +
-                                               d);
-        a_frag[mt][ks][q] = pack_bf16(v.x, v.y);
-      }
   const bool warp_has_rows = i0 + warp * kTcWarpRows < length;
-
-  // Column tile jt into registers: float4 e = tid + 256·p is (column e / quads, channels 4·(e %
-  // quads) ..); columns past the end are 0.
-  float4 pre[kTcPrefetch];
-  auto prefetch = [&](int jt) {
-#pragma unroll
-    for (int p = 0; p < kTcPrefetch; ++p) {
-      const int e = tid + p * kTcThreads;
-      const int col = e / quads, j = jt * kTcColTile + col;
-      pre[p] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      if (col < kTcColTile && j < length)
-        pre[p] = *reinterpret_cast<const float4*>(ubase + static_cast<std::int64_t>(j) * head_dim +
-                                                  4 * (e % quads));
-    }
-  };
   const int n_col_tiles = (length + kTcColTile - 1) / kTcColTile;
   int jt = next_column_tile(upper ? n_col_tiles - 1 : own_first - 1, upper, own_first, rbase);
   int last_done = n_col_tiles;  // phase 1: the lowest column tile computed
   // Phase 2 blocks whose rows all matched in phase 1 search nothing.
   if (!upper && __syncthreads_and(match[tid] >= 0)) jt = -1;
-  if (jt >= 0) prefetch(jt);
+  if (jt >= 0) {  // the block's rows and its first column tile: one async group
+    stage_rows_async<kTcRowTile>(sm.rows, u16, i0, length, chunks);
+    stage_rows_async<kTcColTile>(sm.cols[0], u16, jt * kTcColTile, length, chunks);
+  }
+  cp_async_commit();
+  int buf = 0;
 
   while (jt >= 0) {
     const int j0 = jt * kTcColTile;
     // Phase 1, columns wholly right of the rows: also find each column's last matching row.
     const bool transposed = upper && jt >= own_first + kTcTilesPerRowTile;
-    __syncthreads();  // previous tile consumed; the first time: zeroing and match[] done
-#pragma unroll
-    for (int p = 0; p < kTcPrefetch; ++p) {
-      const int e = tid + p * kTcThreads, col = e / quads;
-      if (col < kTcColTile) {
-        const uint2 packed =
-            make_uint2(pack_bf16(pre[p].x, pre[p].y), pack_bf16(pre[p].z, pre[p].w));
-        *reinterpret_cast<uint2*>(&cols_s[col][4 * (e % quads)]) = packed;
-      }
-    }
-    __syncthreads();
     const int next = next_column_tile(jt - 1, upper, own_first, rbase);
-    if (next >= 0) prefetch(next);  // in flight while this tile is multiplied
+    // cols[buf ^ 1] was last read before the barrier that ended the previous iteration.
+    if (next >= 0) stage_rows_async<kTcColTile>(sm.cols[buf ^ 1], u16, next * kTcColTile, length,
+                                                chunks);
+    cp_async_commit();  // possibly empty: then waiting for all but the newest group is exact
+    cp_async_wait<1>();
+    __syncthreads();  // tile jt (and, the first time, the rows and match[]) visible to all
 
     // A warp multiplies when its rows still search or (transposed tiles) all its real rows count.
     const bool open = __any_sync(0xffffffffu, match[warp * kTcWarpRows + lane] < 0);
@@ -207,17 +198,20 @@ __global__ void __launch_bounds__(kTcThreads, 1)
       for (int ks = 0; ks < kTcKSteps; ++ks) {
         if (ks >= ksteps) break;  // warp-uniform
         std::uint32_t bf[4][4];   // n tiles 2p, 2p + 1: {b0, b1} each
+        const int m = lane / 8;
 #pragma unroll
-        for (int p = 0; p < 4; ++p) {
-          const int m = lane / 8;
-          ldmatrix_x4(bf[p], &cols_s[p * 16 + (m / 2) * 8 + lane % 8][ks * 16 + (m % 2) * 8]);
-        }
+        for (int p = 0; p < 4; ++p)
+          ldmatrix_x4(bf[p], &sm.cols[buf][p * 16 + (m / 2) * 8 + lane % 8][ks * 16 + (m % 2) * 8]);
+        std::uint32_t af[2][4];  // a0 row g, a1 row g + 8, a2/a3 the same rows 8 channels on
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+          ldmatrix_x4(af[mt],
+                      &sm.rows[warp * kTcWarpRows + mt * 16 + lane % 16][ks * 16 + (lane / 16) * 8]);
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
           for (int nt = 0; nt < 8; ++nt)
-            mma_16816(acc[mt][nt], a_frag[mt][ks], bf[nt / 2][(nt % 2) * 2],
-                     bf[nt / 2][(nt % 2) * 2 + 1]);
+            mma_16816(acc[mt][nt], af[mt], bf[nt / 2][(nt % 2) * 2], bf[nt / 2][(nt % 2) * 2 + 1]);
       }
     }
     // Nothing in the warp's 32×64 tile above t − m (random keys: almost every tile) decides or
@@ -339,8 +333,10 @@ __global__ void __launch_bounds__(kTcThreads, 1)
       col_best[tid] = -1;
     }
     last_done = jt;
+    buf ^= 1;
     jt = all_done ? -1 : next;
   }
+  cp_async_wait<0>();  // a prefetch issued before an early exit lands before the block ends
 
   const int i = i0 + tid;
   if (upper) {
@@ -381,9 +377,12 @@ double tc_cosine_margin(int head_dim) {
   return n2 * (rounding + tc_sum + fp32_sum) + std::ldexp(1.0, -100);
 }
 
-void launch_last_match_tc(const float* unit, int batch, int kv_heads, int length, int head_dim,
-                          float threshold, bool faithful, unsigned long long* spared, int* match,
-                          int* reached, cudaStream_t stream) {
+int tc_row_pitch(int head_dim) { return (head_dim + 15) / 16 * 16; }
+
+void launch_last_match_tc(const float* unit, const void* unit16, int batch, int kv_heads,
+                          int length, int head_dim, float threshold, bool faithful,
+                          unsigned long long* spared, int* match, int* reached,
+                          cudaStream_t stream) {
   if (length <= 0 || batch <= 0 || kv_heads <= 0) return;
   const double m = tc_cosine_margin(head_dim);
   // t − m and t + m rounded outwards, so "c̃ <= below" and "c̃ > above" stay conclusive.
@@ -393,9 +392,15 @@ void launch_last_match_tc(const float* unit, int batch, int kv_heads, int length
                   static_cast<unsigned>(batch));
   KVSIFT_CUDA_CHECK(cudaMemsetAsync(
       match, 0xff, static_cast<std::size_t>(batch) * kv_heads * length * sizeof(int), stream));
+  // Above the 48 KiB default: the kernel's dynamic shared memory needs the opt-in (per device,
+  // cheap to repeat).
+  constexpr int kSharedBytes = static_cast<int>(sizeof(TcShared));
+  KVSIFT_CUDA_CHECK(cudaFuncSetAttribute(
+      last_match_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes));
   for (bool upper : {true, false}) {
-    last_match_tc_kernel<<<grid, kTcThreads, 0, stream>>>(
-        unit, length, head_dim, threshold, below, above, faithful, upper, match, reached, spared);
+    last_match_tc_kernel<<<grid, kTcThreads, kSharedBytes, stream>>>(
+        unit, static_cast<const __nv_bfloat16*>(unit16), length, head_dim, threshold, below, above,
+        faithful, upper, match, reached, spared);
     KVSIFT_CUDA_CHECK(cudaGetLastError());
   }
 }

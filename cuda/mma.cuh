@@ -1,6 +1,7 @@
 // Warp-level tensor-core helpers shared by the kernels that use mma.sync (sm_80 and later):
-// ldmatrix fragment loads and the m16n8k16 products with fp32 accumulation (PTX ISA, "Warp-level
-// matrix multiply-accumulate instructions"; fragment layouts as in its m16n8k16 figures).
+// ldmatrix fragment loads, the m16n8k16 products with fp32 accumulation (PTX ISA, "Warp-level
+// matrix multiply-accumulate instructions"; fragment layouts as in its m16n8k16 figures) and the
+// cp.async copies that stage their tiles ("Data movement and conversion instructions: cp.async").
 #pragma once
 
 #include <cuda_bf16.h>
@@ -42,6 +43,20 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const std::uint32_t (&a
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
+}
+
+// 16 bytes global -> shared without a register round trip; `valid` false writes 16 zero bytes
+// instead (src-size 0: nothing is read, `gmem` must still be a mapped address).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(gmem),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Waits until at most `kPending` of this thread's committed groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
 
 }  // namespace kvsift::cuda::detail

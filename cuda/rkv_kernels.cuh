@@ -78,13 +78,15 @@ void launch_window_importance(const StepView& step, int length, int kernel, floa
 // Key redundancy R over all `length` tokens (ALGORITHMS.md §1.2 steps 1–5, before the slice) of
 // every sequence z = layer · batch + b of the step.
 //   unit        [z, kv_heads, length, head_dim] scratch: k̂ = K / (||K|| + 1e-8), fp32
+//   unit16      [z, kv_heads, length, tc_row_pitch(head_dim)] scratch: bf16 k̂ for the
+//               tensor-core search; nullptr when it does not run (then the fp32 search does)
+//   tc_reached  [z, kv_heads, tc_row_tiles(length)] scratch of the tensor-core search, or nullptr
 //   spared      [z, kv_heads, length] scratch: fixed-point sums of spared cosines per column
 //   partial     [z, kv_heads, key_sum_chunks(length), head_dim] scratch: sums of k̂ per chunk
 //   redundancy  [z, kv_heads, length] output R
-//   tensor_core: find r_i with launch_last_match_tc when tc_search_supported(head_dim), else
-//                the fp32 search (both give identical results)
 void launch_key_redundancy(const StepView& step, int length, float threshold, bool faithful,
-                           bool tensor_core, float* unit, unsigned long long* spared,
+                           float* unit, void* unit16, int* tc_reached,
+                           unsigned long long* spared,
                            float* partial, float* redundancy, cudaStream_t stream);
 
 // The tensor-core last-match search (cuda/key_redundancy_tc.cu) handles head_dim <= 128 that are
@@ -98,16 +100,22 @@ double tc_cosine_margin(int head_dim);
 // Row tiles of the tensor-core search: `reached` below holds one int per (b, h, row tile).
 int tc_row_tiles(int length);
 
+// Row pitch (elements) of the bf16 unit keys the tensor-core search reads: head_dim rounded up
+// to a multiple of 16, zero-padded.
+int tc_row_pitch(int head_dim);
+
 // Tensor-core search for r_i = max{ j != i : C[i,j] > threshold } (ALGORITHMS.md §1.2 step 3),
 // identical to the fp32 search; adds the spared fp32 cosines C[i, r_i] (faithful: C[i, 0] of
 // unmatched rows) to `spared` in 32.32 fixed point. Requires tc_search_supported(head_dim).
-//   unit     [batch, kv_heads, length, head_dim] fp32 unit keys (pads zero)
+//   unit     [batch, kv_heads, length, head_dim] fp32 unit keys (pads zero): exact re-checks
+//   unit16   [batch, kv_heads, length, tc_row_pitch(head_dim)] bf16 (RNE) copy of `unit`
 //   spared   [batch, kv_heads, length] accumulated into (zero it first)
 //   match    [batch, kv_heads, length] scratch, then r_i (−1: row i has no match)
 //   reached  [batch, kv_heads, tc_row_tiles(length)] scratch
-void launch_last_match_tc(const float* unit, int batch, int kv_heads, int length, int head_dim,
-                          float threshold, bool faithful, unsigned long long* spared, int* match,
-                          int* reached, cudaStream_t stream);
+void launch_last_match_tc(const float* unit, const void* unit16, int batch, int kv_heads,
+                          int length, int head_dim, float threshold, bool faithful,
+                          unsigned long long* spared, int* match, int* reached,
+                          cudaStream_t stream);
 
 // score[b, h, j] = λ·a[b, h, j] − (1−λ)·R[b, h, j] for j < n; `redundancy` rows hold `length`.
 //   importance, score [batch * kv_heads, n]; redundancy [batch * kv_heads, length]

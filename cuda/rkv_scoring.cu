@@ -44,6 +44,7 @@ namespace {
 
 struct CallShape {
   std::int64_t layers = 1, batch = 0, kv_heads = 0, window = 0, length = 0, head_dim = 0;
+  bool tensor_core = false;  // the tensor-core search runs (asked for, and head_dim fits)
   std::int64_t n() const { return length > window ? length - window : 0; }
   std::int64_t sequences() const { return layers * batch; }
   std::int64_t rows() const { return sequences() * kv_heads; }
@@ -117,6 +118,7 @@ CallShape check_step(const KVCacheView* layers, const TensorView* queries, int n
                  queries[0].shape_string());
   }
   s.layers = n_layers;
+  s.tensor_core = cfg.tensor_core_search && tc_search_supported(static_cast<int>(s.head_dim));
   KVSIFT_CHECK(s.sequences() <= 65535 && s.kv_heads <= 65535, op, ": n_layers * batch (",
                s.sequences(), ") and kv_heads (", s.kv_heads, ") must be <= 65535 (grid limits)");
   return s;
@@ -127,12 +129,21 @@ std::size_t key_sums_count(const CallShape& s) {
                                   s.head_dim);
 }
 
+std::size_t unit16_count(const CallShape& s) {
+  return static_cast<std::size_t>(s.rows() * s.length * tc_row_pitch(static_cast<int>(s.head_dim)));
+}
+std::size_t tc_reached_count(const CallShape& s) {
+  return static_cast<std::size_t>(s.rows() * tc_row_tiles(static_cast<int>(s.length)));
+}
+
 // The workspace pieces, carved in this order by every call so the sizes always agree.
 struct Workspace {
   float* logits;               // [batch, kv_heads, window, n]
   float* pre_pool;             // [batch, kv_heads, n]
   float* importance;           // [batch, kv_heads, n]
   float* unit_keys;            // [batch, kv_heads, S, head_dim]
+  void* unit16;                // [batch, kv_heads, S, tc_row_pitch(head_dim)] bf16, or null
+  int* tc_reached;             // [batch, kv_heads, tc_row_tiles(S)], or null
   unsigned long long* spared;  // [batch, kv_heads, S]
   float* key_sums;             // [batch, kv_heads, key_sum_chunks(S), head_dim]
   float* redundancy;           // [batch, kv_heads, S]
@@ -148,6 +159,8 @@ Workspace carve_workspace(const CallShape& s, void* base, std::size_t bytes, con
   w.pre_pool = carve.take<float>(rn);
   w.importance = carve.take<float>(rn);
   w.unit_keys = carve.take<float>(rs * static_cast<std::size_t>(s.head_dim));
+  w.unit16 = s.tensor_core ? carve.take<std::uint16_t>(unit16_count(s)) : nullptr;
+  w.tc_reached = s.tensor_core ? carve.take<int>(tc_reached_count(s)) : nullptr;
   w.spared = carve.take<unsigned long long>(rs);
   w.key_sums = carve.take<float>(key_sums_count(s));
   w.redundancy = carve.take<float>(rs);
@@ -156,11 +169,15 @@ Workspace carve_workspace(const CallShape& s, void* base, std::size_t bytes, con
 }
 
 std::size_t workspace_bytes_for(const CallShape& s) {
+  const std::size_t tc_bytes = s.tensor_core ? align_up(unit16_count(s) * sizeof(std::uint16_t)) +
+                                                   align_up(tc_reached_count(s) * sizeof(int))
+                                             : 0;
   const std::size_t rn = static_cast<std::size_t>(s.rows() * s.n());
   const std::size_t rs = static_cast<std::size_t>(s.rows() * s.length);
   return align_up(rn * s.window * sizeof(float)) + 3 * align_up(rn * sizeof(float)) +
          align_up(rs * s.head_dim * sizeof(float)) + align_up(rs * sizeof(float)) +
-         align_up(rs * sizeof(unsigned long long)) + align_up(key_sums_count(s) * sizeof(float));
+         align_up(rs * sizeof(unsigned long long)) + align_up(key_sums_count(s) * sizeof(float)) +
+         tc_bytes;
 }
 
 // The scoring proper, after validation: writes `score` and, when given, importance/redundancy.
@@ -171,8 +188,8 @@ void enqueue_scores(const StepView& step, const RKVScoringConfig& cfg, const Cal
   float* r = redundancy != nullptr ? redundancy : w.redundancy;
   const int length = static_cast<int>(s.length);
   launch_window_importance(step, length, cfg.kernel, w.logits, w.pre_pool, a, stream);
-  launch_key_redundancy(step, length, cfg.threshold, cfg.faithful, cfg.tensor_core_search,
-                        w.unit_keys, w.spared, w.key_sums, r, stream);
+  launch_key_redundancy(step, length, cfg.threshold, cfg.faithful, w.unit_keys, w.unit16,
+                        w.tc_reached, w.spared, w.key_sums, r, stream);
   launch_joint_score(a, r, static_cast<int>(s.rows()), static_cast<int>(s.n()), length,
                      cfg.mix_lambda, score, stream);
 }

@@ -72,8 +72,14 @@ SearchResult gpu_search(const std::vector<float>& unit, int B, int H, int S, int
       cudaMemset(d_match.get(), 0x7f, n * sizeof(int)));  // garbage: reset by the launcher
   KVSIFT_CUDA_CHECK(cudaMemset(d_reached.get(), 0x7f, d_reached.size() * sizeof(int)));
   KVSIFT_CUDA_CHECK(cudaMemset(d_spared.get(), 0, n * sizeof(unsigned long long)));
-  cuda::detail::launch_last_match_tc(d_unit.get(), B, H, S, D, threshold, faithful, d_spared.get(),
-                                     d_match.get(), d_reached.get(), nullptr);
+  // The bf16 copy the normalisation writes: RNE of every unit value, rows zero-padded.
+  const int pitch = cuda::detail::tc_row_pitch(D);
+  std::vector<bf16_t> unit16(n * pitch, from_float<bf16_t>(0.0f));
+  for (std::size_t r = 0; r < n; ++r)
+    for (int d = 0; d < D; ++d) unit16[r * pitch + d] = from_float<bf16_t>(unit[r * D + d]);
+  DeviceBuffer<bf16_t> d_unit16(unit16);
+  cuda::detail::launch_last_match_tc(d_unit.get(), d_unit16.get(), B, H, S, D, threshold, faithful,
+                                     d_spared.get(), d_match.get(), d_reached.get(), nullptr);
   KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
   return {d_match.download(), d_spared.download()};
 }

@@ -352,6 +352,9 @@ TEST_CASE("cuda R-KV equals the CPU reference on random caches", "[cuda][rkv]") 
   SECTION("f32, every row matches almost at once (early exit)") {
     run_random<float>(2, 2, 2, 700, 64, 8, 300, 7, false, 0.0f, 4.0f, 7);
   }
+  SECTION("bf16, head_dim 320: normalisation and key sums in separate kernels, left padding") {
+    run_random<bf16_t>(2, 2, 2, 200, 320, 8, 100, 7, true, 0.2f, 0.0f, 8, 30);
+  }
 }
 
 TEST_CASE("cuda R-KV at or below the budget keeps everything", "[cuda][rkv]") {
