@@ -59,16 +59,16 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;  // complete in lane 0
 }
 
-// One warp per (b, h, i): the norm, then the unit key, with the CPU reference's arithmetic
-// (x / (||K|| + 1e-8), a division, not a reciprocal multiply).
+// One warp per (b, h, i): the norm's divisor ||K|| + 1e-8 (0 for a pad), with the CPU reference's
+// arithmetic, and the bf16 unit key x / (||K|| + 1e-8) (a division, not a reciprocal multiply).
 template <class T>
 __global__ void __launch_bounds__(kBlockThreads)
     normalize_keys_kernel(StepBases keys,  // per layer [batch, kv_heads, capacity, head_dim]
                           KeyStrides ks,
                           const std::uint8_t* __restrict__ valid,  // [batch, capacity] or nullptr
                           std::int64_t capacity, int kv_heads, int length, int head_dim,
-                          std::int64_t rows,           // sequences * kv_heads * length
-                          float* __restrict__ unit,    // [sequences, kv_heads, length, head_dim]
+                          std::int64_t rows,            // sequences * kv_heads * length
+                          float* __restrict__ denom,    // [sequences, kv_heads, length]
                           __nv_bfloat16* __restrict__ unit16,  // [.., length, pitch16] or null
                           int pitch16) {
   const std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
@@ -79,12 +79,11 @@ __global__ void __launch_bounds__(kBlockThreads)
   const int z = static_cast<int>(bh / kv_heads), h = static_cast<int>(bh % kv_heads);
   const int b = z % keys.batch;  // the padding mask is per sequence, shared by the layers
   const T* k = keys.seq<const T>(z) + h * ks.h + i * ks.s;
-  float* out = unit + r * head_dim;
   __nv_bfloat16* out16 = unit16 != nullptr ? unit16 + r * pitch16 : nullptr;
   if (out16 != nullptr)  // the padding channels, and whole pad rows, are zero
     for (int d = lane; d < pitch16; d += 32) out16[d] = __float2bfloat16_rn(0.0f);
   if (valid != nullptr && valid[b * capacity + i] == 0) {
-    for (int d = lane; d < head_dim; d += 32) out[d] = 0.0f;
+    if (lane == 0) denom[r] = 0.0f;  // a pad: a zero key
     return;
   }
   float sq = 0.0f;
@@ -93,19 +92,18 @@ __global__ void __launch_bounds__(kBlockThreads)
     sq = fmaf(x, x, sq);
   }
   for (int off = 16; off > 0; off /= 2) sq += __shfl_xor_sync(0xffffffffu, sq, off);
-  const float denom = sqrtf(sq) + 1e-8f;  // the butterfly leaves the same sum in every lane
-  for (int d = lane; d < head_dim; d += 32) {
-    const float v = to_float(k[d]) / denom;
-    out[d] = v;
-    if (out16 != nullptr) out16[d] = __float2bfloat16_rn(v);  // RNE, as the search's bound assumes
-  }
+  const float den = sqrtf(sq) + 1e-8f;  // the butterfly leaves the same sum in every lane
+  if (lane == 0) denom[r] = den;
+  if (out16 != nullptr)
+    for (int d = lane; d < head_dim; d += 32)
+      out16[d] = __float2bfloat16_rn(to_float(k[d]) / den);  // RNE, as the search's bound assumes
 }
 
 // normalize_keys_kernel and unit_key_partial_sums_kernel in one pass, for head_dim <= 256 (every
 // channel of a row in registers): grid (chunks, kv_heads, sequences); warp w normalises rows w,
-// w + 8, ... of its chunk with the same arithmetic as normalize_keys_kernel and adds them up in
-// the order unit_key_partial_sums_kernel uses, so `unit`, `unit16` and `partial` are bit-identical
-// to the two-kernel path while the keys are read once and the fp32 unit keys not re-read.
+// w + 8, ... of its chunk with the same arithmetic as normalize_keys_kernel and adds the unit
+// keys up in the order unit_key_partial_sums_kernel uses, so `denom`, `unit16` and `partial` are
+// bit-identical to the two-kernel path while the keys are read once.
 constexpr int kFusedMaxDim = kBlockThreads;  // 8 channels per lane
 template <class T>
 __global__ void __launch_bounds__(kBlockThreads)
@@ -113,7 +111,7 @@ __global__ void __launch_bounds__(kBlockThreads)
                              KeyStrides ks,
                              const std::uint8_t* __restrict__ valid,  // [batch, capacity] or null
                              std::int64_t capacity, int length, int head_dim,
-                             float* __restrict__ unit,  // [sequences, kv_heads, length, head_dim]
+                             float* __restrict__ denom,  // [sequences, kv_heads, length]
                              __nv_bfloat16* __restrict__ unit16,  // [.., length, pitch16] or null
                              int pitch16,
                              float* __restrict__ partial) {  // [sequences, kv_heads, chunks, D]
@@ -130,7 +128,6 @@ __global__ void __launch_bounds__(kBlockThreads)
   for (int m = 0; m < kPerLane; ++m) acc[m] = 0.0f;
   for (int i = first + warp; i < last; i += kWarps) {
     const std::int64_t r = bh * length + i;
-    float* out = unit + r * head_dim;
     __nv_bfloat16* out16 = unit16 != nullptr ? unit16 + r * pitch16 : nullptr;
     const bool pad = valid != nullptr && valid[b * capacity + i] == 0;
     float x[kPerLane];
@@ -142,15 +139,13 @@ __global__ void __launch_bounds__(kBlockThreads)
       if (d < head_dim) sq = fmaf(x[m], x[m], sq);
     }
     for (int off = 16; off > 0; off /= 2) sq += __shfl_xor_sync(0xffffffffu, sq, off);
-    const float denom = sqrtf(sq) + 1e-8f;
+    const float den = sqrtf(sq) + 1e-8f;
+    if (lane == 0) denom[r] = pad ? 0.0f : den;
 #pragma unroll
     for (int m = 0; m < kPerLane; ++m) {
       const int d = lane + 32 * m;
-      const float v = pad ? 0.0f : x[m] / denom;  // pads: zero keys (§1.2 step 6)
-      if (d < head_dim) {
-        out[d] = v;
-        acc[m] += v;
-      }
+      const float v = pad ? 0.0f : x[m] / den;  // pads: zero keys (§1.2 step 6)
+      if (d < head_dim) acc[m] += v;
       if (out16 != nullptr && d < pitch16) out16[d] = __float2bfloat16_rn(d < head_dim ? v : 0.0f);
     }
   }
@@ -165,25 +160,25 @@ __global__ void __launch_bounds__(kBlockThreads)
   }
 }
 
-// Rows [first, first + kRows) x channels [d0, d0 + kDimChunk) of `unit`, transposed into `dst`;
-// entries past the sequence or head_dim are 0. Consecutive threads read consecutive channels.
-template <int kRows>
-__device__ __forceinline__ void stage_tile(float (*dst)[kRows + 4], const float* unit, int first,
-                                           int length, int d0, int head_dim) {
+// Rows [first, first + kRows) x channels [d0, d0 + kDimChunk) of the unit keys of (sequence,
+// head) bh, transposed into `dst`; entries past the sequence or head_dim are 0. Consecutive
+// threads read consecutive channels.
+template <int kRows, class T>
+__device__ __forceinline__ void stage_tile(float (*dst)[kRows + 4], const UnitKeys& u,
+                                           std::int64_t bh, int first, int length, int d0,
+                                           int head_dim) {
   for (int e = threadIdx.x; e < kRows * kDimChunk; e += kBlockThreads) {
     const int t = e / kDimChunk, d = e % kDimChunk, i = first + t;
-    dst[d][t] = (i < length && d0 + d < head_dim)
-                    ? unit[static_cast<std::int64_t>(i) * head_dim + d0 + d]
-                    : 0.0f;
+    dst[d][t] = (i < length && d0 + d < head_dim) ? unit_row<T>(u, bh, i)[d0 + d] : 0.0f;
   }
 }
 
 // Grid (row tiles, kv_heads, batch). Thread (ty, tx) owns rows kRowsPerThread·ty.. and columns
 // 4tx..4tx+3 of each tile. (128-row tiles measured 5% faster at batch 64 on an H200 but 15%
 // slower at batch 1, where 64-row tiles give twice the blocks.)
+template <class T>
 __global__ void __launch_bounds__(kBlockThreads)
-    last_match_kernel(const float* __restrict__ unit,  // [batch, kv_heads, length, head_dim]
-                      int length, int head_dim, float threshold, bool faithful,
+    last_match_kernel(UnitKeys unit, int length, int head_dim, float threshold, bool faithful,
                       unsigned long long* __restrict__ spared) {  // [batch, kv_heads, length]
   constexpr int kRowsPerThread = kRowTile / 16, kColsPerThread = kColTile / 16;
   static_assert(kRowsPerThread % 4 == 0 && kColsPerThread == 4, "float4 shared loads");
@@ -195,7 +190,6 @@ __global__ void __launch_bounds__(kBlockThreads)
   const int i0 = blockIdx.x * kRowTile;
   const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
   const std::int64_t bh = static_cast<std::int64_t>(b) * kv_heads + h;
-  const float* ubase = unit + bh * length * head_dim;
   unsigned long long* sp = spared + bh * length;
   if (threadIdx.x < kRowTile) {
     match[threadIdx.x] =
@@ -211,8 +205,8 @@ __global__ void __launch_bounds__(kBlockThreads)
       for (int c = 0; c < kColsPerThread; ++c) acc[r][c] = 0.0f;
     for (int d0 = 0; d0 < head_dim; d0 += kDimChunk) {
       __syncthreads();  // previous slice consumed (and, the first time, match[] initialised)
-      stage_tile<kRowTile>(rows_t, ubase, i0, length, d0, head_dim);
-      stage_tile<kColTile>(cols_t, ubase, j0, length, d0, head_dim);
+      stage_tile<kRowTile, T>(rows_t, unit, bh, i0, length, d0, head_dim);
+      stage_tile<kColTile, T>(cols_t, unit, bh, j0, length, d0, head_dim);
       __syncthreads();
 #pragma unroll
       for (int d = 0; d < kDimChunk; ++d) {
@@ -275,16 +269,15 @@ __global__ void __launch_bounds__(kBlockThreads)
 // Partial sums of k̂ over chunks of kKeySumRows rows: grid (chunks, kv_heads, batch). Warp w
 // sums rows w, w + 8, ... of the chunk for 32 × 8 channels per pass (lane + 32·m), then the 8 warp
 // sums are added in warp order, so the result does not depend on scheduling.
+template <class T>
 __global__ void __launch_bounds__(kBlockThreads) unit_key_partial_sums_kernel(
-    const float* __restrict__ unit,  // [batch, kv_heads, length, head_dim]
-    int length, int head_dim,
+    UnitKeys unit, int length, int head_dim,
     float* __restrict__ partial) {              // [batch, kv_heads, chunks, head_dim]
   constexpr int kPerLane = kBlockThreads / 32;  // channels per lane and pass
   __shared__ float warp_sums[kWarps][kBlockThreads];
   const int b = blockIdx.z, h = blockIdx.y, kv_heads = gridDim.y, chunk = blockIdx.x;
   const int chunks = gridDim.x;
   const std::int64_t bh = static_cast<std::int64_t>(b) * kv_heads + h;
-  const float* ubase = unit + bh * length * head_dim;
   float* out = partial + (bh * chunks + chunk) * head_dim;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int first = chunk * kKeySumRows, last = min(length, first + kKeySumRows);
@@ -293,7 +286,7 @@ __global__ void __launch_bounds__(kBlockThreads) unit_key_partial_sums_kernel(
 #pragma unroll
     for (int m = 0; m < kPerLane; ++m) acc[m] = 0.0f;
     for (int i = first + warp; i < last; i += kWarps) {
-      const float* row = ubase + static_cast<std::int64_t>(i) * head_dim;
+      const UnitRow<T> row = unit_row<T>(unit, bh, i);
 #pragma unroll
       for (int m = 0; m < kPerLane; ++m) {
         const int d = d_base + lane + 32 * m;
@@ -315,8 +308,9 @@ __global__ void __launch_bounds__(kBlockThreads) unit_key_partial_sums_kernel(
 
 // rbar_j = (total·k̂_j − k̂_j·k̂_j − spared_j) / S for kColumnsPerBlock columns: grid (column
 // blocks, kv_heads, batch). total = sum of the partial sums in chunk order; one warp per column.
+template <class T>
 __global__ void __launch_bounds__(kBlockThreads)
-    column_means_kernel(const float* __restrict__ unit,  // [batch, kv_heads, length, head_dim]
+    column_means_kernel(UnitKeys unit,
                         const unsigned long long* __restrict__ spared,  // [batch, kv_heads, length]
                         const float* __restrict__ partial,  // [batch, kv_heads, chunks, head_dim]
                         int chunks, int length, int head_dim,
@@ -324,7 +318,6 @@ __global__ void __launch_bounds__(kBlockThreads)
   extern __shared__ float total[];                   // [head_dim]: sum_i k̂_i
   const int b = blockIdx.z, h = blockIdx.y, kv_heads = gridDim.y;
   const std::int64_t bh = static_cast<std::int64_t>(b) * kv_heads + h;
-  const float* ubase = unit + bh * length * head_dim;
   const unsigned long long* sp = spared + bh * length;
   const float* part = partial + bh * chunks * head_dim;
   for (int d = threadIdx.x; d < head_dim; d += kBlockThreads) {
@@ -336,7 +329,7 @@ __global__ void __launch_bounds__(kBlockThreads)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int j0 = blockIdx.x * kColumnsPerBlock, j1 = min(length, j0 + kColumnsPerBlock);
   for (int j = j0 + warp; j < j1; j += kWarps) {
-    const float* row = ubase + static_cast<std::int64_t>(j) * head_dim;
+    const UnitRow<T> row = unit_row<T>(unit, bh, j);
     float dot = 0.0f, sq = 0.0f;
     for (int d = lane; d < head_dim; d += 32) {
       const float x = row[d];
@@ -376,16 +369,23 @@ __global__ void __launch_bounds__(kBlockThreads)
 
 }  // namespace
 
-void launch_key_redundancy(const StepView& step, int length, float threshold, bool faithful,
-                           float* unit, void* unit16, int* tc_reached,
-                           unsigned long long* spared,
-                           float* partial, float* redundancy, cudaStream_t stream) {
+UnitKeys unit_keys_of(const StepView& step, int length, const float* denom) {
   const KVCacheView& kv = step.first();
-  // Every kernel after the normalisation works on the fp32 unit keys, [sequences, kv_heads, ...].
+  return UnitKeys{key_bases(step), kv.keys.stride[1], kv.keys.stride[2], denom,
+                  static_cast<int>(kv.kv_heads()), length};
+}
+
+void launch_key_redundancy(const StepView& step, int length, float threshold, bool faithful,
+                           float* denom, void* unit16, int* tc_reached,
+                           unsigned long long* spared, float* partial, float* redundancy,
+                           cudaStream_t stream) {
+  const KVCacheView& kv = step.first();
+  // Every kernel after the normalisation works on [sequences, kv_heads, ...] rows.
   const int batch = step.sequences(), kv_heads = static_cast<int>(kv.kv_heads());
   const int head_dim = static_cast<int>(kv.head_dim());
   const std::int64_t rows = static_cast<std::int64_t>(batch) * kv_heads * length;
   const KeyStrides ks{kv.keys.stride[1], kv.keys.stride[2]};
+  const UnitKeys unit = unit_keys_of(step, length, denom);
   KVSIFT_CUDA_CHECK(
       cudaMemsetAsync(spared, 0, static_cast<std::size_t>(rows) * sizeof(*spared), stream));
   const int chunks = key_sum_chunks(length);
@@ -394,38 +394,40 @@ void launch_key_redundancy(const StepView& step, int length, float threshold, bo
                 static_cast<unsigned>(batch));
   };
   const bool fused = head_dim <= kFusedMaxDim;  // normalisation and key sums in one pass
+  auto* u16 = static_cast<__nv_bfloat16*>(unit16);
   KVSIFT_DISPATCH_DTYPE(kv.dtype(), T, [&] {
     if (fused) {
       normalize_and_sum_kernel<T><<<grid(chunks), kBlockThreads, 0, stream>>>(
-          key_bases(step), ks, kv.valid_mask, kv.capacity(), length, head_dim, unit,
-          static_cast<__nv_bfloat16*>(unit16), tc_row_pitch(head_dim), partial);
+          unit.keys, ks, kv.valid_mask, kv.capacity(), length, head_dim, denom, u16,
+          tc_row_pitch(head_dim), partial);
     } else {
       normalize_keys_kernel<T>
           <<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kBlockThreads, 0, stream>>>(
-              key_bases(step), ks, kv.valid_mask, kv.capacity(), kv_heads, length, head_dim, rows,
-              unit, static_cast<__nv_bfloat16*>(unit16), tc_row_pitch(head_dim));
+              unit.keys, ks, kv.valid_mask, kv.capacity(), kv_heads, length, head_dim, rows, denom,
+              u16, tc_row_pitch(head_dim));
     }
+    KVSIFT_CUDA_CHECK(cudaGetLastError());
+    if (unit16 != nullptr) {  // the tensor-core search: same r_i and spared sums, faster
+      // r_i go to `redundancy` as scratch (int-sized), written for real further down.
+      launch_last_match_tc(unit, kv.dtype(), unit16, batch, kv_heads, length, head_dim, threshold,
+                           faithful, spared, reinterpret_cast<int*>(redundancy), tc_reached,
+                           stream);
+    } else {
+      last_match_kernel<T><<<grid((length + kRowTile - 1) / kRowTile), kBlockThreads, 0, stream>>>(
+          unit, length, head_dim, threshold, faithful, spared);
+      KVSIFT_CUDA_CHECK(cudaGetLastError());
+    }
+    if (!fused) {
+      unit_key_partial_sums_kernel<T><<<grid(chunks), kBlockThreads, 0, stream>>>(
+          unit, length, head_dim, partial);
+      KVSIFT_CUDA_CHECK(cudaGetLastError());
+    }
+    const std::size_t total_bytes = static_cast<std::size_t>(head_dim) * sizeof(float);
+    column_means_kernel<T><<<grid((length + kColumnsPerBlock - 1) / kColumnsPerBlock),
+                             kBlockThreads, total_bytes, stream>>>(unit, spared, partial, chunks,
+                                                                   length, head_dim, redundancy);
+    KVSIFT_CUDA_CHECK(cudaGetLastError());
   });
-  KVSIFT_CUDA_CHECK(cudaGetLastError());
-  if (unit16 != nullptr) {  // the tensor-core search: same r_i and spared sums, faster
-    // r_i go to `redundancy` as scratch (int-sized), written for real further down.
-    launch_last_match_tc(unit, unit16, batch, kv_heads, length, head_dim, threshold, faithful,
-                         spared, reinterpret_cast<int*>(redundancy), tc_reached, stream);
-  } else {
-    last_match_kernel<<<grid((length + kRowTile - 1) / kRowTile), kBlockThreads, 0, stream>>>(
-        unit, length, head_dim, threshold, faithful, spared);
-    KVSIFT_CUDA_CHECK(cudaGetLastError());
-  }
-  if (!fused) {
-    unit_key_partial_sums_kernel<<<grid(chunks), kBlockThreads, 0, stream>>>(unit, length,
-                                                                             head_dim, partial);
-    KVSIFT_CUDA_CHECK(cudaGetLastError());
-  }
-  const std::size_t total_bytes = static_cast<std::size_t>(head_dim) * sizeof(float);
-  column_means_kernel<<<grid((length + kColumnsPerBlock - 1) / kColumnsPerBlock), kBlockThreads,
-                        total_bytes, stream>>>(unit, spared, partial, chunks, length, head_dim,
-                                               redundancy);
-  KVSIFT_CUDA_CHECK(cudaGetLastError());
   redundancy_softmax_kernel<<<static_cast<unsigned>(batch * kv_heads), kBlockThreads, 0, stream>>>(
       length, redundancy);
   KVSIFT_CUDA_CHECK(cudaGetLastError());

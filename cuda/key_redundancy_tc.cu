@@ -40,6 +40,7 @@
 #include <cstdint>
 
 #include "kvsift/backend/cuda/check.hpp"
+#include "kvsift/core/dtype.hpp"
 #include "mma.cuh"
 #include "rkv_kernels.cuh"
 
@@ -91,10 +92,11 @@ __device__ __forceinline__ void tc_add_fixed(unsigned long long* sum, float x) {
 // C[i, j] exactly as last_match_kernel computes it: acc = fmaf(k̂_i[d], k̂_j[d], acc), d ascending
 // from 0.0f (its zero padding past head_dim only adds +0, which cannot change a comparison or a
 // spared value).
-__device__ __forceinline__ float exact_cosine(const float* __restrict__ ui,
-                                              const float* __restrict__ uj, int head_dim) {
+template <class T>
+__device__ __forceinline__ float exact_cosine(const UnitRow<T>& ui, const UnitRow<T>& uj,
+                                              int head_dim) {
   float acc = 0.0f;
-#pragma unroll 8
+#pragma unroll 4
   for (int d = 0; d < head_dim; ++d) acc = fmaf(ui[d], uj[d], acc);
   return acc;
 }
@@ -124,8 +126,9 @@ __device__ __forceinline__ int next_column_tile(int jt, bool upper, int own_firs
 // Warp w owns rows 32w .. 32w + 31 of the tile against all 64 columns of the staged tile; A and B
 // fragments come from shared memory by ldmatrix, and the next column tile is copied in by
 // cp.async while this one is multiplied.
+template <class T>
 __global__ void __launch_bounds__(kTcThreads, 2)
-    last_match_tc_kernel(const float* __restrict__ unit,  // [sequences, kv_heads, length, head_dim]
+    last_match_tc_kernel(UnitKeys unit,  // the unit keys in fp32, for the exact re-checks
                          const __nv_bfloat16* __restrict__ unit16,  // [.., length, 16·k_steps]
                          int length, int head_dim, float threshold, float below, float above,
                          bool faithful, bool upper,
@@ -143,7 +146,6 @@ __global__ void __launch_bounds__(kTcThreads, 2)
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;  // mma fragment coordinates
   const std::int64_t bh = static_cast<std::int64_t>(b) * kv_heads + h;
-  const float* ubase = unit + bh * length * head_dim;
   const int ksteps = (head_dim + 15) / 16, chunks = 2 * ksteps;
   const __nv_bfloat16* u16 = unit16 + bh * length * chunks * 8;
   int* bbase = best + bh * length;
@@ -254,13 +256,12 @@ __global__ void __launch_bounds__(kTcThreads, 2)
               }
             }
           // Re-check the uncertain columns above `found` in exact fp32, highest first.
-          const float* ui = ubase + static_cast<std::int64_t>(i) * head_dim;
+          const UnitRow<T> ui = unit_row<T>(unit, bh, i);
           while (uncertain != 0) {
             const int bit = 31 - __clz(uncertain);
             uncertain &= ~(1u << bit);
             const int j = j0 + (bit / 2) * 8 + 2 * t + bit % 2;
-            if (exact_cosine(ui, ubase + static_cast<std::int64_t>(j) * head_dim, head_dim) >
-                threshold) {
+            if (exact_cosine(ui, unit_row<T>(unit, bh, j), head_dim) > threshold) {
               found = j;
               break;
             }
@@ -309,8 +310,7 @@ __global__ void __launch_bounds__(kTcThreads, 2)
       const int i = i0 + warp * kTcWarpRows + (r / 2) * 16 + g + (r % 2) * 8;
       bool settled = i <= *static_cast<volatile int*>(&col_best[cl]);
       if (!settled &&
-          exact_cosine(ubase + static_cast<std::int64_t>(i) * head_dim,
-                       ubase + static_cast<std::int64_t>(j) * head_dim, head_dim) > threshold) {
+          exact_cosine(unit_row<T>(unit, bh, i), unit_row<T>(unit, bh, j), head_dim) > threshold) {
         atomicMax(&col_best[cl], i);
         settled = true;
       }
@@ -348,13 +348,12 @@ __global__ void __launch_bounds__(kTcThreads, 2)
   // spare C[i, r_i] (faithful: C[i, 0] of unmatched rows i != 0) with the fp32 path's values.
   if (i >= length) return;
   const int r = match[tid] >= 0 ? match[tid] : cand[tid];
-  const float* ui = ubase + static_cast<std::int64_t>(i) * head_dim;
+  const UnitRow<T> ui = unit_row<T>(unit, bh, i);
   unsigned long long* sp = spared + bh * length;
   if (r >= 0) {
-    tc_add_fixed(&sp[r],
-                 exact_cosine(ui, ubase + static_cast<std::int64_t>(r) * head_dim, head_dim));
+    tc_add_fixed(&sp[r], exact_cosine(ui, unit_row<T>(unit, bh, r), head_dim));
   } else if (faithful && i != 0) {
-    tc_add_fixed(&sp[0], exact_cosine(ui, ubase, head_dim));
+    tc_add_fixed(&sp[0], exact_cosine(ui, unit_row<T>(unit, bh, 0), head_dim));
   }
   bbase[i] = r;
 }
@@ -379,8 +378,8 @@ double tc_cosine_margin(int head_dim) {
 
 int tc_row_pitch(int head_dim) { return (head_dim + 15) / 16 * 16; }
 
-void launch_last_match_tc(const float* unit, const void* unit16, int batch, int kv_heads,
-                          int length, int head_dim, float threshold, bool faithful,
+void launch_last_match_tc(const UnitKeys& unit, DType dtype, const void* unit16, int batch,
+                          int kv_heads, int length, int head_dim, float threshold, bool faithful,
                           unsigned long long* spared, int* match, int* reached,
                           cudaStream_t stream) {
   if (length <= 0 || batch <= 0 || kv_heads <= 0) return;
@@ -395,14 +394,16 @@ void launch_last_match_tc(const float* unit, const void* unit16, int batch, int 
   // Above the 48 KiB default: the kernel's dynamic shared memory needs the opt-in (per device,
   // cheap to repeat).
   constexpr int kSharedBytes = static_cast<int>(sizeof(TcShared));
-  KVSIFT_CUDA_CHECK(cudaFuncSetAttribute(
-      last_match_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes));
-  for (bool upper : {true, false}) {
-    last_match_tc_kernel<<<grid, kTcThreads, kSharedBytes, stream>>>(
-        unit, static_cast<const __nv_bfloat16*>(unit16), length, head_dim, threshold, below, above,
-        faithful, upper, match, reached, spared);
-    KVSIFT_CUDA_CHECK(cudaGetLastError());
-  }
+  KVSIFT_DISPATCH_DTYPE(dtype, T, [&] {
+    KVSIFT_CUDA_CHECK(cudaFuncSetAttribute(
+        last_match_tc_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes));
+    for (bool upper : {true, false}) {
+      last_match_tc_kernel<T><<<grid, kTcThreads, kSharedBytes, stream>>>(
+          unit, static_cast<const __nv_bfloat16*>(unit16), length, head_dim, threshold, below,
+          above, faithful, upper, match, reached, spared);
+      KVSIFT_CUDA_CHECK(cudaGetLastError());
+    }
+  });
 }
 
 }  // namespace kvsift::cuda::detail

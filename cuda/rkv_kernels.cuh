@@ -66,6 +66,36 @@ inline StepBases query_bases(const StepView& step) {
   return step_bases(step, [&](int l) -> const TensorView& { return step.queries[l]; });
 }
 
+// The unit keys k̂ = K / (||K|| + 1e-8) (ALGORITHMS.md §1.2 steps 1 and 6) are never stored in
+// fp32: the normalisation keeps each row's divisor ||K|| + 1e-8 exactly as it computed it (0 marks
+// a pad), and every reader divides again. IEEE division is deterministic, so each reader sees the
+// same float a stored copy would hold, for a third of the memory traffic.
+struct UnitKeys {
+  StepBases keys;         // the step's key tensors
+  std::int64_t stride_h;  // elements between heads
+  std::int64_t stride_s;  // elements between slots
+  const float* denom;     // [sequences, kv_heads, length]; 0 for pads
+  int kv_heads, length;
+};
+
+UnitKeys unit_keys_of(const StepView& step, int length, const float* denom);
+
+// Row i of k̂ for (sequence, head) bh = z · kv_heads + h, as fp32 values.
+template <class T>
+struct UnitRow {
+  const T* k;
+  float den;
+  __device__ __forceinline__ float operator[](int d) const {
+    return den == 0.0f ? 0.0f : to_float(k[d]) / den;
+  }
+};
+
+template <class T>
+__device__ __forceinline__ UnitRow<T> unit_row(const UnitKeys& u, std::int64_t bh, int i) {
+  const int z = static_cast<int>(bh / u.kv_heads), h = static_cast<int>(bh % u.kv_heads);
+  return {u.keys.seq<const T>(z) + h * u.stride_h + i * u.stride_s, u.denom[bh * u.length + i]};
+}
+
 // Window importance a (ALGORITHMS.md §1.1) of all sequences of the step, each of `length` tokens;
 // z = layer · batch + b below.
 //   queries     per layer [batch, q_heads, window, head_dim], keys' dtype
@@ -77,7 +107,7 @@ void launch_window_importance(const StepView& step, int length, int kernel, floa
 
 // Key redundancy R over all `length` tokens (ALGORITHMS.md §1.2 steps 1–5, before the slice) of
 // every sequence z = layer · batch + b of the step.
-//   unit        [z, kv_heads, length, head_dim] scratch: k̂ = K / (||K|| + 1e-8), fp32
+//   denom       [z, kv_heads, length] scratch: each row's ||K|| + 1e-8 (0: pad), see UnitKeys
 //   unit16      [z, kv_heads, length, tc_row_pitch(head_dim)] scratch: bf16 k̂ for the
 //               tensor-core search; nullptr when it does not run (then the fp32 search does)
 //   tc_reached  [z, kv_heads, tc_row_tiles(length)] scratch of the tensor-core search, or nullptr
@@ -85,7 +115,7 @@ void launch_window_importance(const StepView& step, int length, int kernel, floa
 //   partial     [z, kv_heads, key_sum_chunks(length), head_dim] scratch: sums of k̂ per chunk
 //   redundancy  [z, kv_heads, length] output R
 void launch_key_redundancy(const StepView& step, int length, float threshold, bool faithful,
-                           float* unit, void* unit16, int* tc_reached,
+                           float* denom, void* unit16, int* tc_reached,
                            unsigned long long* spared,
                            float* partial, float* redundancy, cudaStream_t stream);
 
@@ -107,13 +137,13 @@ int tc_row_pitch(int head_dim);
 // Tensor-core search for r_i = max{ j != i : C[i,j] > threshold } (ALGORITHMS.md §1.2 step 3),
 // identical to the fp32 search; adds the spared fp32 cosines C[i, r_i] (faithful: C[i, 0] of
 // unmatched rows) to `spared` in 32.32 fixed point. Requires tc_search_supported(head_dim).
-//   unit     [batch, kv_heads, length, head_dim] fp32 unit keys (pads zero): exact re-checks
-//   unit16   [batch, kv_heads, length, tc_row_pitch(head_dim)] bf16 (RNE) copy of `unit`
+//   unit     the unit keys (storage dtype `dtype`), read for the exact fp32 re-checks
+//   unit16   [batch, kv_heads, length, tc_row_pitch(head_dim)] bf16 (RNE) copy of the unit keys
 //   spared   [batch, kv_heads, length] accumulated into (zero it first)
 //   match    [batch, kv_heads, length] scratch, then r_i (−1: row i has no match)
 //   reached  [batch, kv_heads, tc_row_tiles(length)] scratch
-void launch_last_match_tc(const float* unit, const void* unit16, int batch, int kv_heads,
-                          int length, int head_dim, float threshold, bool faithful,
+void launch_last_match_tc(const UnitKeys& unit, DType dtype, const void* unit16, int batch,
+                          int kv_heads, int length, int head_dim, float threshold, bool faithful,
                           unsigned long long* spared, int* match, int* reached,
                           cudaStream_t stream);
 

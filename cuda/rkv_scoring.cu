@@ -141,7 +141,7 @@ struct Workspace {
   float* logits;               // [batch, kv_heads, window, n]
   float* pre_pool;             // [batch, kv_heads, n]
   float* importance;           // [batch, kv_heads, n]
-  float* unit_keys;            // [batch, kv_heads, S, head_dim]
+  float* denom;                // [batch, kv_heads, S]: ||K|| + 1e-8 per key (UnitKeys)
   void* unit16;                // [batch, kv_heads, S, tc_row_pitch(head_dim)] bf16, or null
   int* tc_reached;             // [batch, kv_heads, tc_row_tiles(S)], or null
   unsigned long long* spared;  // [batch, kv_heads, S]
@@ -158,7 +158,7 @@ Workspace carve_workspace(const CallShape& s, void* base, std::size_t bytes, con
   w.logits = carve.take<float>(rn * static_cast<std::size_t>(s.window));
   w.pre_pool = carve.take<float>(rn);
   w.importance = carve.take<float>(rn);
-  w.unit_keys = carve.take<float>(rs * static_cast<std::size_t>(s.head_dim));
+  w.denom = carve.take<float>(rs);
   w.unit16 = s.tensor_core ? carve.take<std::uint16_t>(unit16_count(s)) : nullptr;
   w.tc_reached = s.tensor_core ? carve.take<int>(tc_reached_count(s)) : nullptr;
   w.spared = carve.take<unsigned long long>(rs);
@@ -175,7 +175,7 @@ std::size_t workspace_bytes_for(const CallShape& s) {
   const std::size_t rn = static_cast<std::size_t>(s.rows() * s.n());
   const std::size_t rs = static_cast<std::size_t>(s.rows() * s.length);
   return align_up(rn * s.window * sizeof(float)) + 3 * align_up(rn * sizeof(float)) +
-         align_up(rs * s.head_dim * sizeof(float)) + align_up(rs * sizeof(float)) +
+         align_up(rs * sizeof(float)) + align_up(rs * sizeof(float)) +
          align_up(rs * sizeof(unsigned long long)) + align_up(key_sums_count(s) * sizeof(float)) +
          tc_bytes;
 }
@@ -188,7 +188,7 @@ void enqueue_scores(const StepView& step, const RKVScoringConfig& cfg, const Cal
   float* r = redundancy != nullptr ? redundancy : w.redundancy;
   const int length = static_cast<int>(s.length);
   launch_window_importance(step, length, cfg.kernel, w.logits, w.pre_pool, a, stream);
-  launch_key_redundancy(step, length, cfg.threshold, cfg.faithful, w.unit_keys, w.unit16,
+  launch_key_redundancy(step, length, cfg.threshold, cfg.faithful, w.denom, w.unit16,
                         w.tc_reached, w.spared, w.key_sums, r, stream);
   launch_joint_score(a, r, static_cast<int>(s.rows()), static_cast<int>(s.n()), length,
                      cfg.mix_lambda, score, stream);

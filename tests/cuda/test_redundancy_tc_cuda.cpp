@@ -72,14 +72,26 @@ SearchResult gpu_search(const std::vector<float>& unit, int B, int H, int S, int
       cudaMemset(d_match.get(), 0x7f, n * sizeof(int)));  // garbage: reset by the launcher
   KVSIFT_CUDA_CHECK(cudaMemset(d_reached.get(), 0x7f, d_reached.size() * sizeof(int)));
   KVSIFT_CUDA_CHECK(cudaMemset(d_spared.get(), 0, n * sizeof(unsigned long long)));
-  // The bf16 copy the normalisation writes: RNE of every unit value, rows zero-padded.
+  // The unit keys as a cache of f32 "keys" with divisor 1 (x / 1 = x exactly), and the bf16 copy
+  // the normalisation writes: RNE of every unit value, rows zero-padded.
+  DeviceBuffer<float> d_denom(std::vector<float>(n, 1.0f));
+  cuda::detail::UnitKeys u{};
+  u.keys.base[0] = reinterpret_cast<char*>(d_unit.get());
+  u.keys.batch = B;
+  u.keys.stride_b = static_cast<std::int64_t>(H) * S * D * sizeof(float);
+  u.stride_h = static_cast<std::int64_t>(S) * D;
+  u.stride_s = D;
+  u.denom = d_denom.get();
+  u.kv_heads = H;
+  u.length = S;
   const int pitch = cuda::detail::tc_row_pitch(D);
   std::vector<bf16_t> unit16(n * pitch, from_float<bf16_t>(0.0f));
   for (std::size_t r = 0; r < n; ++r)
     for (int d = 0; d < D; ++d) unit16[r * pitch + d] = from_float<bf16_t>(unit[r * D + d]);
   DeviceBuffer<bf16_t> d_unit16(unit16);
-  cuda::detail::launch_last_match_tc(d_unit.get(), d_unit16.get(), B, H, S, D, threshold, faithful,
-                                     d_spared.get(), d_match.get(), d_reached.get(), nullptr);
+  cuda::detail::launch_last_match_tc(u, DType::f32, d_unit16.get(), B, H, S, D, threshold,
+                                     faithful, d_spared.get(), d_match.get(), d_reached.get(),
+                                     nullptr);
   KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
   return {d_match.download(), d_spared.download()};
 }
