@@ -13,7 +13,8 @@
 //      of key_redundancy_tc.cu, with identical results.)
 //   3. unit_key_partial_sums_kernel: sum_i k̂_i over chunks of rows, in a fixed order. For
 //      head_dim <= 256, normalize_and_sum_kernel does 1 and 3 in one pass over the keys.
-//   4. column_means_kernel: rbar_j = (total·k̂_j − k̂_j·k̂_j − spared_j) / S (step 4).
+//   4. column_means_kernel: rbar_j = (total·k̂_j − k̂_j·k̂_j − spared_j) / S (step 4), with the
+//      two dot products taken on the raw key and divided once.
 //   5. redundancy_softmax_kernel: R = softmax(rbar) over all S (step 5), one block per (b, h).
 // Steps 3–4 are spread over many blocks: at batch 1 one block per (b, h) would leave the GPU
 // idle and be bound by memory latency.
@@ -60,7 +61,7 @@ __device__ __forceinline__ float warp_sum(float x) {
 }
 
 // One warp per (b, h, i): the norm's divisor ||K|| + 1e-8 (0 for a pad), with the CPU reference's
-// arithmetic, and the bf16 unit key x / (||K|| + 1e-8) (a division, not a reciprocal multiply).
+// arithmetic, and the bf16 copy of the unit key.
 template <class T>
 __global__ void __launch_bounds__(kBlockThreads)
     normalize_keys_kernel(StepBases keys,  // per layer [batch, kv_heads, capacity, head_dim]
@@ -94,16 +95,15 @@ __global__ void __launch_bounds__(kBlockThreads)
   for (int off = 16; off > 0; off /= 2) sq += __shfl_xor_sync(0xffffffffu, sq, off);
   const float den = sqrtf(sq) + 1e-8f;  // the butterfly leaves the same sum in every lane
   if (lane == 0) denom[r] = den;
-  if (out16 != nullptr)
-    for (int d = lane; d < head_dim; d += 32)
-      out16[d] = __float2bfloat16_rn(to_float(k[d]) / den);  // RNE, as the search's bound assumes
+  const float inv = __frcp_rn(den);  // x·(1/den) is within 1 ulp of x/den: the bf16 copy's bound
+  if (out16 != nullptr)              // (key_redundancy_tc.cu) allows for it
+    for (int d = lane; d < head_dim; d += 32) out16[d] = __float2bfloat16_rn(to_float(k[d]) * inv);
 }
 
 // normalize_keys_kernel and unit_key_partial_sums_kernel in one pass, for head_dim <= 256 (every
 // channel of a row in registers): grid (chunks, kv_heads, sequences); warp w normalises rows w,
 // w + 8, ... of its chunk with the same arithmetic as normalize_keys_kernel and adds the unit
-// keys up in the order unit_key_partial_sums_kernel uses, so `denom`, `unit16` and `partial` are
-// bit-identical to the two-kernel path while the keys are read once.
+// keys up in the order unit_key_partial_sums_kernel uses, while the keys are read once.
 constexpr int kFusedMaxDim = kBlockThreads;  // 8 channels per lane
 template <class T>
 __global__ void __launch_bounds__(kBlockThreads)
@@ -141,10 +141,13 @@ __global__ void __launch_bounds__(kBlockThreads)
     for (int off = 16; off > 0; off /= 2) sq += __shfl_xor_sync(0xffffffffu, sq, off);
     const float den = sqrtf(sq) + 1e-8f;
     if (lane == 0) denom[r] = pad ? 0.0f : den;
+    // x·(1/den): within 1 ulp of the reference's x/den, for the sums (tolerance) and the bf16
+    // copy (its bound in key_redundancy_tc.cu allows for it); the exact re-checks divide.
+    const float inv = __frcp_rn(den);
 #pragma unroll
     for (int m = 0; m < kPerLane; ++m) {
       const int d = lane + 32 * m;
-      const float v = pad ? 0.0f : x[m] / den;  // pads: zero keys (§1.2 step 6)
+      const float v = pad ? 0.0f : x[m] * inv;  // pads: zero keys (§1.2 step 6)
       if (d < head_dim) acc[m] += v;
       if (out16 != nullptr && d < pitch16) out16[d] = __float2bfloat16_rn(d < head_dim ? v : 0.0f);
     }
@@ -164,12 +167,11 @@ __global__ void __launch_bounds__(kBlockThreads)
 // head) bh, transposed into `dst`; entries past the sequence or head_dim are 0. Consecutive
 // threads read consecutive channels.
 template <int kRows, class T>
-__device__ __forceinline__ void stage_tile(float (*dst)[kRows + 4], const UnitKeys& u,
-                                           std::int64_t bh, int first, int length, int d0,
-                                           int head_dim) {
+__device__ __forceinline__ void stage_tile(float (*dst)[kRows + 4], const UnitHead<T>& u,
+                                           int first, int length, int d0, int head_dim) {
   for (int e = threadIdx.x; e < kRows * kDimChunk; e += kBlockThreads) {
     const int t = e / kDimChunk, d = e % kDimChunk, i = first + t;
-    dst[d][t] = (i < length && d0 + d < head_dim) ? unit_row<T>(u, bh, i)[d0 + d] : 0.0f;
+    dst[d][t] = (i < length && d0 + d < head_dim) ? u.row(i)[d0 + d] : 0.0f;
   }
 }
 
@@ -191,6 +193,7 @@ __global__ void __launch_bounds__(kBlockThreads)
   const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
   const std::int64_t bh = static_cast<std::int64_t>(b) * kv_heads + h;
   unsigned long long* sp = spared + bh * length;
+  const UnitHead<T> head = unit_head<T>(unit, bh);
   if (threadIdx.x < kRowTile) {
     match[threadIdx.x] =
         i0 + static_cast<int>(threadIdx.x) < length ? -1 : length;  // past end: done
@@ -205,8 +208,8 @@ __global__ void __launch_bounds__(kBlockThreads)
       for (int c = 0; c < kColsPerThread; ++c) acc[r][c] = 0.0f;
     for (int d0 = 0; d0 < head_dim; d0 += kDimChunk) {
       __syncthreads();  // previous slice consumed (and, the first time, match[] initialised)
-      stage_tile<kRowTile, T>(rows_t, unit, bh, i0, length, d0, head_dim);
-      stage_tile<kColTile, T>(cols_t, unit, bh, j0, length, d0, head_dim);
+      stage_tile<kRowTile>(rows_t, head, i0, length, d0, head_dim);
+      stage_tile<kColTile>(cols_t, head, j0, length, d0, head_dim);
       __syncthreads();
 #pragma unroll
       for (int d = 0; d < kDimChunk; ++d) {
@@ -279,6 +282,7 @@ __global__ void __launch_bounds__(kBlockThreads) unit_key_partial_sums_kernel(
   const int chunks = gridDim.x;
   const std::int64_t bh = static_cast<std::int64_t>(b) * kv_heads + h;
   float* out = partial + (bh * chunks + chunk) * head_dim;
+  const UnitHead<T> head = unit_head<T>(unit, bh);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int first = chunk * kKeySumRows, last = min(length, first + kKeySumRows);
   for (int d_base = 0; d_base < head_dim; d_base += kBlockThreads) {
@@ -286,7 +290,7 @@ __global__ void __launch_bounds__(kBlockThreads) unit_key_partial_sums_kernel(
 #pragma unroll
     for (int m = 0; m < kPerLane; ++m) acc[m] = 0.0f;
     for (int i = first + warp; i < last; i += kWarps) {
-      const UnitRow<T> row = unit_row<T>(unit, bh, i);
+      const UnitRow<T> row = head.row(i);
 #pragma unroll
       for (int m = 0; m < kPerLane; ++m) {
         const int d = d_base + lane + 32 * m;
@@ -328,18 +332,24 @@ __global__ void __launch_bounds__(kBlockThreads)
   __syncthreads();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int j0 = blockIdx.x * kColumnsPerBlock, j1 = min(length, j0 + kColumnsPerBlock);
+  const UnitHead<T> head = unit_head<T>(unit, bh);
   for (int j = j0 + warp; j < j1; j += kWarps) {
-    const UnitRow<T> row = unit_row<T>(unit, bh, j);
+    // k̂_j·total = (K_j·total) / den_j and k̂_j·k̂_j = (K_j·K_j) / den_j²: one division per row
+    // instead of one per channel (a few float roundings away from dividing first, well inside
+    // the 1e-4 parity tolerance of R).
+    const UnitRow<T> row = head.row(j);
     float dot = 0.0f, sq = 0.0f;
     for (int d = lane; d < head_dim; d += 32) {
-      const float x = row[d];
+      const float x = to_float(row.k[d]);
       dot = fmaf(x, total[d], dot);
       sq = fmaf(x, x, sq);
     }
     dot = warp_sum(dot);
     sq = warp_sum(sq);
-    if (lane == 0)
-      rbar[bh * length + j] = (dot - sq - fixed_to_float(sp[j])) / static_cast<float>(length);
+    if (lane == 0) {
+      const float own = row.den == 0.0f ? 0.0f : dot / row.den - sq / (row.den * row.den);
+      rbar[bh * length + j] = (own - fixed_to_float(sp[j])) / static_cast<float>(length);
+    }
   }
 }
 

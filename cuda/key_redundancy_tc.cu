@@ -19,8 +19,9 @@
 // The bound m (tc_cosine_margin below). Let u, v be the fp32 unit keys (||u||, ||v|| <= 1 + 2^-10:
 // the normalisation's own rounding is ~D·2^-25 relative for D <= 4096), A = Σ_d |u_d v_d| <= N²
 // with N² = 1.002, and c32 the fp32 path's value.
-//   1. bf16 rounding (unit roundoff 2^-8): ū_d = u_d(1 + α_d) + η_d, |α_d| <= 2^-8, |η_d| <= 2^-134
-//      (bf16 subnormals), so |ū·v̄ − u·v| <= (2^-7 + 2^-16)·A + O(D·2^-133).
+//   1. bf16 rounding (unit roundoff 2^-8) of x·(1/den), itself within 2^-22 relative of the fp32
+//      u_d = x/den (two roundings): ū_d = u_d(1 + α_d) + η_d, |α_d| <= 2^-8 + 2^-21, |η_d| <=
+//      2^-134 (bf16 subnormals), so |ū·v̄ − u·v| <= (2^-7 + 2^-16 + 2^-19)·A + O(D·2^-133).
 //   2. tensor-core accumulation: products of two bf16 are exact in fp32; however the hardware
 //      orders, aligns and truncates the D additions, each term is hit by at most two roundings of
 //      at most 2^-23 relative to a partial sum bounded by P = Σ|ū_d v̄_d| <= (1 + 2^-8)²·A, so the
@@ -28,7 +29,7 @@
 //      and every term counted twice: deliberately generous).
 //   3. the fp32 path itself: |c32 − u·v| <= D·2^-24·A·(1 + D·2^-24) (fma chain, one rounding per
 //      step).
-// m = N²·[(2^-7 + 2^-16) + D·2^-22·(1 + 2^-8)² + D·2^-24·1.01] + 2^-100, then t ± m is rounded
+// m = N²·[(2^-7 + 2^-16 + 2^-19) + D·2^-22·(1 + 2^-8)² + D·2^-24·1.01] + 2^-100, then t ± m is rounded
 // outwards to float. D = 128: m ≈ 0.00787, so random keys (cosines ~ N(0, 1/D)) are almost never
 // rechecked; NaN cosines fail both comparisons, as they fail c32 > t.
 //
@@ -150,6 +151,7 @@ __global__ void __launch_bounds__(kTcThreads, 2)
   const __nv_bfloat16* u16 = unit16 + bh * length * chunks * 8;
   int* bbase = best + bh * length;
   const int* rbase = reached + bh * gridDim.x;
+  const UnitHead<T> uh = unit_head<T>(unit, bh);  // fp32 rows for the exact re-checks
 
   {
     const int i = i0 + tid;
@@ -256,12 +258,12 @@ __global__ void __launch_bounds__(kTcThreads, 2)
               }
             }
           // Re-check the uncertain columns above `found` in exact fp32, highest first.
-          const UnitRow<T> ui = unit_row<T>(unit, bh, i);
+          const UnitRow<T> ui = uh.row(i);
           while (uncertain != 0) {
             const int bit = 31 - __clz(uncertain);
             uncertain &= ~(1u << bit);
             const int j = j0 + (bit / 2) * 8 + 2 * t + bit % 2;
-            if (exact_cosine(ui, unit_row<T>(unit, bh, j), head_dim) > threshold) {
+            if (exact_cosine(ui, uh.row(j), head_dim) > threshold) {
               found = j;
               break;
             }
@@ -310,7 +312,7 @@ __global__ void __launch_bounds__(kTcThreads, 2)
       const int i = i0 + warp * kTcWarpRows + (r / 2) * 16 + g + (r % 2) * 8;
       bool settled = i <= *static_cast<volatile int*>(&col_best[cl]);
       if (!settled &&
-          exact_cosine(unit_row<T>(unit, bh, i), unit_row<T>(unit, bh, j), head_dim) > threshold) {
+          exact_cosine(uh.row(i), uh.row(j), head_dim) > threshold) {
         atomicMax(&col_best[cl], i);
         settled = true;
       }
@@ -348,12 +350,12 @@ __global__ void __launch_bounds__(kTcThreads, 2)
   // spare C[i, r_i] (faithful: C[i, 0] of unmatched rows i != 0) with the fp32 path's values.
   if (i >= length) return;
   const int r = match[tid] >= 0 ? match[tid] : cand[tid];
-  const UnitRow<T> ui = unit_row<T>(unit, bh, i);
+  const UnitRow<T> ui = uh.row(i);
   unsigned long long* sp = spared + bh * length;
   if (r >= 0) {
-    tc_add_fixed(&sp[r], exact_cosine(ui, unit_row<T>(unit, bh, r), head_dim));
+    tc_add_fixed(&sp[r], exact_cosine(ui, uh.row(r), head_dim));
   } else if (faithful && i != 0) {
-    tc_add_fixed(&sp[0], exact_cosine(ui, unit_row<T>(unit, bh, 0), head_dim));
+    tc_add_fixed(&sp[0], exact_cosine(ui, uh.row(0), head_dim));
   }
   bbase[i] = r;
 }
@@ -369,7 +371,7 @@ bool tc_search_supported(int head_dim) {
 double tc_cosine_margin(int head_dim) {
   const double n2 = 1.002;  // (1 + 2^-10)² bounds ||u||·||v|| of fp32-normalised keys
   const double d = head_dim;
-  const double rounding = std::ldexp(1.0, -7) + std::ldexp(1.0, -16);
+  const double rounding = std::ldexp(1.0, -7) + std::ldexp(1.0, -16) + std::ldexp(1.0, -19);
   const double tc_sum =
       d * std::ldexp(1.0, -22) * (1.0 + std::ldexp(1.0, -8)) * (1.0 + std::ldexp(1.0, -8));
   const double fp32_sum = d * std::ldexp(1.0, -24) * 1.01;

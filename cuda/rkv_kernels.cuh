@@ -80,7 +80,7 @@ struct UnitKeys {
 
 UnitKeys unit_keys_of(const StepView& step, int length, const float* denom);
 
-// Row i of k̂ for (sequence, head) bh = z · kv_heads + h, as fp32 values.
+// Row i of k̂, as fp32 values with the reference's arithmetic K[d] / (||K|| + 1e-8).
 template <class T>
 struct UnitRow {
   const T* k;
@@ -90,10 +90,19 @@ struct UnitRow {
   }
 };
 
+// The rows of one (sequence, head) bh = z · kv_heads + h, resolved once per block.
 template <class T>
-__device__ __forceinline__ UnitRow<T> unit_row(const UnitKeys& u, std::int64_t bh, int i) {
+struct UnitHead {
+  const T* k;             // row 0
+  std::int64_t stride_s;  // elements between rows
+  const float* den;       // [length]
+  __device__ __forceinline__ UnitRow<T> row(int i) const { return {k + i * stride_s, den[i]}; }
+};
+
+template <class T>
+__device__ __forceinline__ UnitHead<T> unit_head(const UnitKeys& u, std::int64_t bh) {
   const int z = static_cast<int>(bh / u.kv_heads), h = static_cast<int>(bh % u.kv_heads);
-  return {u.keys.seq<const T>(z) + h * u.stride_h + i * u.stride_s, u.denom[bh * u.length + i]};
+  return {u.keys.seq<const T>(z) + h * u.stride_h, u.stride_s, u.denom + bh * u.length};
 }
 
 // Window importance a (ALGORITHMS.md §1.1) of all sequences of the step, each of `length` tokens;

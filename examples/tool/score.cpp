@@ -37,7 +37,7 @@ void print_help() {
       "IN.safetensors\n"
       "                    --out OUT.safetensors [--budget N] [--window W] [--kernel K]\n"
       "                    [--lambda L] [--threshold T] [--redundancy faithful|sound]\n"
-      "                    [--device cpu|cuda] [--compare-cpu] [--tensor-core-search]\n\n"
+      "                    [--device cpu|cuda] [--compare-cpu] [--fp32-search]\n\n"
       "Reads queries [B,Hq,W,D], keys and values [B,Hkv,S,D] (f32, f16 or bf16) and an optional\n"
       "valid_mask [B,S]; parameters come from __metadata__.config (JSON), flags override them.\n"
       "Writes what the policy computes: importance, redundancy (window sliced), redundancy_full,\n"
@@ -62,7 +62,8 @@ void print_help() {
       "prints the max abs/rel difference of every output and the kept-set agreement, and exits\n"
       "1 unless they agree within the golden tolerances (scores |x-ref| <= 1e-6+1e-4|ref|, kept\n"
       "sets equal up to near-cut swaps, compacted K/V bit-identical on common slots).\n"
-      "--tensor-core-search: the GPU's bf16 tensor-core near-duplicate search (same results).\n");
+      "--fp32-search: the GPU's fp32 near-duplicate search instead of the default bf16 tensor-core\n"
+      "              one (same results, slower; for cross-checks).\n");
 }
 
 int run_score(const std::vector<std::string>& argv) {
@@ -75,7 +76,7 @@ int run_score(const std::vector<std::string>& argv) {
   const Args a(argv,
                {"policy", "case", "out", "budget", "window", "kernel", "lambda", "threshold",
                 "redundancy", "device"},
-               {"help", "compare-cpu", "tensor-core-search"});
+               {"help", "compare-cpu", "fp32-search"});
   if (a.has("help")) {
     print_help();
     return 0;
@@ -91,8 +92,8 @@ int run_score(const std::vector<std::string>& argv) {
                "rkv and skipkv)");
   KVSIFT_CHECK(!a.has("compare-cpu") || device == "cuda",
                "--compare-cpu compares the CUDA run with the CPU run: it needs --device cuda");
-  KVSIFT_CHECK(!a.has("tensor-core-search") || device == "cuda",
-               "--tensor-core-search is a GPU option: it needs --device cuda");
+  KVSIFT_CHECK(!a.has("fp32-search") || device == "cuda",
+               "--fp32-search is a GPU option: it needs --device cuda");
   const std::string in_path = a.required("case"), out_path = a.required("out");
   ScoreCase c = read_score_case(SafetensorsFile::load(in_path), in_path);
   const nlohmann::json& cfg = c.config;
@@ -129,12 +130,12 @@ int run_score(const std::vector<std::string>& argv) {
       std::vector<std::uint8_t> q = c.queries_in_kv_dtype("R-KV");
       const TensorView q_view = TensorView::contiguous(q.data(), c.dtype, Device::cpu,
                                                        {c.batch, c.q_heads, c.window, c.dim});
-      run = run_rkv_cuda(kv, q_view, r, a.has("tensor-core-search"));
+      run = run_rkv_cuda(kv, q_view, r, a.has("fp32-search"));
       if (a.has("compare-cpu")) {
         const RKVRun cpu_run = run_rkv_cpu(kv, in.window_queries, r);
         agrees = print_rkv_comparison(compare_rkv_runs(run, cpu_run, r, c.valid_mask()));
       }
-      echo["tensor_core_search"] = a.has("tensor-core-search");
+      echo["fp32_search"] = a.has("fp32-search");
 #endif
     } else {
       run = run_rkv_cpu(kv, in.window_queries, r);

@@ -76,7 +76,7 @@ class DeviceBytes {
 //   queries  [batch, q_heads, W, head_dim]
 inline cuda::RKVScoringConfig cuda_rkv_config(const RKVConfig& r, const KVCacheView& kv,
                                               const TensorView& queries,
-                                              bool tensor_core_search = false) {
+                                              bool fp32_search = false) {
   r.validate();
   KVSIFT_CHECK(r.sink == 0, "--device cuda: R-KV on CUDA keeps no sink tokens, the case asks for ",
                r.sink, " (use --device cpu)");
@@ -102,7 +102,7 @@ inline cuda::RKVScoringConfig cuda_rkv_config(const RKVConfig& r, const KVCacheV
   c.mix_lambda = r.mix_lambda;
   c.threshold = r.threshold;
   c.faithful = r.redundancy == RedundancyMode::faithful;
-  c.tensor_core_search = tensor_core_search;
+  c.tensor_core_search = !fp32_search;
   c.validate();
   return c;
 }
@@ -145,9 +145,9 @@ struct DeviceRKVInputs {
 //   kv       contiguous host [batch, kv_heads, S, head_dim], every sequence S tokens
 //   queries  contiguous host [batch, q_heads, W, head_dim] in the keys' dtype
 inline RKVRun run_rkv_cuda(const KVCacheView& kv, const TensorView& queries, const RKVConfig& cfg,
-                           bool tensor_core_search = false) {
+                           bool fp32_search = false) {
   check_rkv_run_inputs(kv, queries, cfg);
-  const cuda::RKVScoringConfig c = cuda_rkv_config(cfg, kv, queries, tensor_core_search);
+  const cuda::RKVScoringConfig c = cuda_rkv_config(cfg, kv, queries, fp32_search);
   require_cuda_device();
   RKVRun run = shaped_run(kv, cfg.window);
   const std::int64_t rows = run.batch * run.kv_heads, n = run.candidates();
@@ -190,12 +190,12 @@ inline RKVRun run_rkv_cuda(const KVCacheView& kv, const TensorView& queries, con
 //   penalties  [batch * kv_heads] penalty ranges per (b, h) row, or empty: none
 inline RKVRun run_skipkv_cuda(const KVCacheView& kv, const TensorView& queries,
                               const SentenceScorerConfig& sc, const SentencePenalties& penalties,
-                              bool tensor_core_search = false) {
+                              bool fp32_search = false) {
   sc.validate();
   const RKVConfig r = sc.rkv_config();
   check_rkv_run_inputs(kv, queries, r);
   cuda::SkipKVScoringConfig c;
-  c.rkv = cuda_rkv_config(r, kv, queries, tensor_core_search);
+  c.rkv = cuda_rkv_config(r, kv, queries, fp32_search);
   c.faithful_pads = sc.pad_mode == PadMode::faithful;
   c.validate();
   require_cuda_device();

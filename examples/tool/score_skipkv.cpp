@@ -32,7 +32,7 @@ void print_skipkv_help() {
       "usage: kvsift score --policy skipkv --case IN.safetensors --out OUT.safetensors\n"
       "                    [--pad-mode exclude|faithful] [--budget N] [--window W] [--kernel K]\n"
       "                    [--lambda L] [--threshold T] [--redundancy faithful|sound]\n"
-      "                    [--device cpu|cuda] [--compare-cpu] [--tensor-core-search]\n\n"
+      "                    [--device cpu|cuda] [--compare-cpu] [--fp32-search]\n\n"
       "SkipKV eq. 6: score = lambda*a - (1-lambda)*R - sum of the marks of redundant sentences\n"
       "over each token. Reads queries [B,Hq,W,D], keys and values [B,Hkv,S,D] (F32/F16/BF16), and\n"
       "when present valid_mask [B,S] and sentences [n,4] = (batch, start, end, lambda) with\n"
@@ -66,7 +66,7 @@ int run_score_skipkv(const std::vector<std::string>& argv) {
   const Args a(argv,
                {"policy", "case", "out", "budget", "window", "kernel", "lambda", "threshold",
                 "redundancy", "pad-mode", "device"},
-               {"help", "compare-cpu", "tensor-core-search"});
+               {"help", "compare-cpu", "fp32-search"});
   if (a.has("help")) {
     print_skipkv_help();
     return 0;
@@ -76,8 +76,8 @@ int run_score_skipkv(const std::vector<std::string>& argv) {
   const std::string device = device_setting(a);
   KVSIFT_CHECK(!a.has("compare-cpu") || device == "cuda",
                "--compare-cpu compares the CUDA run with the CPU run: it needs --device cuda");
-  KVSIFT_CHECK(!a.has("tensor-core-search") || device == "cuda",
-               "--tensor-core-search is a GPU option: it needs --device cuda");
+  KVSIFT_CHECK(!a.has("fp32-search") || device == "cuda",
+               "--fp32-search is a GPU option: it needs --device cuda");
   const std::string in_path = a.required("case"), out_path = a.required("out");
   const SafetensorsFile f = SafetensorsFile::load(in_path);
   ScoreCase input = read_score_case(f, in_path);
@@ -139,7 +139,7 @@ int run_score_skipkv(const std::vector<std::string>& argv) {
     std::vector<std::uint8_t> q_dev = input.queries_in_kv_dtype("SkipKV");
     const TensorView q_view = TensorView::contiguous(q_dev.data(), input.dtype, Device::cpu,
                                                      {B, input.q_heads, input.window, input.dim});
-    run = run_skipkv_cuda(kv, q_view, sc, penalties, a.has("tensor-core-search"));
+    run = run_skipkv_cuda(kv, q_view, sc, penalties, a.has("fp32-search"));
     if (a.has("compare-cpu")) {
       // Faithful pads compete for the budget (+100), so the cut is taken over every slot.
       const bool pads_compete = sc.pad_mode == PadMode::faithful || input.mask.empty();
@@ -165,7 +165,7 @@ int run_score_skipkv(const std::vector<std::string>& argv) {
                          {"marked_sentences", marked},
                          {"source", in_path},
                          {"device", device}};
-  if (device == "cuda") echo["tensor_core_search"] = a.has("tensor-core-search");
+  if (device == "cuda") echo["fp32_search"] = a.has("fp32-search");
   save_score_output(out, echo, "skipkv", input, in_path, out_path);
   return agrees ? 0 : 1;
 }

@@ -171,10 +171,10 @@ TEST_CASE("tool score --device cuda agrees with the CPU path in 16-bit storage a
     CHECK(tool::compare_rkv_runs(gpu, cpu, cfg, nullptr).ok());
     check_compacted_rows(gpu, c);
   }
-  SECTION("f16 batch 2 with the tensor-core near-duplicate search") {
+  SECTION("f16 batch 2 with the fp32 near-duplicate search (--fp32-search)") {
     HostCase<f16_t> c("rkv_batch2.safetensors");
     const RKVConfig cfg = c.rkv_config(RedundancyMode::faithful);
-    const RKVRun gpu = tool::run_rkv_cuda(c.kv(), c.q(), cfg, /*tensor_core_search=*/true);
+    const RKVRun gpu = tool::run_rkv_cuda(c.kv(), c.q(), cfg, /*fp32_search=*/true);
     const RKVRun cpu = tool::run_rkv_cpu(c.kv(), c.q(), cfg);
     CHECK(outside_tolerance(gpu.importance, cpu.importance) == 0);
     CHECK(outside_tolerance(gpu.redundancy_full, cpu.redundancy_full) == 0);

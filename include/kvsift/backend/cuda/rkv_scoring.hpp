@@ -35,10 +35,11 @@ struct RKVScoringConfig {
   float mix_lambda = 0.1f;  // λ of score = λ·a − (1−λ)·R (§1.3)
   float threshold = 0.5f;   // cosine above which two keys are near-duplicates (§1.2 step 3)
   bool faithful = false;    // true: the reference's r_i = 0 fallback zeroes C[i, 0] (§1.2)
-  // true: find each row's last near-duplicate (§1.2 step 3) with bf16 tensor-core tiles and exact
-  // fp32 re-checks near the threshold: results identical to the fp32 search, bit for bit. Needs
-  // head_dim <= 128 and a multiple of 4; other head_dims use the fp32 search anyway.
-  bool tensor_core_search = false;
+  // true (default): find each row's last near-duplicate (§1.2 step 3) with bf16 tensor-core tiles
+  // and exact fp32 re-checks near the threshold: the same r_i as the fp32 search, several times
+  // faster. Needs head_dim <= 128 and a multiple of 4; other head_dims use the fp32 search anyway.
+  // false: the fp32 tile search everywhere (the plain reference arithmetic, for cross-checks).
+  bool tensor_core_search = true;
 
   void validate() const {
     KVSIFT_CHECK(window >= 1, "RKVScoringConfig: window must be >= 1, got ", window);
