@@ -125,8 +125,7 @@ void run(int batch, bool clustered, bool tensor_core, bool skipkv, double bandwi
     if (skipkv) {
       const cuda::SentencePenaltiesDevice pen =
           cuda::upload_sentence_penalties(csr, penalty_ws.get(), penalty_ws.size(), stream);
-      cuda::skipkv_select(kv, qv, skip_cfg, pen, slots.get(), nullptr, ws.get(), ws.size(),
-                          stream);
+      cuda::skipkv_select(kv, qv, skip_cfg, pen, slots.get(), nullptr, ws.get(), ws.size(), stream);
     } else {
       cuda::rkv_select(kv, qv, cfg, slots.get(), nullptr, ws.get(), ws.size(), stream);
     }
@@ -163,9 +162,8 @@ void run(int batch, bool clustered, bool tensor_core, bool skipkv, double bandwi
   const float layer = median(t_total);
   std::printf("%-7s %-9s %-6s %5d %10.3f %10.3f %10.3f %10.3f %12.2f %9.3f %8.1fx\n",
               skipkv ? "skipkv" : "rkv", clustered ? "clustered" : "random",
-              tensor_core ? "tc" : "fp32", batch,
-              median(t_select), median(t_plan), median(t_compact), layer, layer * kLayers, floor_ms,
-              layer / floor_ms);
+              tensor_core ? "tc" : "fp32", batch, median(t_select), median(t_plan),
+              median(t_compact), layer, layer * kLayers, floor_ms, layer / floor_ms);
 }
 
 }  // namespace
@@ -182,14 +180,16 @@ int main(int argc, char** argv) {
   KVSIFT_CUDA_CHECK(cudaStreamCreate(&stream));
   // Device-to-device copy bandwidth (bytes read + written per second) on a 1 GiB buffer.
   const double bw = bench::d2d_copy_bandwidth(std::size_t(1) << 30, stream, kWarmup, kReps);
-  std::printf("R-KV / SkipKV step on %s: Hq %d / Hkv %d, head_dim %d, bf16, budget %d, S %d, window %d\n",
-              prop.name, kQHeads, kKVHeads, kHeadDim, kBudget, kSeq, kWindow);
+  std::printf(
+      "R-KV / SkipKV step on %s: Hq %d / Hkv %d, head_dim %d, bf16, budget %d, S %d, window %d\n",
+      prop.name, kQHeads, kKVHeads, kHeadDim, kBudget, kSeq, kWindow);
   std::printf("device-to-device copy bandwidth: %.0f GB/s (read + write)\n", bw * 1e-9);
   std::printf("median of %d reps after %d warm-up; ms per layer unless noted\n", kReps, kWarmup);
   std::printf("%-7s %-9s %-6s %5s %10s %10s %10s %10s %12s %9s %9s\n", "policy", "keys", "search",
-              "batch",
-              "score+sel", "plan(host)", "compact", "layer", "32 layers", "HBM floor", "ratio");
-  for (int batch : batches) KVSIFT_CHECK(batch >= 1, "gpu_bench_rkv: batch must be >= 1, got ", batch);
+              "batch", "score+sel", "plan(host)", "compact", "layer", "32 layers", "HBM floor",
+              "ratio");
+  for (int batch : batches)
+    KVSIFT_CHECK(batch >= 1, "gpu_bench_rkv: batch must be >= 1, got ", batch);
   for (bool clustered : {false, true})
     for (bool tensor_core : {false, true})
       for (int batch : batches) run(batch, clustered, tensor_core, false, bw, stream);

@@ -148,7 +148,8 @@ void launch_tensor(const TensorView& t, const StepBases& bases, int n_layers,
   auto fits = [&](std::int64_t w) {
     bool ok = (t.shape[3] * esz) % w == 0 && (t.stride[0] * esz) % w == 0 &&
               (t.stride[1] * esz) % w == 0 && (t.stride[2] * esz) % w == 0;
-    for (int l = 0; l < n_layers; ++l) ok = ok && reinterpret_cast<std::uintptr_t>(bases.base[l]) % w == 0;
+    for (int l = 0; l < n_layers; ++l)
+      ok = ok && reinterpret_cast<std::uintptr_t>(bases.base[l]) % w == 0;
     return ok;
   };
   if (fits(16)) return launch_rows<uint4>(t, bases, n_layers, indptr, slots, row_stride, stream);
@@ -163,7 +164,8 @@ void launch_tensor(const TensorView& t, const StepBases& bases, int n_layers,
 void launch_device_rows(const StepView& step, const std::int32_t* slots, int row_stride,
                         std::int32_t* new_lengths, cudaStream_t stream) {
   const KVCacheView& kv = step.first();
-  launch_tensor(kv.keys, detail::key_bases(step), step.n_layers, nullptr, slots, row_stride, stream);
+  launch_tensor(kv.keys, detail::key_bases(step), step.n_layers, nullptr, slots, row_stride,
+                stream);
   launch_tensor(kv.values, detail::value_bases(step), step.n_layers, nullptr, slots, row_stride,
                 stream);
   if (kv.valid_mask != nullptr || new_lengths != nullptr) {
@@ -228,8 +230,9 @@ void compact_device_rows_step(const KVCacheView* layers, int n_layers, const std
                  " differ from layer 0's ", kv0.keys.shape_string(), " ", dtype_name(kv0.dtype()));
     KVSIFT_CHECK(kv.keys.stride == kv0.keys.stride && kv.values.stride == kv0.values.stride, op,
                  ": layer ", l, " key/value strides differ from layer 0's");
-    KVSIFT_CHECK(kv.valid_mask == kv0.valid_mask, op, ": layer ", l,
-                 " valid_mask differs from layer 0's (the mask is per sequence: one for all layers)");
+    KVSIFT_CHECK(
+        kv.valid_mask == kv0.valid_mask, op, ": layer ", l,
+        " valid_mask differs from layer 0's (the mask is per sequence: one for all layers)");
   }
   KVSIFT_CHECK(row_stride > 0 && row_stride <= kv0.capacity(), op, ": row_stride (", row_stride,
                ") must be in [1, capacity = ", kv0.capacity(), "]");

@@ -68,8 +68,8 @@ __global__ void __launch_bounds__(kBlockThreads)
                           KeyStrides ks,
                           const std::uint8_t* __restrict__ valid,  // [batch, capacity] or nullptr
                           std::int64_t capacity, int kv_heads, int length, int head_dim,
-                          std::int64_t rows,            // sequences * kv_heads * length
-                          float* __restrict__ denom,    // [sequences, kv_heads, length]
+                          std::int64_t rows,                   // sequences * kv_heads * length
+                          float* __restrict__ denom,           // [sequences, kv_heads, length]
                           __nv_bfloat16* __restrict__ unit16,  // [.., length, pitch16] or null
                           int pitch16) {
   const std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
@@ -111,7 +111,7 @@ __global__ void __launch_bounds__(kBlockThreads)
                              KeyStrides ks,
                              const std::uint8_t* __restrict__ valid,  // [batch, capacity] or null
                              std::int64_t capacity, int length, int head_dim,
-                             float* __restrict__ denom,  // [sequences, kv_heads, length]
+                             float* __restrict__ denom,           // [sequences, kv_heads, length]
                              __nv_bfloat16* __restrict__ unit16,  // [.., length, pitch16] or null
                              int pitch16,
                              float* __restrict__ partial) {  // [sequences, kv_heads, chunks, D]
@@ -167,8 +167,8 @@ __global__ void __launch_bounds__(kBlockThreads)
 // head) bh, transposed into `dst`; entries past the sequence or head_dim are 0. Consecutive
 // threads read consecutive channels.
 template <int kRows, class T>
-__device__ __forceinline__ void stage_tile(float (*dst)[kRows + 4], const UnitHead<T>& u,
-                                           int first, int length, int d0, int head_dim) {
+__device__ __forceinline__ void stage_tile(float (*dst)[kRows + 4], const UnitHead<T>& u, int first,
+                                           int length, int d0, int head_dim) {
   for (int e = threadIdx.x; e < kRows * kDimChunk; e += kBlockThreads) {
     const int t = e / kDimChunk, d = e % kDimChunk, i = first + t;
     dst[d][t] = (i < length && d0 + d < head_dim) ? u.row(i)[d0 + d] : 0.0f;
@@ -381,14 +381,14 @@ __global__ void __launch_bounds__(kBlockThreads)
 
 UnitKeys unit_keys_of(const StepView& step, int length, const float* denom) {
   const KVCacheView& kv = step.first();
-  return UnitKeys{key_bases(step), kv.keys.stride[1], kv.keys.stride[2], denom,
-                  static_cast<int>(kv.kv_heads()), length};
+  return UnitKeys{
+      key_bases(step), kv.keys.stride[1], kv.keys.stride[2], denom, static_cast<int>(kv.kv_heads()),
+      length};
 }
 
 void launch_key_redundancy(const StepView& step, int length, float threshold, bool faithful,
-                           float* denom, void* unit16, int* tc_reached,
-                           unsigned long long* spared, float* partial, float* redundancy,
-                           cudaStream_t stream) {
+                           float* denom, void* unit16, int* tc_reached, unsigned long long* spared,
+                           float* partial, float* redundancy, cudaStream_t stream) {
   const KVCacheView& kv = step.first();
   // Every kernel after the normalisation works on [sequences, kv_heads, ...] rows.
   const int batch = step.sequences(), kv_heads = static_cast<int>(kv.kv_heads());
@@ -428,14 +428,14 @@ void launch_key_redundancy(const StepView& step, int length, float threshold, bo
       KVSIFT_CUDA_CHECK(cudaGetLastError());
     }
     if (!fused) {
-      unit_key_partial_sums_kernel<T><<<grid(chunks), kBlockThreads, 0, stream>>>(
-          unit, length, head_dim, partial);
+      unit_key_partial_sums_kernel<T>
+          <<<grid(chunks), kBlockThreads, 0, stream>>>(unit, length, head_dim, partial);
       KVSIFT_CUDA_CHECK(cudaGetLastError());
     }
     const std::size_t total_bytes = static_cast<std::size_t>(head_dim) * sizeof(float);
-    column_means_kernel<T><<<grid((length + kColumnsPerBlock - 1) / kColumnsPerBlock),
-                             kBlockThreads, total_bytes, stream>>>(unit, spared, partial, chunks,
-                                                                   length, head_dim, redundancy);
+    column_means_kernel<T>
+        <<<grid((length + kColumnsPerBlock - 1) / kColumnsPerBlock), kBlockThreads, total_bytes,
+           stream>>>(unit, spared, partial, chunks, length, head_dim, redundancy);
     KVSIFT_CUDA_CHECK(cudaGetLastError());
   });
   redundancy_softmax_kernel<<<static_cast<unsigned>(batch * kv_heads), kBlockThreads, 0, stream>>>(

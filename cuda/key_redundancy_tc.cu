@@ -29,9 +29,9 @@
 //      and every term counted twice: deliberately generous).
 //   3. the fp32 path itself: |c32 − u·v| <= D·2^-24·A·(1 + D·2^-24) (fma chain, one rounding per
 //      step).
-// m = N²·[(2^-7 + 2^-16 + 2^-19) + D·2^-22·(1 + 2^-8)² + D·2^-24·1.01] + 2^-100, then t ± m is rounded
-// outwards to float. D = 128: m ≈ 0.00787, so random keys (cosines ~ N(0, 1/D)) are almost never
-// rechecked; NaN cosines fail both comparisons, as they fail c32 > t.
+// m = N²·[(2^-7 + 2^-16 + 2^-19) + D·2^-22·(1 + 2^-8)² + D·2^-24·1.01] + 2^-100, then t ± m is
+// rounded outwards to float. D = 128: m ≈ 0.00787, so random keys (cosines ~ N(0, 1/D)) are almost
+// never rechecked; NaN cosines fail both comparisons, as they fail c32 > t.
 //
 // Scope: head_dim <= 128 and a multiple of 4 (the bf16 rows are zero-padded to a multiple of 16);
 // other head_dims use the fp32 path (tc_search_supported()).
@@ -53,7 +53,7 @@ constexpr int kTcWarpRows = 32;              // rows per warp: two m16 tiles
 constexpr int kTcRowTile = 8 * kTcWarpRows;  // 256 rows per block: one per thread
 constexpr int kTcColTile = 64;               // columns per tile: eight n8 tiles per warp
 constexpr int kTcTilesPerRowTile = kTcRowTile / kTcColTile;  // 4
-constexpr int kTcMaxDim = 128;            // head_dim of the staged bf16 rows
+constexpr int kTcMaxDim = 128;                               // head_dim of the staged bf16 rows
 constexpr int kTcKSteps = kTcMaxDim / 16;
 constexpr int kTcStride = kTcMaxDim + 8;  // bf16 per staged row: 272 B, ldmatrix conflict-free
 static_assert(kTcRowTile == kTcThreads, "one thread per row for the tile bookkeeping");
@@ -73,13 +73,13 @@ struct TcShared {
 // asynchronously; rows at or past `length` are zero-filled.
 template <int kRows>
 __device__ __forceinline__ void stage_rows_async(__nv_bfloat16 (*dst)[kTcStride],
-                                                 const __nv_bfloat16* __restrict__ base,
-                                                 int first, int length, int chunks) {
+                                                 const __nv_bfloat16* __restrict__ base, int first,
+                                                 int length, int chunks) {
   for (int e = threadIdx.x; e < kRows * chunks; e += kTcThreads) {
     const int r = e / chunks, c = e % chunks, i = first + r;
     const bool inside = i < length;
-    cp_async16(&dst[r][c * 8], base + static_cast<std::int64_t>(inside ? i : 0) * chunks * 8 + c * 8,
-               inside);
+    cp_async16(&dst[r][c * 8],
+               base + static_cast<std::int64_t>(inside ? i : 0) * chunks * 8 + c * 8, inside);
   }
 }
 constexpr double kTcFixedScale = 4294967296.0;  // must equal key_redundancy.cu's kFixedScale
@@ -128,14 +128,13 @@ __device__ __forceinline__ int next_column_tile(int jt, bool upper, int own_firs
 // fragments come from shared memory by ldmatrix, and the next column tile is copied in by
 // cp.async while this one is multiplied.
 template <class T>
-__global__ void __launch_bounds__(kTcThreads, 2)
-    last_match_tc_kernel(UnitKeys unit,  // the unit keys in fp32, for the exact re-checks
-                         const __nv_bfloat16* __restrict__ unit16,  // [.., length, 16·k_steps]
-                         int length, int head_dim, float threshold, float below, float above,
-                         bool faithful, bool upper,
-                         int* __restrict__ best,     // [sequences, kv_heads, length], −1 at start
-                         int* __restrict__ reached,  // [sequences, kv_heads, gridDim.x]
-                         unsigned long long* __restrict__ spared) {  // [sequences, kv_heads, length]
+__global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
+    UnitKeys unit,                             // the unit keys in fp32, for the exact re-checks
+    const __nv_bfloat16* __restrict__ unit16,  // [.., length, 16·k_steps]
+    int length, int head_dim, float threshold, float below, float above, bool faithful, bool upper,
+    int* __restrict__ best,                     // [sequences, kv_heads, length], −1 at start
+    int* __restrict__ reached,                  // [sequences, kv_heads, gridDim.x]
+    unsigned long long* __restrict__ spared) {  // [sequences, kv_heads, length]
   extern __shared__ __align__(16) unsigned char tc_shared_bytes[];
   TcShared& sm = *reinterpret_cast<TcShared*>(tc_shared_bytes);
   int* const match = sm.match;
@@ -181,8 +180,8 @@ __global__ void __launch_bounds__(kTcThreads, 2)
     const bool transposed = upper && jt >= own_first + kTcTilesPerRowTile;
     const int next = next_column_tile(jt - 1, upper, own_first, rbase);
     // cols[buf ^ 1] was last read before the barrier that ended the previous iteration.
-    if (next >= 0) stage_rows_async<kTcColTile>(sm.cols[buf ^ 1], u16, next * kTcColTile, length,
-                                                chunks);
+    if (next >= 0)
+      stage_rows_async<kTcColTile>(sm.cols[buf ^ 1], u16, next * kTcColTile, length, chunks);
     cp_async_commit();  // possibly empty: then waiting for all but the newest group is exact
     cp_async_wait<1>();
     __syncthreads();  // tile jt (and, the first time, the rows and match[]) visible to all
@@ -209,8 +208,9 @@ __global__ void __launch_bounds__(kTcThreads, 2)
         std::uint32_t af[2][4];  // a0 row g, a1 row g + 8, a2/a3 the same rows 8 channels on
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
-          ldmatrix_x4(af[mt],
-                      &sm.rows[warp * kTcWarpRows + mt * 16 + lane % 16][ks * 16 + (lane / 16) * 8]);
+          ldmatrix_x4(
+              af[mt],
+              &sm.rows[warp * kTcWarpRows + mt * 16 + lane % 16][ks * 16 + (lane / 16) * 8]);
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
@@ -311,8 +311,7 @@ __global__ void __launch_bounds__(kTcThreads, 2)
       const int cl = nt * 8 + 2 * t + c, j = j0 + cl;
       const int i = i0 + warp * kTcWarpRows + (r / 2) * 16 + g + (r % 2) * 8;
       bool settled = i <= *static_cast<volatile int*>(&col_best[cl]);
-      if (!settled &&
-          exact_cosine(uh.row(i), uh.row(j), head_dim) > threshold) {
+      if (!settled && exact_cosine(uh.row(i), uh.row(j), head_dim) > threshold) {
         atomicMax(&col_best[cl], i);
         settled = true;
       }

@@ -24,8 +24,8 @@ inline int key_sum_chunks(int length) { return (length + kKeySumRows - 1) / kKey
 // + b; every layer has the same shape, dtype, strides, lengths and padding mask (the public entry
 // points check it), so only the base pointers differ.
 struct StepView {
-  const KVCacheView* layers;   // [n_layers]
-  const TensorView* queries;   // [n_layers] or nullptr (compaction needs no queries)
+  const KVCacheView* layers;  // [n_layers]
+  const TensorView* queries;  // [n_layers] or nullptr (compaction needs no queries)
   int n_layers;
   const KVCacheView& first() const { return layers[0]; }
   int batch() const { return static_cast<int>(layers[0].batch()); }
@@ -124,8 +124,7 @@ void launch_window_importance(const StepView& step, int length, int kernel, floa
 //   partial     [z, kv_heads, key_sum_chunks(length), head_dim] scratch: sums of k̂ per chunk
 //   redundancy  [z, kv_heads, length] output R
 void launch_key_redundancy(const StepView& step, int length, float threshold, bool faithful,
-                           float* denom, void* unit16, int* tc_reached,
-                           unsigned long long* spared,
+                           float* denom, void* unit16, int* tc_reached, unsigned long long* spared,
                            float* partial, float* redundancy, cudaStream_t stream);
 
 // The tensor-core last-match search (cuda/key_redundancy_tc.cu) handles head_dim <= 128 that are
@@ -163,7 +162,8 @@ void launch_joint_score(const float* importance, const float* redundancy, int ro
 
 // Top-(budget − window) selection of every row (select_topk_slots), for `rows` = sequences ·
 // kv_heads rows whose padding mask row is (row / kv_heads) % mask_batch.
-//   scores [rows, length − window]; valid_mask [mask_batch, capacity] or nullptr; slots [rows, budget]
+//   scores [rows, length − window]; valid_mask [mask_batch, capacity] or nullptr; slots [rows,
+//   budget]
 void launch_select_topk(const float* scores, const std::uint8_t* valid_mask, int mask_batch,
                         int sequences, int kv_heads, std::int64_t capacity, int length, int budget,
                         int window, std::int32_t* slots, cudaStream_t stream);

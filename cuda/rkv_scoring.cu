@@ -51,8 +51,8 @@ struct CallShape {
 };
 
 // Everything rkv_* check of one layer before touching the device. `op` names the caller.
-CallShape check_layer(const KVCacheView& kv, const TensorView& queries,
-                      const RKVScoringConfig& cfg, const std::string& op) {
+CallShape check_layer(const KVCacheView& kv, const TensorView& queries, const RKVScoringConfig& cfg,
+                      const std::string& op) {
   kv.validate();
   KVSIFT_CHECK(kv.device() == Device::cuda, op, ": the cache is in host memory (device ",
                device_name(kv.device()), "); use the CPU scorers");
@@ -111,11 +111,12 @@ CallShape check_step(const KVCacheView* layers, const TensorView* queries, int n
     KVSIFT_CHECK(kv.keys.stride == kv0.keys.stride && kv.values.stride == kv0.values.stride, op_l,
                  ": key/value strides differ from layer 0's (all layers need one layout)");
     KVSIFT_CHECK(sl.length == s.length, op_l, ": length ", sl.length, " != layer 0's ", s.length);
-    KVSIFT_CHECK(kv.valid_mask == kv0.valid_mask, op_l,
-                 ": valid_mask differs from layer 0's (the mask is per sequence: one for all layers)");
+    KVSIFT_CHECK(
+        kv.valid_mask == kv0.valid_mask, op_l,
+        ": valid_mask differs from layer 0's (the mask is per sequence: one for all layers)");
     KVSIFT_CHECK(queries[l].shape == queries[0].shape && queries[l].stride == queries[0].stride,
-                 op_l, ": queries ", queries[l].shape_string(), " (or their strides) differ from layer 0's ",
-                 queries[0].shape_string());
+                 op_l, ": queries ", queries[l].shape_string(),
+                 " (or their strides) differ from layer 0's ", queries[0].shape_string());
   }
   s.layers = n_layers;
   s.tensor_core = cfg.tensor_core_search && tc_search_supported(static_cast<int>(s.head_dim));
@@ -188,8 +189,8 @@ void enqueue_scores(const StepView& step, const RKVScoringConfig& cfg, const Cal
   float* r = redundancy != nullptr ? redundancy : w.redundancy;
   const int length = static_cast<int>(s.length);
   launch_window_importance(step, length, cfg.kernel, w.logits, w.pre_pool, a, stream);
-  launch_key_redundancy(step, length, cfg.threshold, cfg.faithful, w.denom, w.unit16,
-                        w.tc_reached, w.spared, w.key_sums, r, stream);
+  launch_key_redundancy(step, length, cfg.threshold, cfg.faithful, w.denom, w.unit16, w.tc_reached,
+                        w.spared, w.key_sums, r, stream);
   launch_joint_score(a, r, static_cast<int>(s.rows()), static_cast<int>(s.n()), length,
                      cfg.mix_lambda, score, stream);
 }
@@ -232,8 +233,8 @@ bool select_step(const KVCacheView* layers, const TensorView* queries, int n_lay
   KVSIFT_CHECK(slots != nullptr, op, ": slots must be a device pointer, got null");
   if (s.batch == 0) return false;
   if (s.length <= cfg.budget) {  // ALGORITHMS.md §1.3: at or below the budget nothing is evicted
-    launch_keep_all_slots(static_cast<int>(s.rows()), static_cast<int>(s.length), cfg.budget,
-                          slots, stream);
+    launch_keep_all_slots(static_cast<int>(s.rows()), static_cast<int>(s.length), cfg.budget, slots,
+                          stream);
     return false;
   }
   const Workspace w = carve_workspace(s, workspace, workspace_bytes, op);

@@ -11,7 +11,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cub/block/block_reduce.cuh>
-
 #include <type_traits>
 
 #include "kvsift/backend/cuda/check.hpp"
@@ -219,7 +218,7 @@ __global__ void __launch_bounds__(kMmaThreads)
     }
   }
   __syncthreads();  // every warp is done with k_s: its bytes now hold the dot products
-  auto dots = reinterpret_cast<float (*)[kMmaDotPitch]>(&k_s[0][0]);
+  auto dots = reinterpret_cast<float(*)[kMmaDotPitch]>(&k_s[0][0]);
 #pragma unroll
   for (int mt = 0; mt < kMmaMaxRows / 16; ++mt) {
     if (mt >= m_tiles) break;
@@ -338,20 +337,22 @@ void launch_window_importance(const StepView& step, int length, int kernel, floa
       gqa_logits_mma_kernel<T><<<mma_grid, kMmaThreads, 0, stream>>>(
           kb, ks, qb, qs, kv.valid_mask, kv.capacity(), group, window, head_dim, n, scale, logits);
     };
-    if (kv.dtype() == DType::bf16) launch(bf16_t{});
-    else launch(f16_t{});
+    if (kv.dtype() == DType::bf16)
+      launch(bf16_t{});
+    else
+      launch(f16_t{});
   } else {
     KVSIFT_DISPATCH_DTYPE(kv.dtype(), T, [&] {
-      gqa_logits_kernel<T><<<grid, kBlockThreads, 0, stream>>>(kb, ks, qb, qs, kv.valid_mask,
-                                                               kv.capacity(), group, window,
-                                                               head_dim, n, group_slots, scale,
-                                                               logits);
+      gqa_logits_kernel<T>
+          <<<grid, kBlockThreads, 0, stream>>>(kb, ks, qb, qs, kv.valid_mask, kv.capacity(), group,
+                                               window, head_dim, n, group_slots, scale, logits);
     });
   }
   KVSIFT_CUDA_CHECK(cudaGetLastError());
   const std::size_t stats_bytes = 2 * static_cast<std::size_t>(window) * sizeof(float);
-  window_softmax_pool_kernel<<<static_cast<unsigned>(sequences * kv_heads), kBlockThreads, stats_bytes,
-                               stream>>>(logits, window, n, kernel, pre_pool, importance);
+  window_softmax_pool_kernel<<<static_cast<unsigned>(sequences * kv_heads), kBlockThreads,
+                               stats_bytes, stream>>>(logits, window, n, kernel, pre_pool,
+                                                      importance);
   KVSIFT_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -225,9 +225,9 @@ int kvsift_rkv_step(int dtype, void* keys, void* values, const void* queries, in
   });
 }
 
-int kvsift_rkv_layers_workspace_bytes(int dtype, int n_layers, int batch, int kv_heads,
-                                      int q_heads, int64_t capacity, int head_dim, int32_t length,
-                                      int budget, int window, size_t* bytes) {
+int kvsift_rkv_layers_workspace_bytes(int dtype, int n_layers, int batch, int kv_heads, int q_heads,
+                                      int64_t capacity, int head_dim, int32_t length, int budget,
+                                      int window, size_t* bytes) {
   return guarded([&] {
     KVSIFT_CHECK(bytes != nullptr, "kvsift_rkv_layers_workspace_bytes: bytes must not be null");
     const Shapes s =
@@ -243,8 +243,8 @@ int kvsift_rkv_layers_workspace_bytes(int dtype, int n_layers, int batch, int kv
 
 int kvsift_rkv_layers_step(int dtype, int n_layers, void* const* keys, void* const* values,
                            const void* const* queries, int batch, int kv_heads, int q_heads,
-                           int64_t capacity, int head_dim, int32_t* lengths, int budget,
-                           int window, float mix_lambda, float threshold, void* workspace,
+                           int64_t capacity, int head_dim, int32_t* lengths, int budget, int window,
+                           float mix_lambda, float threshold, void* workspace,
                            size_t workspace_bytes, void* stream, int* compressed) {
   return guarded([&] {
     const Shapes s =

@@ -78,14 +78,11 @@ KVSIFT_CAPI_EXPORT int kvsift_rkv_layers_workspace_bytes(int dtype, int n_layers
                                                          int64_t capacity, int head_dim,
                                                          int32_t length, int budget, int window,
                                                          size_t* bytes);
-KVSIFT_CAPI_EXPORT int kvsift_rkv_layers_step(int dtype, int n_layers, void* const* keys,
-                                              void* const* values, const void* const* queries,
-                                              int batch, int kv_heads, int q_heads,
-                                              int64_t capacity, int head_dim, int32_t* lengths,
-                                              int budget, int window, float mix_lambda,
-                                              float threshold, void* workspace,
-                                              size_t workspace_bytes, void* stream,
-                                              int* compressed);
+KVSIFT_CAPI_EXPORT int kvsift_rkv_layers_step(
+    int dtype, int n_layers, void* const* keys, void* const* values, const void* const* queries,
+    int batch, int kv_heads, int q_heads, int64_t capacity, int head_dim, int32_t* lengths,
+    int budget, int window, float mix_lambda, float threshold, void* workspace,
+    size_t workspace_bytes, void* stream, int* compressed);
 #ifdef __cplusplus
 }
 #endif

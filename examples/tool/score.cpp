@@ -62,7 +62,8 @@ void print_help() {
       "prints the max abs/rel difference of every output and the kept-set agreement, and exits\n"
       "1 unless they agree within the golden tolerances (scores |x-ref| <= 1e-6+1e-4|ref|, kept\n"
       "sets equal up to near-cut swaps, compacted K/V bit-identical on common slots).\n"
-      "--fp32-search: the GPU's fp32 near-duplicate search instead of the default bf16 tensor-core\n"
+      "--fp32-search: the GPU's fp32 near-duplicate search instead of the default bf16 "
+      "tensor-core\n"
       "              one (same results, slower; for cross-checks).\n");
 }
 

@@ -75,8 +75,7 @@ class DeviceBytes {
 //   kv       host or device [batch, kv_heads, capacity, head_dim]
 //   queries  [batch, q_heads, W, head_dim]
 inline cuda::RKVScoringConfig cuda_rkv_config(const RKVConfig& r, const KVCacheView& kv,
-                                              const TensorView& queries,
-                                              bool fp32_search = false) {
+                                              const TensorView& queries, bool fp32_search = false) {
   r.validate();
   KVSIFT_CHECK(r.sink == 0, "--device cuda: R-KV on CUDA keeps no sink tokens, the case asks for ",
                r.sink, " (use --device cpu)");

@@ -89,9 +89,8 @@ SearchResult gpu_search(const std::vector<float>& unit, int B, int H, int S, int
   for (std::size_t r = 0; r < n; ++r)
     for (int d = 0; d < D; ++d) unit16[r * pitch + d] = from_float<bf16_t>(unit[r * D + d]);
   DeviceBuffer<bf16_t> d_unit16(unit16);
-  cuda::detail::launch_last_match_tc(u, DType::f32, d_unit16.get(), B, H, S, D, threshold,
-                                     faithful, d_spared.get(), d_match.get(), d_reached.get(),
-                                     nullptr);
+  cuda::detail::launch_last_match_tc(u, DType::f32, d_unit16.get(), B, H, S, D, threshold, faithful,
+                                     d_spared.get(), d_match.get(), d_reached.get(), nullptr);
   KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
   return {d_match.download(), d_spared.download()};
 }

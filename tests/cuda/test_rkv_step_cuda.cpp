@@ -36,7 +36,8 @@ std::vector<T> random_values(std::size_t n, float shared_every, std::mt19937& rn
   // some cosines pass the threshold, so the search has matches to find and spare.
   std::vector<float> common(64);
   for (auto& x : common) x = nd(rng);
-  for (std::size_t i = 0; i < n; ++i) out[i] = from_float<T>(nd(rng) + shared_every * common[i % 64]);
+  for (std::size_t i = 0; i < n; ++i)
+    out[i] = from_float<T>(nd(rng) + shared_every * common[i % 64]);
   return out;
 }
 
@@ -179,13 +180,12 @@ TEST_CASE("cuda compact_device_rows_step equals compact_device_rows layer by lay
       DeviceBuffer<std::int32_t> rows(row_elems);
       KVSIFT_CUDA_CHECK(cudaMemcpy(rows.get(), slots.get() + l * row_elems,
                                    row_elems * sizeof(std::int32_t), cudaMemcpyDeviceToDevice));
-      KVSIFT_CUDA_CHECK(cudaMemcpy(rows.get() + (1 * s.H + 1) * s.budget, &invalid,
-                                   sizeof(invalid), cudaMemcpyHostToDevice));
+      KVSIFT_CUDA_CHECK(cudaMemcpy(rows.get() + (1 * s.H + 1) * s.budget, &invalid, sizeof(invalid),
+                                   cudaMemcpyHostToDevice));
       // The mask is shared: compact it only with layer 0's call (its rows decide it).
       KVCacheView v = kvs_b[l];
       if (l > 0) v.valid_mask = nullptr;
-      cuda::compact_device_rows(v, rows.get(), s.budget, l == 0 ? len_one.get() : nullptr,
-                                nullptr);
+      cuda::compact_device_rows(v, rows.get(), s.budget, l == 0 ? len_one.get() : nullptr, nullptr);
     }
     KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
     for (int l = 0; l < s.L; ++l) {
@@ -230,8 +230,8 @@ TEST_CASE("cuda step calls refuse layers that do not agree", "[cuda][rkv][step][
   {
     std::vector<KVCacheView> bad = kvs;
     bad[1].valid_mask = nullptr;
-    REQUIRE_THROWS_WITH(cuda::rkv_select_step(bad.data(), qs.data(), s.L, cfg, slots.get(),
-                                              nullptr, nullptr, 0, nullptr),
+    REQUIRE_THROWS_WITH(cuda::rkv_select_step(bad.data(), qs.data(), s.L, cfg, slots.get(), nullptr,
+                                              nullptr, 0, nullptr),
                         Contains("(layer 1): valid_mask differs from layer 0's"));
     REQUIRE_THROWS_WITH(
         cuda::compact_device_rows_step(bad.data(), s.L, slots.get(), s.budget, nullptr, nullptr),
