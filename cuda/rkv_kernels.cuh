@@ -68,8 +68,10 @@ inline StepBases query_bases(const StepView& step) {
 
 // The unit keys k̂ = K / (||K|| + 1e-8) (ALGORITHMS.md §1.2 steps 1 and 6) are never stored in
 // fp32: the normalisation keeps each row's divisor ||K|| + 1e-8 exactly as it computed it (0 marks
-// a pad), and every reader divides again. IEEE division is deterministic, so each reader sees the
-// same float a stored copy would hold, for a third of the memory traffic.
+// a pad). The readers that need the exact values (the fp32 search, the tensor-core search's
+// re-checks and spared cosines, the key sums for head_dim > 256) divide again — IEEE division is
+// deterministic, so they see the float a stored copy would hold — and the column means divide
+// their dot products once per row. Writing and re-reading an fp32 copy cost more than that.
 struct UnitKeys {
   StepBases keys;         // the step's key tensors
   std::int64_t stride_h;  // elements between heads
