@@ -140,6 +140,43 @@ struct DeviceRKVInputs {
   }
 };
 
+// The device buffers both GPU score paths write, sized for `run`'s shape and `budget`:
+//   score, importance  [batch, kv_heads, S − W] fp32;  redundancy [batch, kv_heads, S] fp32
+//   slots              [batch, kv_heads, budget] int32
+struct DeviceScores {
+  DeviceBytes score, importance, redundancy, slots;
+  DeviceScores(const RKVRun& run, int budget)
+      : score(run.batch * run.kv_heads * run.candidates() * sizeof(float)),
+        importance(run.batch * run.kv_heads * run.candidates() * sizeof(float)),
+        redundancy(run.batch * run.kv_heads * run.seq * sizeof(float)),
+        slots(run.batch * run.kv_heads * budget * sizeof(std::int32_t)) {}
+  cuda::RKVScoreOutputs outputs() {
+    return {score.get<float>(), importance.get<float>(), redundancy.get<float>()};
+  }
+};
+
+// What both GPU score paths do once the slots are selected: the KeepPlan, cuda::compact on the
+// device cache, then every output downloaded into `run` (R with the window sliced off, §1.2
+// step 5, as the CPU path reports it).
+inline void finish_cuda_run(RKVRun& run, DeviceRKVInputs& dev, DeviceScores& out, int budget,
+                            int window, cudaStream_t stream) {
+  const std::int64_t rows = run.batch * run.kv_heads, n = run.candidates();
+  run.plan =
+      cuda::download_keep_plan(dev.kv, out.slots.get<std::int32_t>(), budget, window, stream);
+  run.plan.validate();
+  DeviceBytes compact_ws(cuda::compact_workspace_bytes(run.plan));
+  cuda::compact(dev.kv, run.plan, compact_ws.get(), compact_ws.size(), stream);
+  KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+  run.importance = out.importance.download<float>(rows * n);
+  run.score = out.score.download<float>(rows * n);
+  run.redundancy_full = out.redundancy.download<float>(rows * run.seq);
+  run.redundancy.resize(static_cast<std::size_t>(rows * n));
+  for (std::int64_t r = 0; r < rows; ++r)
+    std::copy_n(run.redundancy_full.begin() + r * run.seq, n, run.redundancy.begin() + r * n);
+  run.keys = dev.keys.download<std::uint8_t>(dev.keys.size());
+  run.values = dev.values.download<std::uint8_t>(dev.values.size());
+}
+
 // `kvsift score --policy rkv --device cuda`: the same RKVRun as run_rkv_cpu(), computed on the GPU.
 //   kv       contiguous host [batch, kv_heads, S, head_dim], every sequence S tokens
 //   queries  contiguous host [batch, q_heads, W, head_dim] in the keys' dtype
@@ -149,35 +186,15 @@ inline RKVRun run_rkv_cuda(const KVCacheView& kv, const TensorView& queries, con
   const cuda::RKVScoringConfig c = cuda_rkv_config(cfg, kv, queries, fp32_search);
   require_cuda_device();
   RKVRun run = shaped_run(kv, cfg.window);
-  const std::int64_t rows = run.batch * run.kv_heads, n = run.candidates();
-
   DeviceRKVInputs dev(kv, queries);
-  DeviceBytes score(rows * n * sizeof(float)), importance(rows * n * sizeof(float));
-  DeviceBytes redundancy(rows * run.seq * sizeof(float));
-  DeviceBytes slots(rows * c.budget * sizeof(std::int32_t));
+  DeviceScores out(run, c.budget);
   DeviceBytes workspace(cuda::rkv_workspace_bytes(dev.kv, dev.q, c));
   cudaStream_t stream = nullptr;  // the legacy default stream: every call below is ordered
 
-  cuda::rkv_score(dev.kv, dev.q, c,
-                  {score.get<float>(), importance.get<float>(), redundancy.get<float>()},
-                  workspace.get(), workspace.size(), stream);
-  run.compressed = cuda::rkv_select(dev.kv, dev.q, c, slots.get<std::int32_t>(), nullptr,
+  cuda::rkv_score(dev.kv, dev.q, c, out.outputs(), workspace.get(), workspace.size(), stream);
+  run.compressed = cuda::rkv_select(dev.kv, dev.q, c, out.slots.get<std::int32_t>(), nullptr,
                                     workspace.get(), workspace.size(), stream);
-  run.plan =
-      cuda::download_keep_plan(dev.kv, slots.get<std::int32_t>(), c.budget, c.window, stream);
-  run.plan.validate();
-  DeviceBytes compact_ws(cuda::compact_workspace_bytes(run.plan));
-  cuda::compact(dev.kv, run.plan, compact_ws.get(), compact_ws.size(), stream);
-  KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
-
-  run.importance = importance.download<float>(rows * n);
-  run.score = score.download<float>(rows * n);
-  run.redundancy_full = redundancy.download<float>(rows * run.seq);
-  run.redundancy.resize(static_cast<std::size_t>(rows * n));
-  for (std::int64_t r = 0; r < rows; ++r)  // R over all S, window sliced off (§1.2 step 5)
-    std::copy_n(run.redundancy_full.begin() + r * run.seq, n, run.redundancy.begin() + r * n);
-  run.keys = dev.keys.download<std::uint8_t>(dev.keys.size());
-  run.values = dev.values.download<std::uint8_t>(dev.values.size());
+  finish_cuda_run(run, dev, out, c.budget, c.window, stream);
   return run;
 }
 
@@ -199,39 +216,21 @@ inline RKVRun run_skipkv_cuda(const KVCacheView& kv, const TensorView& queries,
   c.validate();
   require_cuda_device();
   RKVRun run = shaped_run(kv, sc.window);
-  const std::int64_t rows = run.batch * run.kv_heads, n = run.candidates();
-
   DeviceRKVInputs dev(kv, queries);
   const cuda::SentencePenaltyCsr csr = cuda::build_penalty_csr(penalties, run.batch, run.kv_heads);
   DeviceBytes penalty_ws(cuda::sentence_penalty_workspace_bytes(csr));
   cudaStream_t stream = nullptr;
   const cuda::SentencePenaltiesDevice dev_penalties =
       cuda::upload_sentence_penalties(csr, penalty_ws.get(), penalty_ws.size(), stream);
-  DeviceBytes score(rows * n * sizeof(float)), importance(rows * n * sizeof(float));
-  DeviceBytes redundancy(rows * run.seq * sizeof(float));
-  DeviceBytes slots(rows * c.rkv.budget * sizeof(std::int32_t));
+  DeviceScores out(run, c.rkv.budget);
   DeviceBytes workspace(cuda::skipkv_workspace_bytes(dev.kv, dev.q, c));
 
-  cuda::skipkv_score(dev.kv, dev.q, c, dev_penalties,
-                     {score.get<float>(), importance.get<float>(), redundancy.get<float>()},
-                     workspace.get(), workspace.size(), stream);
-  run.compressed = cuda::skipkv_select(dev.kv, dev.q, c, dev_penalties, slots.get<std::int32_t>(),
-                                       nullptr, workspace.get(), workspace.size(), stream);
-  run.plan = cuda::download_keep_plan(dev.kv, slots.get<std::int32_t>(), c.rkv.budget, c.rkv.window,
-                                      stream);
-  run.plan.validate();
-  DeviceBytes compact_ws(cuda::compact_workspace_bytes(run.plan));
-  cuda::compact(dev.kv, run.plan, compact_ws.get(), compact_ws.size(), stream);
-  KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
-
-  run.importance = importance.download<float>(rows * n);
-  run.score = score.download<float>(rows * n);
-  run.redundancy_full = redundancy.download<float>(rows * run.seq);
-  run.redundancy.resize(static_cast<std::size_t>(rows * n));
-  for (std::int64_t i = 0; i < rows; ++i)
-    std::copy_n(run.redundancy_full.begin() + i * run.seq, n, run.redundancy.begin() + i * n);
-  run.keys = dev.keys.download<std::uint8_t>(dev.keys.size());
-  run.values = dev.values.download<std::uint8_t>(dev.values.size());
+  cuda::skipkv_score(dev.kv, dev.q, c, dev_penalties, out.outputs(), workspace.get(),
+                     workspace.size(), stream);
+  run.compressed =
+      cuda::skipkv_select(dev.kv, dev.q, c, dev_penalties, out.slots.get<std::int32_t>(), nullptr,
+                          workspace.get(), workspace.size(), stream);
+  finish_cuda_run(run, dev, out, c.rkv.budget, c.rkv.window, stream);
   return run;
 }
 

@@ -15,6 +15,7 @@
 
 #include "../../examples/tool/score_cuda.hpp"
 #include "catch.hpp"
+#include "golden_case.hpp"
 #include "kvsift/core/safetensors.hpp"
 #include "kvsift/core/segment_table.hpp"
 
@@ -22,8 +23,6 @@ using namespace kvsift;
 using tool::RKVRun;
 
 namespace {
-
-std::string golden(const std::string& name) { return std::string(KVSIFT_GOLDEN_DIR) + "/" + name; }
 
 // A golden case re-stored in dtype T (keys, values and queries rounded once), owned here.
 template <class T>
@@ -35,7 +34,7 @@ struct HostCase {
   nlohmann::json config;
 
   explicit HostCase(const std::string& name) {
-    const SafetensorsFile f = SafetensorsFile::load(golden(name));
+    const SafetensorsFile f = SafetensorsFile::load(test::golden_path(name));
     config = nlohmann::json::parse(f.metadata().at("config"));
     const StTensor& k = f.get("keys", {-1, -1, -1, -1});
     B = k.shape[0], H = k.shape[1], S = k.shape[2], D = k.shape[3];
@@ -115,7 +114,7 @@ TEST_CASE("tool score --device cuda matches the published R-KV outputs (golden c
     HostCase<float> c(name);
     const RKVConfig cfg = c.rkv_config(RedundancyMode::faithful);  // the reference's fallback
     const RKVRun gpu = tool::run_rkv_cuda(c.kv(), c.q(), cfg);
-    const SafetensorsFile f = SafetensorsFile::load(golden(name));
+    const SafetensorsFile f = SafetensorsFile::load(test::golden_path(name));
     const std::vector<float> ref_s = f.get("score").to_f32();
     CHECK(outside_tolerance(gpu.importance, f.get("importance").to_f32()) == 0);
     CHECK(outside_tolerance(gpu.redundancy_full, f.get("redundancy_full").to_f32()) == 0);
@@ -123,25 +122,8 @@ TEST_CASE("tool score --device cuda matches the published R-KV outputs (golden c
     REQUIRE(gpu.compressed);
 
     // Kept sets: the reference's, except tokens within 1e-6 of the cut (golden/README.md).
-    const std::int64_t n = c.S - c.W, keep = cfg.budget - cfg.window;
-    const std::vector<std::int64_t> ref_keep = f.get("keep_sorted").to_i64();
-    for (std::int64_t r = 0; r < c.B * c.H; ++r) {
-      const std::int64_t b = r / c.H, h = r % c.H;
-      REQUIRE(gpu.plan.row_size(b, h) == cfg.budget);
-      std::vector<float> sorted(&ref_s[r * n], &ref_s[r * n] + n);
-      std::sort(sorted.begin(), sorted.end(), std::greater<float>());
-      const float cut = sorted[keep - 1];
-      std::vector<std::int64_t> ours(gpu.plan.row(b, h), gpu.plan.row(b, h) + keep);
-      std::vector<std::int64_t> theirs(&ref_keep[r * keep], &ref_keep[r * keep] + keep);
-      std::vector<std::int64_t> diff;
-      std::set_symmetric_difference(ours.begin(), ours.end(), theirs.begin(), theirs.end(),
-                                    std::back_inserter(diff));
-      for (std::int64_t j : diff) {
-        INFO("row " << r << " slot " << j << " score " << ref_s[r * n + j] << " cut " << cut);
-        CHECK(std::fabs(ref_s[r * n + j] - cut) <= 1e-6f);
-      }
-      for (std::int64_t w = 0; w < c.W; ++w) CHECK(gpu.plan.row(b, h)[keep + w] == c.S - c.W + w);
-    }
+    test::check_kept_sets(gpu.plan, f.get("keep_sorted").to_i64(), ref_s, c.H, c.S, cfg.budget,
+                          cfg.window);
     check_compacted_rows(gpu, c);
 
     // And the tool's own check: the CPU path agrees within the golden tolerances.
@@ -268,7 +250,7 @@ struct MarkedSentence {
 // The golden SkipKV case's sentence penalties, built as `kvsift score --policy skipkv` builds them
 // (every listed sentence mapped at its generation range, SkipKV §2.3 before any eviction).
 SentencePenalties golden_penalties(const std::string& name, HostCase<float>& c) {
-  const SafetensorsFile f = SafetensorsFile::load(golden(name));
+  const SafetensorsFile f = SafetensorsFile::load(test::golden_path(name));
   std::vector<std::vector<MarkedSentence>> sentences(static_cast<std::size_t>(c.B));
   if (f.has("sentences")) {
     const std::vector<float> rows = f.get("sentences", {-1, 4}).to_f32();
@@ -313,30 +295,13 @@ TEST_CASE("tool score --policy skipkv --device cuda matches the SkipKV reference
     const SentencePenalties penalties = golden_penalties(name, c);
     const SentenceScorerConfig sc = skipkv_config(c, PadMode::faithful);  // the reference's pads
     const RKVRun gpu = tool::run_skipkv_cuda(c.kv(), c.q(), sc, penalties);
-    const SafetensorsFile f = SafetensorsFile::load(golden(name));
+    const SafetensorsFile f = SafetensorsFile::load(test::golden_path(name));
     const std::vector<float> ref_s = f.get("score").to_f32();
     CHECK(outside_tolerance(gpu.importance, f.get("importance").to_f32()) == 0);
     CHECK(outside_tolerance(gpu.redundancy, f.get("redundancy").to_f32()) == 0);
     CHECK(outside_tolerance(gpu.score, ref_s) == 0);
-    const std::int64_t n = c.S - c.W, keep = sc.budget - sc.window;
-    const std::vector<std::int64_t> ref_keep = f.get("keep_sorted").to_i64();
-    for (std::int64_t r = 0; r < c.B * c.H; ++r) {
-      const std::int64_t b = r / c.H, h = r % c.H;
-      REQUIRE(gpu.plan.row_size(b, h) == sc.budget);
-      std::vector<float> sorted(&ref_s[r * n], &ref_s[r * n] + n);
-      std::sort(sorted.begin(), sorted.end(), std::greater<float>());
-      const float cut = sorted[keep - 1];
-      std::vector<std::int64_t> ours(gpu.plan.row(b, h), gpu.plan.row(b, h) + keep);
-      std::vector<std::int64_t> theirs(&ref_keep[r * keep], &ref_keep[r * keep] + keep);
-      std::sort(theirs.begin(), theirs.end());
-      std::vector<std::int64_t> diff;
-      std::set_symmetric_difference(ours.begin(), ours.end(), theirs.begin(), theirs.end(),
-                                    std::back_inserter(diff));
-      for (std::int64_t j : diff) {
-        INFO("row " << r << " slot " << j << " score " << ref_s[r * n + j] << " cut " << cut);
-        CHECK(std::fabs(ref_s[r * n + j] - cut) <= 1e-6f);
-      }
-    }
+    test::check_kept_sets(gpu.plan, f.get("keep_sorted").to_i64(), ref_s, c.H, c.S, sc.budget,
+                          sc.window);
     check_compacted_rows(gpu, c);
     const RKVRun cpu = tool::run_skipkv_cpu(c.kv(), c.q(), sc, penalties);
     CHECK(tool::compare_rkv_runs(gpu, cpu, sc.rkv_config(), nullptr).ok());
