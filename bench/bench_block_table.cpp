@@ -1,4 +1,4 @@
-// ThoughtBlockTable operations (ALGORITHMS.md §3.4) on the CPU: appending tokens (with the staged
+// ThoughtBlockTable operations (docs/algorithms.md §3.4) on the CPU: appending tokens (with the staged
 // quantization of 16-slot key groups), soft eviction plus slot reuse, and the reference paged
 // decode attention. Shapes are R1-Qwen-7B-like: 4 KV heads, 28 query heads, head_dim 128.
 #include <benchmark/benchmark.h>

@@ -1,4 +1,4 @@
-// CPU throughput of ThinKV's group codecs (ALGORITHMS.md §3.2): quantize and dequantize of a
+// CPU throughput of ThinKV's group codecs (docs/algorithms.md §3.2): quantize and dequantize of a
 // [4096, 128] f32 tensor (one KV head of a long trace) in the KIVI layout, per format and group
 // axis. Bytes/s counts the f32 tensor (4 bytes per element), so GB/s compares across formats.
 // The loops call the same KVSIFT_HOST_DEVICE group functions a CUDA kernel would, one group at a

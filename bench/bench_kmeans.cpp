@@ -1,4 +1,4 @@
-// ThinKV TBE survivor selection (ALGORITHMS.md §3.3): kmeans_select on one segment of one
+// ThinKV TBE survivor selection (docs/algorithms.md §3.3): kmeans_select on one segment of one
 // (layer, KV head): n post-RoPE keys of head_dim 128 down to the schedule's next target. A
 // 28-layer x 4-KV-head model (R1-Qwen-7B) runs this 112 times per demoted segment.
 #include <benchmark/benchmark.h>
@@ -6,7 +6,7 @@
 #include <random>
 #include <vector>
 
-#include "kvsift/policy/kmeans_select.hpp"
+#include "kvsift/backend/cpu/kmeans_select.hpp"
 
 namespace {
 std::vector<float> random_keys(std::int64_t n, std::int64_t dim) {

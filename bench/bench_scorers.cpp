@@ -10,7 +10,7 @@
 
 #include "kvsift/backend/cpu/key_redundancy.hpp"
 #include "kvsift/backend/cpu/window_importance.hpp"
-#include "kvsift/policy/rkv.hpp"
+#include "kvsift/policy/baselines/rkv.hpp"
 
 namespace {
 

@@ -1,4 +1,4 @@
-// SkipKV's sentence scorer (ALGORITHMS.md §2.4) on 16K-token caches shaped like
+// SkipKV's sentence scorer (docs/algorithms.md §2.4) on 16K-token caches shaped like
 // R1-Llama-8B attention: 32 query / 8 KV heads, head_dim 128, batch 1, window 8, budget 1024.
 // Compared side by side with the plain R-KV select on the same cache, so the ratio shows what the
 // sentence penalty and the pad handling add on top of the shared importance + redundancy scores.
@@ -15,8 +15,8 @@
 #include <vector>
 
 #include "kvsift/core/segment_table.hpp"
-#include "kvsift/policy/rkv.hpp"
-#include "kvsift/policy/sentence_scorer.hpp"
+#include "kvsift/policy/baselines/rkv.hpp"
+#include "kvsift/policy/skipkv/sentence_scorer.hpp"
 
 using namespace kvsift;
 

@@ -11,13 +11,13 @@
 #include <vector>
 
 #include "kvsift/core/segment_table.hpp"
-#include "kvsift/policy/sentence_tracker.hpp"
+#include "kvsift/policy/skipkv/sentence_tracker.hpp"
 
 using namespace kvsift;
 
 namespace {
 constexpr std::int64_t kTokens = 16384;
-constexpr std::int64_t kInterval = 128;  // ALGORITHMS.md §4 compression interval
+constexpr std::int64_t kInterval = 128;  // docs/algorithms.md §4 compression interval
 
 // 16K real R1-Qwen token ids: the MATH-500 prompts and solutions back to back (real sentence
 // lengths), repeated if the file runs short.

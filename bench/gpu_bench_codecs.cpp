@@ -1,4 +1,4 @@
-// ThinKV codec throughput on the GPU (ALGORITHMS.md §3.2): kvsift::cuda::quantize and dequantize
+// ThinKV codec throughput on the GPU (docs/algorithms.md §3.2): kvsift::cuda::quantize and dequantize
 // of a [tokens, channels] bf16 tensor (default [1M, 128], one KV head's keys or values of a
 // 1M-token context) for every format and group axis, against a cudaMemcpyAsync device-to-device
 // copy of the same bf16 tensor measured in the same run.

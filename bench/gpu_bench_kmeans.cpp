@@ -1,4 +1,4 @@
-// ThinKV TBE survivor selection on the GPU (ALGORITHMS.md §3.3): deterministic k-means over
+// ThinKV TBE survivor selection on the GPU (docs/algorithms.md §3.3): deterministic k-means over
 // segments of 128 tokens keeping 64 (the first demotion, R[0] = 64), per (layer, KV head) at
 // R1-Llama-8B / R1-Qwen-7B-like shapes: 28 layers x 8 KV heads = 224 problems per segment,
 // head_dim 128, bf16 keys read in place from per-layer caches. One kmeans_select launch covers
@@ -20,7 +20,7 @@
 #include "kvsift/backend/cuda/check.hpp"
 #include "kvsift/backend/cuda/kmeans_select.hpp"
 #include "kvsift/core/dtype.hpp"
-#include "kvsift/policy/kmeans_select.hpp"
+#include "kvsift/backend/cpu/kmeans_select.hpp"
 
 using namespace kvsift;
 using bench::DeviceArray;

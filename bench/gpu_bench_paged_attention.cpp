@@ -1,4 +1,4 @@
-// ThinKV path on the GPU (ALGORITHMS.md §3.4): decode attention over the device Continuous
+// ThinKV path on the GPU (docs/algorithms.md §3.4): decode attention over the device Continuous
 // Thinking table (R4 E4 T2 blocks of 32 slots, 50 % of each KV head's tokens evicted by mask
 // bits) against dense bf16 attention over the same retained tokens gathered contiguously. Both
 // kernels are kvsift::cuda's (the same split-KV kernel body with two tile loaders), same run.

@@ -1,6 +1,6 @@
 // One R-KV or SkipKV compression step on the GPU (score + select + plan download +
 // kvsift::cuda::compact) at R1-Llama-8B attention: 32 query / 8 KV heads, head_dim 128, bf16,
-// budget 1024, S = budget + 128 (the decode trigger, ALGORITHMS.md §1.3), batch 1, 8, 32, 64.
+// budget 1024, S = budget + 128 (the decode trigger, docs/algorithms.md §1.3), batch 1, 8, 32, 64.
 // SkipKV (§2.4) adds the sentence penalties: every (sequence, KV head) has a redundant 24-token
 // sentence every 120 tokens (λ_i 0.01 .. 0.1), uploaded inside the timed selection, as an engine
 // uploads a step's fresh penalties.

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """One R-KV compression step (score, select, compact) on the GPU: kvsift vs. plain PyTorch.
 
-The PyTorch side restates ALGORITHMS.md §1.1-§1.3 the way the R-KV reference code computes it: the
+The PyTorch side restates docs/algorithms.md §1.1-§1.3 the way the R-KV reference code computes it: the
 full S x S cosine matrix of the keys, softmaxes, topk and a gather for the compaction. The kvsift
 side is the CUDA backend behind bench/capi (libkvsift_capi.so, loaded through ctypes) running on
 the same tensors and the same stream.
@@ -270,13 +270,13 @@ def parse_args(argv):
     if a.reps < 20:
         p.error("--reps must be >= 20 (got %d)" % a.reps)
     if a.buffer < a.window:
-        p.error("--buffer (%d) must be >= --window (%d), ALGORITHMS.md §1.3"
+        p.error("--buffer (%d) must be >= --window (%d), docs/algorithms.md §1.3"
                 % (a.buffer, a.window))
     return a
 
 
 # ---------------------------------------------------------------------------------------------
-# PyTorch formulation of ALGORITHMS.md §1.1-§1.3 (plain torch ops, as the R-KV reference)
+# PyTorch formulation of docs/algorithms.md §1.1-§1.3 (plain torch ops, as the R-KV reference)
 # ---------------------------------------------------------------------------------------------
 def rkv_scores_torch(k, q, window, kernel=7, mix_lambda=0.1, threshold=0.5):
     """Joint R-KV scores [B, Hkv, S - W] (fp32).
@@ -578,7 +578,7 @@ def main(argv):
     if not torch.cuda.is_available():
         print("no CUDA device present: benchmark skipped")
         return 77
-    # fp32 math throughout (ALGORITHMS.md preamble): no TF32 in the reference's matmuls.
+    # fp32 math throughout (docs/algorithms.md preamble): no TF32 in the reference's matmuls.
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     lib = Kvsift(args.lib)

@@ -1,4 +1,4 @@
-// Attention sparsity of one decode step (ThinKV, ALGORITHMS.md §3.1) on a device cache.
+// Attention sparsity of one decode step (ThinKV, docs/algorithms.md §3.1) on a device cache.
 //
 // Three small kernels, all with a fixed reduction order so the result is deterministic and equal
 // to the CPU reference bit for bit:
@@ -16,7 +16,7 @@
 #include "kvsift/backend/cuda/attention_sparsity.hpp"
 #include "kvsift/backend/cuda/check.hpp"
 #include "kvsift/backend/cuda/workspace.hpp"
-#include "kvsift/policy/attention_sparsity.hpp"
+#include "kvsift/backend/cpu/attention_sparsity.hpp"
 
 namespace kvsift::cuda {
 namespace {

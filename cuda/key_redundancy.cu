@@ -1,4 +1,4 @@
-// Key redundancy on the GPU (ALGORITHMS.md §1.2) without the S×S cosine matrix, through the
+// Key redundancy on the GPU (docs/algorithms.md §1.2) without the S×S cosine matrix, through the
 // column-sum identity of the §1.2 cost note:
 //   sum_i C[i,j] = (sum_i k̂_i)·k̂_j − k̂_j·k̂_j − sum_{i: r_i = j} k̂_i·k̂_j.
 // The kernels:

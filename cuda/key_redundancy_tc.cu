@@ -1,4 +1,4 @@
-// Tensor-core last-match search of R-KV's key redundancy (ALGORITHMS.md §1.2 step 3 and its cost
+// Tensor-core last-match search of R-KV's key redundancy (docs/algorithms.md §1.2 step 3 and its cost
 // note), selected by RKVScoringConfig::tensor_core_search. It finds, for every row i, the same
 //   r_i = max{ j != i : C[i,j] > threshold }
 // as last_match_kernel in key_redundancy.cu, bit for bit, and spares the same fp32 cosines.

@@ -1,4 +1,4 @@
-// Deterministic k-means token selection (ThinKV TBE, ALGORITHMS.md §3.3), one block per problem.
+// Deterministic k-means token selection (ThinKV TBE, docs/algorithms.md §3.3), one block per problem.
 //
 // Why the indices equal the CPU reference's (src/kmeans_select.cpp): every float it compares is
 // reproduced with the same operations in the same order, and every parallel search is a

@@ -1,4 +1,4 @@
-// Continuous Thinking on the device (ALGORITHMS.md §3.4): the host bookkeeping of
+// Continuous Thinking on the device (docs/algorithms.md §3.4): the host bookkeeping of
 // DevicePagedTable, the append kernels (value rows quantized per token, key groups staged until
 // their 16th slot arrives and then quantized per channel, keys of reused slots written under the
 // sealed group's scales) and the eviction kernel (mask bits only).

@@ -1,4 +1,4 @@
-// Decode attention over the device Continuous Thinking table (ALGORITHMS.md §3.4) and, with the
+// Decode attention over the device Continuous Thinking table (docs/algorithms.md §3.4) and, with the
 // same kernel body, over a dense bf16 cache (the baseline).
 //
 // Split-KV (flash-decoding): CTA (KV head h, split s) walks its run of 32-slot tiles. For each

@@ -1,4 +1,4 @@
-// TBQ group codecs on the GPU (ALGORITHMS.md §3.2): one thread per group of 16.
+// TBQ group codecs on the GPU (docs/algorithms.md §3.2): one thread per group of 16.
 //
 // Why one thread per group: a group is 16 elements and one scale, and the element math is the
 // host/device code of quant/ (nvfp4.hpp, fp8_group.hpp, e2m1/e4m3/e8m0.hpp, group_codec.hpp),

@@ -19,7 +19,7 @@ inline constexpr int kKeySumRows = 128;    // rows per partial sum of the unit k
 // Partial sums of the unit keys per (b, h) for a sequence of `length` tokens.
 inline int key_sum_chunks(int length) { return (length + kKeySumRows - 1) / kKeySumRows; }
 
-// The layers of one compression step, scored together (ALGORITHMS.md §1.3 selects in every layer
+// The layers of one compression step, scored together (docs/algorithms.md §1.3 selects in every layer
 // independently, so a step is a batch of n_layers · batch sequences). Sequence z = layer · batch
 // + b; every layer has the same shape, dtype, strides, lengths and padding mask (the public entry
 // points check it), so only the base pointers differ.
@@ -66,7 +66,7 @@ inline StepBases query_bases(const StepView& step) {
   return step_bases(step, [&](int l) -> const TensorView& { return step.queries[l]; });
 }
 
-// The unit keys k̂ = K / (||K|| + 1e-8) (ALGORITHMS.md §1.2 steps 1 and 6) are never stored in
+// The unit keys k̂ = K / (||K|| + 1e-8) (docs/algorithms.md §1.2 steps 1 and 6) are never stored in
 // fp32: the normalisation keeps each row's divisor ||K|| + 1e-8 exactly as it computed it (0 marks
 // a pad). The readers that need the exact values (the fp32 search, the tensor-core search's
 // re-checks and spared cosines, the key sums for head_dim > 256) divide again — IEEE division is
@@ -107,7 +107,7 @@ __device__ __forceinline__ UnitHead<T> unit_head(const UnitKeys& u, std::int64_t
   return {u.keys.seq<const T>(z) + h * u.stride_h, u.stride_s, u.denom + bh * u.length};
 }
 
-// Window importance a (ALGORITHMS.md §1.1) of all sequences of the step, each of `length` tokens;
+// Window importance a (docs/algorithms.md §1.1) of all sequences of the step, each of `length` tokens;
 // z = layer · batch + b below.
 //   queries     per layer [batch, q_heads, window, head_dim], keys' dtype
 //   logits      [z, kv_heads, window, length − window] scratch: GQA-max logits
@@ -116,7 +116,7 @@ __device__ __forceinline__ UnitHead<T> unit_head(const UnitKeys& u, std::int64_t
 void launch_window_importance(const StepView& step, int length, int kernel, float* logits,
                               float* pre_pool, float* importance, cudaStream_t stream);
 
-// Key redundancy R over all `length` tokens (ALGORITHMS.md §1.2 steps 1–5, before the slice) of
+// Key redundancy R over all `length` tokens (docs/algorithms.md §1.2 steps 1–5, before the slice) of
 // every sequence z = layer · batch + b of the step.
 //   denom       [z, kv_heads, length] scratch: each row's ||K|| + 1e-8 (0: pad), see UnitKeys
 //   unit16      [z, kv_heads, length, tc_row_pitch(head_dim)] scratch: bf16 k̂ for the
@@ -144,7 +144,7 @@ int tc_row_tiles(int length);
 // to a multiple of 16, zero-padded.
 int tc_row_pitch(int head_dim);
 
-// Tensor-core search for r_i = max{ j != i : C[i,j] > threshold } (ALGORITHMS.md §1.2 step 3),
+// Tensor-core search for r_i = max{ j != i : C[i,j] > threshold } (docs/algorithms.md §1.2 step 3),
 // identical to the fp32 search; adds the spared fp32 cosines C[i, r_i] (faithful: C[i, 0] of
 // unmatched rows) to `spared` in 32.32 fixed point. Requires tc_search_supported(head_dim).
 //   unit     the unit keys (storage dtype `dtype`), read for the exact fp32 re-checks

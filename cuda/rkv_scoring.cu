@@ -1,4 +1,4 @@
-// Host side of the R-KV CUDA pipeline (ALGORITHMS.md §1.1–§1.3): validation, workspace layout,
+// Host side of the R-KV CUDA pipeline (docs/algorithms.md §1.1–§1.3): validation, workspace layout,
 // the joint score λ·a − (1−λ)·R, and the download of selected slots into a KeepPlan.
 #include <cstdint>
 #include <string>
@@ -24,7 +24,7 @@ __global__ void joint_score_kernel(const float* __restrict__ importance,  // [ro
   const std::int64_t e = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (e >= total) return;
   const std::int64_t row = e / n, j = e % n;
-  // The same expression as the CPU reference (policy/rkv.hpp), term by term.
+  // The same expression as the CPU reference (policy/baselines/rkv.hpp), term by term.
   score[e] = mix_lambda * importance[e] - (1.0f - mix_lambda) * redundancy[row * length + j];
 }
 
@@ -232,7 +232,7 @@ bool select_step(const KVCacheView* layers, const TensorView* queries, int n_lay
   const CallShape s = check_step(layers, queries, n_layers, cfg, op);
   KVSIFT_CHECK(slots != nullptr, op, ": slots must be a device pointer, got null");
   if (s.batch == 0) return false;
-  if (s.length <= cfg.budget) {  // ALGORITHMS.md §1.3: at or below the budget nothing is evicted
+  if (s.length <= cfg.budget) {  // docs/algorithms.md §1.3: at or below the budget nothing is evicted
     launch_keep_all_slots(static_cast<int>(s.rows()), static_cast<int>(s.length), cfg.budget, slots,
                           stream);
     return false;

@@ -1,4 +1,4 @@
-// Per-(sequence, KV head) top-k selection on the GPU (ALGORITHMS.md §1.3): keep the
+// Per-(sequence, KV head) top-k selection on the GPU (docs/algorithms.md §1.3): keep the
 // `budget − window` highest scores of the candidates before the window, ties to the lower index,
 // pads never kept, and emit the kept slots ascending followed by the window.
 //

@@ -1,4 +1,4 @@
-// SkipKV eq. 6 on the GPU (ALGORITHMS.md §2.4): the R-KV score from rkv_score(), minus the
+// SkipKV eq. 6 on the GPU (docs/algorithms.md §2.4): the R-KV score from rkv_score(), minus the
 // sentence penalty, with faithful pads pinned to +100, then the §1.3 selection of select_topk.cu.
 // Only the penalty/pad pass is new device code; the CSR of penalty ranges is built and validated
 // on the host.
@@ -291,7 +291,7 @@ bool skipkv_select(const KVCacheView& kv, const TensorView& queries, const SkipK
   KVSIFT_CHECK(slots != nullptr, "skipkv_select: slots must be a device pointer, got null");
   if (s.batch == 0) return false;
   const int budget = cfg.rkv.budget;
-  if (s.length <= budget) {  // ALGORITHMS.md §1.3: at or below the budget nothing is evicted
+  if (s.length <= budget) {  // docs/algorithms.md §1.3: at or below the budget nothing is evicted
     detail::launch_keep_all_slots(static_cast<int>(s.rows()), static_cast<int>(s.length), budget,
                                   slots, stream);
     return false;

@@ -1,4 +1,4 @@
-// Steering update h[b, last] += α_b · v (ALGORITHMS.md §2.5, SkipKV adaptive steering).
+// Steering update h[b, last] += α_b · v (docs/algorithms.md §2.5, SkipKV adaptive steering).
 //
 // One block column-slice per steered row; every element is read, updated and written by exactly
 // one thread, so there are no races. __fmul_rn / __fadd_rn keep nvcc from contracting the update

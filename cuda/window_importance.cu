@@ -1,4 +1,4 @@
-// Window attention importance on the GPU (ALGORITHMS.md §1.1, R-KV defaults: GQA max on raw
+// Window attention importance on the GPU (docs/algorithms.md §1.1, R-KV defaults: GQA max on raw
 // logits, softmax over the tokens before the window, mean over the window, max pooling).
 //
 // Two kernels, because the softmax of a window row needs the whole row:
@@ -26,7 +26,7 @@ constexpr int kKeyTile = 128;  // keys per block: one warp spans the tile, 4 key
 constexpr int kDimChunk = 16;  // head_dim slice staged in shared memory at a time
 constexpr int kRowSlots = 8;   // query rows (g, w) a thread accumulates at once
 constexpr int kKeyTilePitch = kKeyTile + 4;  // keeps every transposed row 16-byte aligned
-constexpr float kPadLogit = -1e9f;           // ALGORITHMS.md §1.1 step 5
+constexpr float kPadLogit = -1e9f;           // docs/algorithms.md §1.1 step 5
 
 struct KeyStrides {  // in elements
   std::int64_t h, s;

@@ -1,5 +1,5 @@
-// Deterministic k-means token selection (ALGORITHMS.md §3.3); see kmeans_select.hpp for the rules.
-#include "kvsift/policy/kmeans_select.hpp"
+// Deterministic k-means token selection (docs/algorithms.md §3.3); see kmeans_select.hpp for the rules.
+#include "kvsift/backend/cpu/kmeans_select.hpp"
 
 #include <algorithm>
 #include <cmath>

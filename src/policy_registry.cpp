@@ -6,13 +6,13 @@
 #include <vector>
 
 #include "kvsift/core/error.hpp"
-#include "kvsift/policy/full_kv.hpp"
-#include "kvsift/policy/h2o.hpp"
+#include "kvsift/policy/baselines/full_kv.hpp"
+#include "kvsift/policy/baselines/h2o.hpp"
 #include "kvsift/policy/registry.hpp"
-#include "kvsift/policy/rkv.hpp"
-#include "kvsift/policy/skipkv.hpp"
-#include "kvsift/policy/snapkv.hpp"
-#include "kvsift/policy/streaming_llm.hpp"
+#include "kvsift/policy/baselines/rkv.hpp"
+#include "kvsift/policy/skipkv/skipkv.hpp"
+#include "kvsift/policy/baselines/snapkv.hpp"
+#include "kvsift/policy/baselines/streaming_llm.hpp"
 
 namespace kvsift {
 
@@ -54,7 +54,7 @@ std::unique_ptr<Policy> make_policy(std::string_view name, const PolicyOptions& 
     return std::make_unique<RKV>(c);
   }
   if (name == "skipkv") {
-    SkipKVConfig c;  // R1-Distill-Qwen ids, τ 0.95, steering defaults (ALGORITHMS.md §4)
+    SkipKVConfig c;  // R1-Distill-Qwen ids, τ 0.95, steering defaults (docs/algorithms.md §4)
     c.batch = 0;     // a host creating it by name may not know the batch yet: sized by observe()
     c.budget = o.budget;
     c.window = o.window;

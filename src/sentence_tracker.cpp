@@ -1,6 +1,6 @@
-// SentenceTracker (ALGORITHMS.md §2.1-2.2): segmentation, check labels, sentence embeddings and
+// SentenceTracker (docs/algorithms.md §2.1-2.2): segmentation, check labels, sentence embeddings and
 // the pairwise-similarity redundancy marks of SkipKV.
-#include "kvsift/policy/sentence_tracker.hpp"
+#include "kvsift/policy/skipkv/sentence_tracker.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -9,7 +9,7 @@
 namespace kvsift {
 
 namespace {
-// fp32 dot product (ALGORITHMS.md: scoring math in fp32) with eight independent partial sums,
+// fp32 dot product (docs/algorithms.md: scoring math in fp32) with eight independent partial sums,
 // so the compiler can vectorize it and long vectors lose less to rounding than one running sum.
 float dot_f32(const float* a, const float* b, std::int64_t n) {
   float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};

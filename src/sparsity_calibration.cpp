@@ -1,7 +1,7 @@
-// ThinKV threshold calibration (ALGORITHMS.md §3.1): binned Gaussian KDE, mode counting, the
+// ThinKV threshold calibration (docs/algorithms.md §3.1): binned Gaussian KDE, mode counting, the
 // bandwidth search for a stable trimodal range, and the layer ranking. See
 // sparsity_calibration.hpp and docs/thinkv.md.
-#include "kvsift/policy/sparsity_calibration.hpp"
+#include "kvsift/policy/thinkv/sparsity_calibration.hpp"
 
 #include <algorithm>
 #include <cmath>

@@ -1,12 +1,12 @@
-// ThinKV pipeline (ALGORITHMS.md §3): config validation and the per-step driver. See
-// include/kvsift/policy/thinkv.hpp and docs/thinkv.md, "The ThinKV pipeline".
-#include "kvsift/policy/thinkv.hpp"
+// ThinKV pipeline (docs/algorithms.md §3): config validation and the per-step driver. See
+// include/kvsift/policy/thinkv/thinkv.hpp and docs/thinkv.md, "The ThinKV pipeline".
+#include "kvsift/policy/thinkv/thinkv.hpp"
 
 #include <cmath>
 #include <utility>
 
 #include "kvsift/paged/paged_attention.hpp"
-#include "kvsift/policy/attention_sparsity.hpp"
+#include "kvsift/backend/cpu/attention_sparsity.hpp"
 
 namespace kvsift {
 

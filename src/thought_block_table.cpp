@@ -1,4 +1,4 @@
-// ThoughtBlockTable (ALGORITHMS.md §3.4): allocation, soft eviction and the staged quantization
+// ThoughtBlockTable (docs/algorithms.md §3.4): allocation, soft eviction and the staged quantization
 // of key groups. See include/kvsift/paged/thought_block_table.hpp and docs/continuous_thinking.md.
 #include "kvsift/paged/thought_block_table.hpp"
 

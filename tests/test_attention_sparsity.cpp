@@ -1,4 +1,4 @@
-// Attention sparsity (ThinKV, ALGORITHMS.md §3.1): hand-computed rows, a hand-built GQA cache,
+// Attention sparsity (ThinKV, docs/algorithms.md §3.1): hand-computed rows, a hand-built GQA cache,
 // and a naive softmax oracle (double precision, explicit probabilities) on random caches.
 #include <cmath>
 #include <limits>
@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "catch.hpp"
-#include "kvsift/policy/attention_sparsity.hpp"
+#include "kvsift/backend/cpu/attention_sparsity.hpp"
 
 using namespace kvsift;
 using Catch::Matchers::Contains;

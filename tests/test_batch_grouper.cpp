@@ -1,4 +1,4 @@
-// BatchGrouper (ALGORITHMS.md §2.6): a hand-worked example, the real MATH-500 totals published in
+// BatchGrouper (docs/algorithms.md §2.6): a hand-worked example, the real MATH-500 totals published in
 // shared/data/README.md, and the error paths.
 #include <algorithm>
 #include <cstdint>
@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "catch.hpp"
-#include "kvsift/policy/batch_grouper.hpp"
+#include "kvsift/policy/skipkv/batch_grouper.hpp"
 
 using namespace kvsift;
 using Catch::Matchers::Contains;

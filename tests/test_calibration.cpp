@@ -1,4 +1,4 @@
-// ThinKV threshold calibration (ALGORITHMS.md §3.1): Silverman's rule by hand, the binned KDE
+// ThinKV threshold calibration (docs/algorithms.md §3.1): Silverman's rule by hand, the binned KDE
 // against the direct KDE formula, mode/valley finding on hand-made densities, and synthetic
 // trimodal mixtures whose true valleys are found numerically (the oracle) to within 0.02;
 // unimodal and bimodal data are rejected with a clear error.
@@ -9,7 +9,7 @@
 
 #include "catch.hpp"
 #include "kvsift/core/error.hpp"
-#include "kvsift/policy/sparsity_calibration.hpp"
+#include "kvsift/policy/thinkv/sparsity_calibration.hpp"
 
 using namespace kvsift;
 using Catch::Matchers::Contains;

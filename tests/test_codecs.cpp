@@ -1,4 +1,4 @@
-// The quantization codecs of ThinKV's TBQ (ALGORITHMS.md §3.2): E2M1, E4M3, E8M0 elements, NVFP4 /
+// The quantization codecs of ThinKV's TBQ (docs/algorithms.md §3.2): E2M1, E4M3, E8M0 elements, NVFP4 /
 // FP8 / ternary groups, the KIVI tensor layout and packed-data validation. Expected values are
 // worked out by hand from the format definitions or come from naive oracles written differently
 // (linear searches, double precision, brute force over subsets). The bit-exact comparison with

@@ -13,7 +13,7 @@
 #include "golden_case.hpp"
 #include "kvsift/core/compact.hpp"
 #include "kvsift/core/safetensors.hpp"
-#include "kvsift/policy/rkv.hpp"
+#include "kvsift/policy/baselines/rkv.hpp"
 
 using namespace kvsift;
 using test::check_kept_sets;

@@ -1,4 +1,4 @@
-// HybridQuantizer (ThinKV TBQ, ALGORITHMS.md §3.2): the full-precision buffer, precision per
+// HybridQuantizer (ThinKV TBQ, docs/algorithms.md §3.2): the full-precision buffer, precision per
 // thought type, the KIVI grouping, short chunks at type changes, and byte counts worked out by
 // hand. Decoded values are checked against the whole-tensor codec (quantized_tensor.hpp) applied to
 // the same tokens gathered by hand, which shares only the per-group codec (tested in test_codecs).
@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "catch.hpp"
-#include "kvsift/policy/hybrid_quantizer.hpp"
+#include "kvsift/policy/thinkv/hybrid_quantizer.hpp"
 #include "kvsift/quant/quantized_tensor.hpp"
 
 using namespace kvsift;

@@ -1,4 +1,4 @@
-// Key redundancy (ALGORITHMS.md §1.2): the O(S·D) column-sum path against a naive O(S²·D)
+// Key redundancy (docs/algorithms.md §1.2): the O(S·D) column-sum path against a naive O(S²·D)
 // evaluation of the full cosine matrix, hand-computed cases for the sparing rule and the
 // faithful column-0 fallback, padding, and the error paths.
 #include <algorithm>

@@ -1,4 +1,4 @@
-// kmeans_select (ALGORITHMS.md §3.3): hand-computed seeding/ties, and clustered data whose
+// kmeans_select (docs/algorithms.md §3.3): hand-computed seeding/ties, and clustered data whose
 // survivors are known independently (the row nearest each true cluster mean).
 #include <cmath>
 #include <limits>
@@ -7,7 +7,7 @@
 
 #include "catch.hpp"
 #include "kvsift/core/error.hpp"
-#include "kvsift/policy/kmeans_select.hpp"
+#include "kvsift/backend/cpu/kmeans_select.hpp"
 
 using namespace kvsift;
 using Catch::Matchers::Contains;

@@ -11,13 +11,13 @@
 
 #include "catch.hpp"
 #include "kvsift/core/compact.hpp"
-#include "kvsift/policy/full_kv.hpp"
-#include "kvsift/policy/h2o.hpp"
+#include "kvsift/policy/baselines/full_kv.hpp"
+#include "kvsift/policy/baselines/h2o.hpp"
 #include "kvsift/policy/registry.hpp"
-#include "kvsift/policy/rkv.hpp"
-#include "kvsift/policy/skipkv.hpp"
-#include "kvsift/policy/snapkv.hpp"
-#include "kvsift/policy/streaming_llm.hpp"
+#include "kvsift/policy/baselines/rkv.hpp"
+#include "kvsift/policy/skipkv/skipkv.hpp"
+#include "kvsift/policy/baselines/snapkv.hpp"
+#include "kvsift/policy/baselines/streaming_llm.hpp"
 #include "random_cache.hpp"
 
 using namespace kvsift;

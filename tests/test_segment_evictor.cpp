@@ -1,4 +1,4 @@
-// SegmentEvictor (ThinKV TBE, ALGORITHMS.md §3.3): hand-built segment sequences pin segmenting,
+// SegmentEvictor (ThinKV TBE, docs/algorithms.md §3.3): hand-built segment sequences pin segmenting,
 // the retention schedule and its floor, Rule 1, Rule 2 (lowest ρ, then oldest), prompt
 // protection, termination, and the per-(layer, head) k-means survivors as a KeepPlan and marks.
 #include <cmath>
@@ -8,7 +8,7 @@
 
 #include "catch.hpp"
 #include "kvsift/core/compact.hpp"
-#include "kvsift/policy/segment_evictor.hpp"
+#include "kvsift/policy/thinkv/segment_evictor.hpp"
 
 using namespace kvsift;
 using Catch::Matchers::Contains;

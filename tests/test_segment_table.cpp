@@ -1,4 +1,4 @@
-// SegmentTable (ALGORITHMS.md §2.3): hand-built multi-step scenarios with every range worked out
+// SegmentTable (docs/algorithms.md §2.3): hand-built multi-step scenarios with every range worked out
 // on paper, a randomized comparison with a slot-by-slot simulation of the cache, the penalty
 // lookup, and the error paths.
 #include <algorithm>

@@ -1,4 +1,4 @@
-// SentenceScorer (ALGORITHMS.md §2.4): parity with the SkipKV reference in faithful pad mode
+// SentenceScorer (docs/algorithms.md §2.4): parity with the SkipKV reference in faithful pad mode
 // (golden skipkv_pad and skipkv_sentences), the exclude-mode guarantees (no pad kept, kept count
 // = min(budget, real tokens)), the penalty arithmetic on a hand example, and the error paths.
 #include <algorithm>
@@ -15,8 +15,8 @@
 #include "kvsift/core/compact.hpp"
 #include "kvsift/core/safetensors.hpp"
 #include "kvsift/core/segment_table.hpp"
-#include "kvsift/policy/sentence_scorer.hpp"
-#include "kvsift/policy/sentence_tracker.hpp"
+#include "kvsift/policy/skipkv/sentence_scorer.hpp"
+#include "kvsift/policy/skipkv/sentence_tracker.hpp"
 
 using namespace kvsift;
 using test::check_kept_sets;

@@ -1,4 +1,4 @@
-// SentenceTracker (ALGORITHMS.md §2.1-2.2): segmentation and check labels on hand streams and on
+// SentenceTracker (docs/algorithms.md §2.1-2.2): segmentation and check labels on hand streams and on
 // the real MATH-500 token file, embeddings against a two-pass oracle, redundancy marks on
 // hand-placed embeddings, the golden sentence-penalty case, and the error paths.
 #include <algorithm>
@@ -11,7 +11,7 @@
 #include "catch.hpp"
 #include "kvsift/core/safetensors.hpp"
 #include "kvsift/core/segment_table.hpp"
-#include "kvsift/policy/sentence_tracker.hpp"
+#include "kvsift/policy/skipkv/sentence_tracker.hpp"
 
 using namespace kvsift;
 

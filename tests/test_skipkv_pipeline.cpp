@@ -1,4 +1,4 @@
-// The SkipKV pipeline (ALGORITHMS.md §2) driven like an engine drives it: a two-sequence batch
+// The SkipKV pipeline (docs/algorithms.md §2) driven like an engine drives it: a two-sequence batch
 // (one left-padded) over two layers decodes token by token; at every trigger each layer is
 // selected and compacted. An oracle tracks, independently of the library, which generation
 // position every cache slot of every (layer, sequence, head) holds. Checked: a planted redundant
@@ -14,7 +14,7 @@
 
 #include "catch.hpp"
 #include "kvsift/core/compact.hpp"
-#include "kvsift/policy/skipkv.hpp"
+#include "kvsift/policy/skipkv/skipkv.hpp"
 
 using namespace kvsift;
 

@@ -1,4 +1,4 @@
-// Adaptive steering (ALGORITHMS.md §2.5): the SEAL labeller on hand sentences, the vector build
+// Adaptive steering (docs/algorithms.md §2.5): the SEAL labeller on hand sentences, the vector build
 // against hand means, safetensors round trips, α updates, gating, and h += α·v in f32 and bf16.
 #include <cmath>
 #include <cstdio>
@@ -7,8 +7,8 @@
 #include <vector>
 
 #include "catch.hpp"
-#include "kvsift/policy/sentence_tracker.hpp"
-#include "kvsift/policy/steering.hpp"
+#include "kvsift/policy/skipkv/sentence_tracker.hpp"
+#include "kvsift/policy/skipkv/steering.hpp"
 
 using namespace kvsift;
 

@@ -1,4 +1,4 @@
-// The ThinKV pipeline (ALGORITHMS.md §3): classifier + TBQ block table + TBE evictor driven step by
+// The ThinKV pipeline (docs/algorithms.md §3): classifier + TBQ block table + TBE evictor driven step by
 // step. Multi-step scenarios with hand-set sparsities whose labels, demotions and resident counts
 // are worked out by hand in the comments; soft eviction moves no byte; paged attention equals a
 // dense two-pass softmax over the table's resident tokens; sparsity from queries and from attention
@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "catch.hpp"
-#include "kvsift/policy/thinkv.hpp"
+#include "kvsift/policy/thinkv/thinkv.hpp"
 
 using namespace kvsift;
 using Catch::Matchers::Contains;

@@ -1,4 +1,4 @@
-// ThoughtBlockTable (ALGORITHMS.md §3.4): allocation by hand-worked examples, soft eviction that
+// ThoughtBlockTable (docs/algorithms.md §3.4): allocation by hand-worked examples, soft eviction that
 // moves no byte, slot reuse that leaves survivors bit-identical, quantization against the quant/
 // whole-tensor path, byte accounting, and the error messages.
 #include <algorithm>
@@ -10,7 +10,7 @@
 
 #include "catch.hpp"
 #include "kvsift/paged/thought_block_table.hpp"
-#include "kvsift/policy/segment_evictor.hpp"
+#include "kvsift/policy/thinkv/segment_evictor.hpp"
 #include "kvsift/quant/quantized_tensor.hpp"
 
 using namespace kvsift;

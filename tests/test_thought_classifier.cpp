@@ -1,9 +1,9 @@
-// ThoughtClassifier (ThinKV, ALGORITHMS.md §3.1): the θ rule at its boundaries, the τ refresh
+// ThoughtClassifier (ThinKV, docs/algorithms.md §3.1): the θ rule at its boundaries, the τ refresh
 // that labels the NEXT interval, R before the first refresh, and averaging over L*.
 #include <vector>
 
 #include "catch.hpp"
-#include "kvsift/policy/thought_classifier.hpp"
+#include "kvsift/policy/thinkv/thought_classifier.hpp"
 
 using namespace kvsift;
 using Catch::Matchers::Contains;

@@ -1,4 +1,4 @@
-// Window importance (ALGORITHMS.md §1.1) against a direct double-precision evaluation of the
+// Window importance (docs/algorithms.md §1.1) against a direct double-precision evaluation of the
 // formula, hand-computed cases, and the error paths.
 #include <algorithm>
 #include <cmath>

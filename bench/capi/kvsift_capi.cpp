@@ -81,7 +81,7 @@ Views make_views(const Shapes& s, void* keys, void* values, const void* queries,
 }
 
 cuda::RKVScoringConfig make_config(const Shapes& s, float mix_lambda, float threshold) {
-  cuda::RKVScoringConfig cfg;  // kernel, faithful: ALGORITHMS.md §4 defaults
+  cuda::RKVScoringConfig cfg;  // kernel, faithful: docs/algorithms.md §4 defaults
   cfg.budget = s.budget;
   cfg.window = s.window;
   cfg.mix_lambda = mix_lambda;

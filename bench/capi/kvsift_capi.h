@@ -1,7 +1,7 @@
 /* kvsift_capi: a tiny C ABI over kvsift::cuda for benchmarks and bindings (Python ctypes).
  *
  * One call runs one R-KV compression step of one layer, or of all layers at once
- * (kvsift_rkv_layers_step) (ALGORITHMS.md §1.1–§1.3) on
+ * (kvsift_rkv_layers_step) (docs/algorithms.md §1.1–§1.3) on
  * caller-owned device memory: score, select the top (budget − window) tokens plus the window per
  * (sequence, KV head), and compact keys and values in place. No function allocates device memory or
  * throws: each returns KVSIFT_CAPI_OK or an error code, and kvsift_capi_last_error() gives the

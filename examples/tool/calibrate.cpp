@@ -1,4 +1,4 @@
-// `kvsift calibrate`: ThinKV's offline calibration (ALGORITHMS.md §3.1). Reads per-step attention
+// `kvsift calibrate`: ThinKV's offline calibration (docs/algorithms.md §3.1). Reads per-step attention
 // sparsities recorded on calibration prompts, and prints the thought thresholds θ1 < θ2 and the
 // calibrated layers L* (optionally writing them as JSON for ThoughtClassifierConfig).
 //
@@ -16,7 +16,7 @@
 #include "args.hpp"
 #include "command.hpp"
 #include "kvsift/core/safetensors.hpp"
-#include "kvsift/policy/sparsity_calibration.hpp"
+#include "kvsift/policy/thinkv/sparsity_calibration.hpp"
 
 namespace kvsift::tool {
 namespace {

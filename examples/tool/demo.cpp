@@ -76,7 +76,7 @@ std::string joined(const std::vector<std::string>& names) {
   return s;
 }
 
-// The registry's policies plus ThinKV, which is a per-sequence pipeline (policy/thinkv.hpp), not a
+// The registry's policies plus ThinKV, which is a per-sequence pipeline (policy/thinkv/thinkv.hpp), not a
 // kvsift::Policy, so the registry does not know it.
 std::vector<std::string> demo_policy_names() {
   std::vector<std::string> names = policy_names();

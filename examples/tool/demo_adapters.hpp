@@ -13,12 +13,12 @@
 #include "demo_skipkv.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/step_inputs.hpp"
-#include "kvsift/policy/h2o.hpp"
-#include "kvsift/policy/skipkv.hpp"
+#include "kvsift/policy/baselines/h2o.hpp"
+#include "kvsift/policy/skipkv/skipkv.hpp"
 
 namespace kvsift::demo {
 
-// H2O (ALGORITHMS.md §1.4): every step, every layer's accumulator takes the softmax attention of
+// H2O (docs/algorithms.md §1.4): every step, every layer's accumulator takes the softmax attention of
 // that step's queries (h2o.hpp: observe_step after the step's K/V is appended). H2O sizes its
 // accumulator by the cache's capacity; the demo's caches start at budget + buffer, H2O's trigger
 // point, so they never grow under it.

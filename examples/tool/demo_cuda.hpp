@@ -12,7 +12,7 @@
 
 #include "demo_policy.hpp"
 #include "kvsift/core/error.hpp"
-#include "kvsift/policy/rkv.hpp"
+#include "kvsift/policy/baselines/rkv.hpp"
 #include "score_cuda.hpp"
 
 namespace kvsift::demo {

@@ -28,7 +28,7 @@ namespace kvsift::demo {
 struct DemoConfig {
   GeneratorConfig generator;
   DType dtype = DType::f16;  // storage dtype of the caches (memory is counted in it)
-  int budget = 256;          // the policies' PolicyOptions (window and buffer as ALGORITHMS.md §4)
+  int budget = 256;          // the policies' PolicyOptions (window and buffer as docs/algorithms.md §4)
   int window = 8;
   int buffer = 128;
   int recall_k = 10;     // recall of FullKV's top-k attended tokens...

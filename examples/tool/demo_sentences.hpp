@@ -16,7 +16,7 @@
 namespace kvsift::demo {
 
 // Last token id of "\n" ".\n" ")\n" "\n\n" ".\n\n" ")\n\n" "?\n\n" in the R1-Distill-Qwen
-// vocabulary (shared/data/README.md; ALGORITHMS.md §2.1: a delimiter closes the sentence it ends).
+// vocabulary (shared/data/README.md; docs/algorithms.md §2.1: a delimiter closes the sentence it ends).
 inline const std::vector<std::int32_t>& r1qwen_sentence_delimiters() {
   static const std::vector<std::int32_t> ids = {198, 624, 340, 271, 382, 692, 1939};
   return ids;
@@ -36,7 +36,7 @@ struct SentencePlan {
   }
 };
 
-// Cuts `tokens` (already `length` long) after every delimiter id (ALGORITHMS.md §2.1: the delimiter
+// Cuts `tokens` (already `length` long) after every delimiter id (docs/algorithms.md §2.1: the delimiter
 // belongs to the sentence it closes). An unfinished last sentence ends at the stream's end.
 inline SentencePlan sentence_plan_from_tokens(std::vector<std::int32_t> tokens,
                                               const std::vector<std::int32_t>& delimiters) {

@@ -1,4 +1,4 @@
-// SkipKV in the demo (ALGORITHMS.md §2, docs/skipkv.md). SkipKV is a kvsift::Policy, so the demo's
+// SkipKV in the demo (docs/algorithms.md §2, docs/skipkv.md). SkipKV is a kvsift::Policy, so the demo's
 // caches, trigger and compact() serve it as they serve R-KV; what it needs beyond them is its
 // per-sequence sentence tracking, fed here every step with
 //   - the step's token id: the real R1-Distill-Qwen id of the MATH-500 stream, so its sentences
@@ -25,7 +25,7 @@
 #include "demo_policy.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/tensor_view.hpp"
-#include "kvsift/policy/skipkv.hpp"
+#include "kvsift/policy/skipkv/skipkv.hpp"
 
 namespace kvsift::demo {
 

@@ -1,4 +1,4 @@
-// ThinKV in the demo (ALGORITHMS.md §3, docs/thinkv.md §5). ThinKV does not compact the demo's
+// ThinKV in the demo (docs/algorithms.md §3, docs/thinkv.md §5). ThinKV does not compact the demo's
 // contiguous caches: it keeps its own paged, quantized block tables, one kvsift::ThinKV object per
 // sequence, and evicts by setting bits inside its end_step(). So this adapter drives the pipeline
 // from observe() (append + observe_query on every layer, then end_step) and tells the runner what
@@ -38,8 +38,8 @@
 #include "demo_policy.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/tensor_view.hpp"
-#include "kvsift/policy/attention_sparsity.hpp"
-#include "kvsift/policy/thinkv.hpp"
+#include "kvsift/backend/cpu/attention_sparsity.hpp"
+#include "kvsift/policy/thinkv/thinkv.hpp"
 
 namespace kvsift::demo {
 
@@ -47,7 +47,7 @@ struct ThinKVDemoOptions {
   int budget = 256;             // ThinKV's k: tokens per (layer, KV head), as the demo's budget
   std::int64_t length = 2048;   // decode length: sizes each layer's block pool
   int calibration_steps = 128;  // steps measured before θ1 / θ2 are set (one refresh interval)
-  int refresh = 128;            // τ (ALGORITHMS.md §4)
+  int refresh = 128;            // τ (docs/algorithms.md §4)
 
   void validate() const {
     KVSIFT_CHECK(budget >= 1, "ThinKVDemoOptions: budget must be >= 1, got ", budget);
@@ -224,7 +224,7 @@ class ThinKVPolicy final : public DemoPolicy {
     return keys_.data() + (index(l, b, h) * options_.length + position) * head_dim_;
   }
 
-  // Attention sparsity (ALGORITHMS.md §3.1) of sequence b's queries of layer l over the resident
+  // Attention sparsity (docs/algorithms.md §3.1) of sequence b's queries of layer l over the resident
   // tokens plus the new one at `position`, averaged over query heads. query: [q_heads, D]
   float resident_sparsity(int l, int b, const float* query, std::int32_t position) {
     const int group = q_heads_ / kv_heads_;

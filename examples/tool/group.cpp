@@ -1,4 +1,4 @@
-// `kvsift group`: SkipKV batch grouping (ALGORITHMS.md §2.6) of a prefill-lengths file. Prints how
+// `kvsift group`: SkipKV batch grouping (docs/algorithms.md §2.6) of a prefill-lengths file. Prints how
 // much left padding batching in data-set order costs, how much sorting by prefill length saves,
 // the first few batches, and (with --budget) the effective budget per request when pads are
 // force-kept as in the SkipKV reference.
@@ -10,12 +10,12 @@
 
 #include "args.hpp"
 #include "command.hpp"
-#include "kvsift/policy/batch_grouper.hpp"
+#include "kvsift/policy/skipkv/batch_grouper.hpp"
 
 namespace kvsift::tool {
 namespace {
 
-constexpr long kDefaultWindow = 8;  // ALGORITHMS.md §4
+constexpr long kDefaultWindow = 8;  // docs/algorithms.md §4
 constexpr long kDefaultShowGroups = 5;
 constexpr std::size_t kMaxListed = 12;  // lengths listed per batch before eliding the rest
 

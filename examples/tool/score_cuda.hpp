@@ -19,8 +19,8 @@
 #include "kvsift/backend/cuda/rkv_scoring.hpp"
 #include "kvsift/backend/cuda/sentence_scoring.hpp"
 #include "kvsift/core/error.hpp"
-#include "kvsift/policy/rkv.hpp"
-#include "kvsift/policy/sentence_scorer.hpp"
+#include "kvsift/policy/baselines/rkv.hpp"
+#include "kvsift/policy/skipkv/sentence_scorer.hpp"
 #include "score_rkv_run.hpp"
 
 namespace kvsift::tool {
@@ -198,7 +198,7 @@ inline RKVRun run_rkv_cuda(const KVCacheView& kv, const TensorView& queries, con
   return run;
 }
 
-// `kvsift score --policy skipkv --device cuda`: SkipKV eq. 6 (ALGORITHMS.md §2.4) on the GPU
+// `kvsift score --policy skipkv --device cuda`: SkipKV eq. 6 (docs/algorithms.md §2.4) on the GPU
 // (kvsift::cuda::skipkv_score / skipkv_select, sentence_scoring.hpp), then cuda::compact; the same
 // tensors as SentenceScorer::scores / select on the CPU. `redundancy` is R with the window sliced.
 //   kv         contiguous host [batch, kv_heads, S, head_dim], every sequence S tokens

@@ -20,8 +20,8 @@
 #include "kvsift/core/keep_plan.hpp"
 #include "kvsift/core/kv_cache_view.hpp"
 #include "kvsift/core/step_inputs.hpp"
-#include "kvsift/policy/rkv.hpp"
-#include "kvsift/policy/sentence_scorer.hpp"
+#include "kvsift/policy/baselines/rkv.hpp"
+#include "kvsift/policy/skipkv/sentence_scorer.hpp"
 
 namespace kvsift::tool {
 
@@ -30,7 +30,7 @@ struct RKVRun {
   std::int64_t batch = 0, kv_heads = 0, seq = 0, dim = 0, window = 0;
   DType dtype = DType::f32;
   bool compressed = false;             // some sequence was over the budget
-  std::vector<float> importance;       // [batch, kv_heads, n] a (ALGORITHMS.md §1.1)
+  std::vector<float> importance;       // [batch, kv_heads, n] a (docs/algorithms.md §1.1)
   std::vector<float> redundancy;       // [batch, kv_heads, n] R with the window sliced off
   std::vector<float> redundancy_full;  // [batch, kv_heads, seq] R over all tokens (§1.2)
   std::vector<float> score;            // [batch, kv_heads, n] λ·a − (1−λ)·R (§1.3)
@@ -124,7 +124,7 @@ inline RKVRun run_rkv_cpu(const KVCacheView& kv, const TensorView& queries, cons
   return run;
 }
 
-// The CPU SkipKV eq. 6 run (SentenceScorer::scores / select, ALGORITHMS.md §2.4) as an RKVRun:
+// The CPU SkipKV eq. 6 run (SentenceScorer::scores / select, docs/algorithms.md §2.4) as an RKVRun:
 // the same tensors, `score` carrying the sentence penalties and the pad mode.
 //   kv         contiguous host [batch, kv_heads, S, head_dim], every sequence S tokens
 //   queries    host [batch, q_heads, W, head_dim]

@@ -1,4 +1,4 @@
-// `kvsift score --policy skipkv`: SkipKV's sentence scorer (ALGORITHMS.md §2.4) on one
+// `kvsift score --policy skipkv`: SkipKV's sentence scorer (docs/algorithms.md §2.4) on one
 // golden-format case (golden/README.md). Reads `valid_mask` [B,S] (left pads) and `sentences`
 // [n,4] rows (batch, start, end, λ; λ = −1: not redundant) when the case has them; the marks are
 // taken as decided and every sentence is mapped at its generation range (no earlier eviction).
@@ -19,7 +19,7 @@
 #endif
 #include "kvsift/core/safetensors.hpp"
 #include "kvsift/core/segment_table.hpp"
-#include "kvsift/policy/sentence_scorer.hpp"
+#include "kvsift/policy/skipkv/sentence_scorer.hpp"
 
 namespace kvsift::tool {
 

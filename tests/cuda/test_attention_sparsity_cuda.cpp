@@ -1,5 +1,5 @@
 // kvsift::cuda::attention_sparsity against the CPU reference kvsift::attention_sparsity
-// (ALGORITHMS.md §3.1) and a hand-computed row. The device sums every logit in the CPU's order
+// (docs/algorithms.md §3.1) and a hand-computed row. The device sums every logit in the CPU's order
 // without FMA, so counts are expected to be identical: the check is |gpu − cpu| <= 1e-6 (less
 // than one key of any row here), plus bitwise equality, on random caches with GQA, left pads,
 // unequal lengths, rank-3 and rank-4 queries, every key dtype and mixed query dtypes. Random
@@ -13,7 +13,7 @@
 #include "catch.hpp"
 #include "device_buffer.hpp"
 #include "kvsift/backend/cuda/attention_sparsity.hpp"
-#include "kvsift/policy/attention_sparsity.hpp"
+#include "kvsift/backend/cpu/attention_sparsity.hpp"
 
 using namespace kvsift;
 using test::DeviceBuffer;

@@ -1,4 +1,4 @@
-// kvsift::cuda::kmeans_select against the CPU reference kvsift::kmeans_select (ALGORITHMS.md
+// kvsift::cuda::kmeans_select against the CPU reference kvsift::kmeans_select (docs/algorithms.md
 // §3.3): identical indices, problem by problem, on a hand-made case with an obvious answer and a
 // sweep of ~400 random problems in few launches (gaussian keys, keys on a coarse integer grid
 // full of exact distance ties, duplicated rows, every dtype, odd head_dims, n and k across their
@@ -12,7 +12,7 @@
 #include "catch.hpp"
 #include "device_buffer.hpp"
 #include "kvsift/backend/cuda/kmeans_select.hpp"
-#include "kvsift/policy/kmeans_select.hpp"
+#include "kvsift/backend/cpu/kmeans_select.hpp"
 
 using namespace kvsift;
 using test::DeviceBuffer;

@@ -1,4 +1,4 @@
-// The device Continuous Thinking table (kvsift::cuda::DevicePagedTable, ALGORITHMS.md §3.4) against
+// The device Continuous Thinking table (kvsift::cuda::DevicePagedTable, docs/algorithms.md §3.4) against
 // the CPU reference ThoughtBlockTable, driven by the same random operations:
 //   - append: after every batch the device bytes of every block equal block_storage() bit for bit
 //     (values quantized per token, keys staged then sealed per channel, reused slots of sealed

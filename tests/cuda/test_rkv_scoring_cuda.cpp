@@ -1,5 +1,5 @@
-// kvsift::cuda R-KV scoring and selection against the CPU reference (policy/rkv.hpp), a naive
-// O(S²) redundancy oracle written straight from ALGORITHMS.md §1.2, and the golden cases of the
+// kvsift::cuda R-KV scoring and selection against the CPU reference (policy/baselines/rkv.hpp), a naive
+// O(S²) redundancy oracle written straight from docs/algorithms.md §1.2, and the golden cases of the
 // published R-KV code. Scores: |x − ref| <= 1e-6 + 1e-4·|ref|; kept sets equal the reference's
 // except for tokens within that tolerance of the cut; given the GPU's own scores the selection
 // must equal the CPU selection rule exactly.
@@ -19,7 +19,7 @@
 #include "kvsift/backend/cpu/select_topk.hpp"
 #include "kvsift/backend/cuda/rkv_scoring.hpp"
 #include "kvsift/core/safetensors.hpp"
-#include "kvsift/policy/rkv.hpp"
+#include "kvsift/policy/baselines/rkv.hpp"
 
 using namespace kvsift;
 using test::check_kept_sets;
@@ -135,7 +135,7 @@ std::vector<float> make_queries(int B, int Hq, int W, int D, std::mt19937& rng) 
   return q;
 }
 
-// ALGORITHMS.md §1.2 as written, O(S²·D) in double: the full cosine matrix, the zeroed
+// docs/algorithms.md §1.2 as written, O(S²·D) in double: the full cosine matrix, the zeroed
 // diagonal, the last match per row (faithful: column 0 when none), column means, softmax.
 std::vector<double> naive_redundancy(const std::vector<float>& k, const std::uint8_t* valid, int S,
                                      int D, float threshold, bool faithful) {

@@ -1,5 +1,5 @@
-// kvsift::cuda SkipKV scoring (ALGORITHMS.md §2.4) against the CPU SentenceScorer
-// (policy/sentence_scorer.hpp) and the SkipKV reference (golden skipkv_pad, skipkv_sentences):
+// kvsift::cuda SkipKV scoring (docs/algorithms.md §2.4) against the CPU SentenceScorer
+// (policy/skipkv/sentence_scorer.hpp) and the SkipKV reference (golden skipkv_pad, skipkv_sentences):
 //   - eq. 6 scores within |x − ref| <= 1e-6 + 1e-4·|ref| of the CPU and of the reference;
 //   - the penalty and pad pass bit-exact: the GPU's own R-KV score minus the λ's of the mapped
 //     ranges, subtracted in list order by a per-token host oracle, faithful pads exactly +100;
@@ -25,8 +25,8 @@
 #include "kvsift/core/compact.hpp"
 #include "kvsift/core/safetensors.hpp"
 #include "kvsift/core/segment_table.hpp"
-#include "kvsift/policy/sentence_scorer.hpp"
-#include "kvsift/policy/sentence_tracker.hpp"
+#include "kvsift/policy/skipkv/sentence_scorer.hpp"
+#include "kvsift/policy/skipkv/sentence_tracker.hpp"
 
 using namespace kvsift;
 using test::DeviceBuffer;

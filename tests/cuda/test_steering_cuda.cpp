@@ -1,4 +1,4 @@
-// kvsift::cuda::apply_steering against the CPU SteeringController::apply (ALGORITHMS.md §2.5):
+// kvsift::cuda::apply_steering against the CPU SteeringController::apply (docs/algorithms.md §2.5):
 // bit-exact for f32, f16 and bf16, on random hidden states plus the values where a fused
 // multiply-add or a wrong rounding mode would show (−0, rounding ties, overflow to inf, NaN), on
 // contiguous and strided tensors, with host and device alpha arrays.
@@ -11,7 +11,7 @@
 #include "catch.hpp"
 #include "device_buffer.hpp"
 #include "kvsift/backend/cuda/steering.hpp"
-#include "kvsift/policy/steering.hpp"
+#include "kvsift/policy/skipkv/steering.hpp"
 
 using namespace kvsift;
 using test::DeviceBuffer;

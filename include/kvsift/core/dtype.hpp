@@ -1,5 +1,5 @@
 // Storage dtypes of a KV cache (f32, f16, bf16) and their conversions to and from fp32.
-// All scoring math runs in fp32 (ALGORITHMS.md, notation); these conversions are the only place
+// All scoring math runs in fp32 (docs/algorithms.md, notation); these conversions are the only place
 // where storage formats meet the math. Float -> 16-bit rounds to nearest even and keeps NaN a NaN.
 #pragma once
 

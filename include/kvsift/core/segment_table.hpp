@@ -1,7 +1,7 @@
 // SegmentTable: where each tracked sentence ("segment") of a sequence lives in the cache, per
 // (layer, sequence, KV head). Sentences are found in generation space (token positions of the
 // sequence); heads evict differently, so one sentence owns a different cache-space range in each
-// head. The update rules are ALGORITHMS.md §2.3 (SkipKV's range bookkeeping):
+// head. The update rules are docs/algorithms.md §2.3 (SkipKV's range bookkeeping):
 //   before eviction  append the sentences closed since the last eviction;
 //   after eviction   remap every range through the plan's sorted kept slots, drop empty ones.
 #pragma once
@@ -30,7 +30,7 @@ struct CacheRange {
 };
 
 // A redundant sentence still mapped in a head: the scorer subtracts `lambda` over [lo, hi]
-// (ALGORITHMS.md §2.4).
+// (docs/algorithms.md §2.4).
 struct PenaltyRange {
   std::int64_t lo = 0;
   std::int64_t hi = 0;
@@ -231,7 +231,7 @@ class SegmentTable {
   std::vector<std::int64_t> first_position_;  // [batch] pad count: where sentence 0 starts
 };
 
-// Adds the sentence penalty of ALGORITHMS.md §2.4 into one (b, h) score row:
+// Adds the sentence penalty of docs/algorithms.md §2.4 into one (b, h) score row:
 // score[t] -= λ_i for every redundant range [lo, hi] containing t. As in the reference, a range
 // counts only while it is still mapped, lo < hi < cache_len (so a one-token sentence gets no
 // penalty). `row_len` may be shorter than cache_len (the window sliced off): writes stop there.

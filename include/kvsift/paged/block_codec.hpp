@@ -1,4 +1,4 @@
-// How one KV head of one Continuous Thinking block stores its tokens (ALGORITHMS.md §3.2, §3.4).
+// How one KV head of one Continuous Thinking block stores its tokens (docs/algorithms.md §3.2, §3.4).
 // A block holds tokens of one thought type, so it has one format: full precision (f32, for tests
 // and for R16-style runs) or one of TBQ's quantized formats (NVFP4, FP8 E4M3 + E8M0, ternary).
 // Quantized blocks use the KIVI layout (kivi_layout.hpp) over the block's [slots, head_dim] grid:

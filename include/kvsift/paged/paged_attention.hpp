@@ -1,4 +1,4 @@
-// CPU reference decode attention over a ThoughtBlockTable (ALGORITHMS.md §3.4): one query token
+// CPU reference decode attention over a ThoughtBlockTable (docs/algorithms.md §3.4): one query token
 // attends to every live slot of its sequence's blocks, block by block, each block dequantized by
 // its own format (its thought type's precision). Evicted-but-not-yet-overwritten slots are masked
 // out by the eviction bitmask. RoPE is already applied to the stored keys, so the result does not

@@ -1,5 +1,5 @@
 // ThoughtBlockTable: ThinKV's Continuous Thinking (CT) gather-free paged KV cache for one layer
-// (ALGORITHMS.md §3.4; docs/continuous_thinking.md explains every choice marked "our choice").
+// (docs/algorithms.md §3.4; docs/continuous_thinking.md explains every choice marked "our choice").
 //  - A block holds tokens of one thought type, so it has one precision (TBQ §3.2: R4 E4 T2 by
 //    default, or full precision f32).
 //  - Per block the table keeps: thought type, per (KV head, slot) the token's generation position
@@ -18,7 +18,7 @@
 
 #include "kvsift/core/error.hpp"
 #include "kvsift/paged/block_codec.hpp"
-#include "kvsift/policy/thought_type.hpp"
+#include "kvsift/config/thought_type.hpp"
 
 namespace kvsift {
 

@@ -1,4 +1,4 @@
-// The decode trigger shared by the budget-based policies (ALGORITHMS.md §1.3): compress once a
+// The decode trigger shared by the budget-based policies (docs/algorithms.md §1.3): compress once a
 // sequence's resident length reaches budget + buffer, so the cache oscillates between the two.
 #pragma once
 

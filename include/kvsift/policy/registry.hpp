@@ -11,7 +11,7 @@
 
 namespace kvsift {
 
-// The knobs shared by the baselines (ALGORITHMS.md §4 defaults). Each policy maps them onto its
+// The knobs shared by the baselines (docs/algorithms.md §4 defaults). Each policy maps them onto its
 // own validated XxxConfig; policy-specific settings are set on those configs directly.
 struct PolicyOptions {
   int budget = 1024;        // tokens kept per (sequence, KV head) after a compression

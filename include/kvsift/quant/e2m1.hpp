@@ -1,5 +1,5 @@
 // E2M1: the 4-bit element format of NVFP4 (OCP MX / NVIDIA Blackwell FP4). One sign bit, two
-// exponent bits (bias 1), one mantissa bit; magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6} (ALGORITHMS.md
+// exponent bits (bias 1), one mantissa bit; magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6} (docs/algorithms.md
 // §3.2). float -> code rounds to nearest, ties to even, and saturates to ±6. E2M1 has no NaN or
 // Inf: Inf saturates to ±6 and NaN becomes +6 (code 0x7), which is what the CUDA toolkit's
 // __nv_cvt_float_to_fp4(x, __NV_E2M1, cudaRoundNearest) does (our oracle,

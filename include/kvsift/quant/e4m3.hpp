@@ -2,7 +2,7 @@
 // bits; largest finite 448, smallest subnormal 2^-9, no Inf, NaN = S.1111.111 (0x7F / 0xFF).
 // float -> code rounds to nearest even and saturates to ±448 (cuda_fp8.h's __NV_SATFINITE mode);
 // NaN becomes 0x7F whatever its sign, as cuda_fp8.h's float conversion does. Used for NVFP4 block
-// scales, the ternary α and the FP8 (R8) elements (ALGORITHMS.md §3.2). Checked bit for bit against
+// scales, the ternary α and the FP8 (R8) elements (docs/algorithms.md §3.2). Checked bit for bit against
 // cuda_fp8.h in tests/oracle_fp4_fp8.cpp.
 #pragma once
 

@@ -1,6 +1,6 @@
 // E8M0: an 8-bit power of two, 2^(code - 127), codes 0..254 (2^-127 .. 2^127), 0xFF = NaN; the OCP
 // microscaling (MX) shared-scale format. kvsift stores the FP8 (R8) group scale in it
-// (ALGORITHMS.md §3.2: `2^ceil(log2(amax/448))`, our choice, because an E4M3 scale amax/448 would
+// (docs/algorithms.md §3.2: `2^ceil(log2(amax/448))`, our choice, because an E4M3 scale amax/448 would
 // sit in E4M3's subnormal range).
 #pragma once
 

@@ -1,4 +1,4 @@
-// The quantization formats of ThinKV's TBQ (ALGORITHMS.md §3.2) and the bytes one group of 16
+// The quantization formats of ThinKV's TBQ (docs/algorithms.md §3.2) and the bytes one group of 16
 // elements costs in each. Every format stores one 8-bit scale per group:
 //   nvfp4   16 E2M1 codes, 2 per byte (8 B) + E4M3 block scale (1 B) = 9 B  = 4.5 bits/element
 //   fp8     16 E4M3 codes (16 B)            + E8M0 group scale (1 B) = 17 B = 8.5 bits/element
@@ -16,7 +16,7 @@
 
 namespace kvsift {
 
-// Elements per quantization group (ALGORITHMS.md §4: "quant group 16").
+// Elements per quantization group (docs/algorithms.md §4: "quant group 16").
 inline constexpr int kQuantGroupSize = 16;
 
 enum class QuantFormat : std::uint8_t { nvfp4, fp8, ternary };

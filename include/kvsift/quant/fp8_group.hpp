@@ -1,4 +1,4 @@
-// FP8 (R8) groups (ALGORITHMS.md §3.2): 16 E4M3 elements sharing a power-of-two scale
+// FP8 (R8) groups (docs/algorithms.md §3.2): 16 E4M3 elements sharing a power-of-two scale
 // s = 2^ceil(log2(amax / 448)) stored as E8M0 (our choice: an E4M3 scale amax/448 would fall in
 // E4M3's subnormal range). q_i = e4m3(x_i / s), x̂_i = q_i · s. Scaling by a power of two is exact,
 // so the only rounding is E4M3's own, and since amax / s <= 448 no element saturates.

@@ -1,4 +1,4 @@
-// Where the groups of a [tokens, channels] tensor lie (KIVI layout, ALGORITHMS.md §3.2):
+// Where the groups of a [tokens, channels] tensor lie (KIVI layout, docs/algorithms.md §3.2):
 //   GroupAxis::token   a group runs along the token axis: 16 consecutive tokens of one channel.
 //                      This is how keys are grouped ("keys per channel").
 //   GroupAxis::channel a group runs along the channel axis: 16 consecutive channels of one token.

@@ -1,4 +1,4 @@
-// NVFP4 groups (ALGORITHMS.md §3.2): 16 E2M1 elements sharing one E4M3 block scale, under a
+// NVFP4 groups (docs/algorithms.md §3.2): 16 E2M1 elements sharing one E4M3 block scale, under a
 // per-(layer, head) fp32 global factor g:
 //   s = e4m3(amax / 6 · g),   q_i = e2m1(x_i · g / s),   x̂_i = q_i · s / g.
 // g = 1 by default; the calibrated choice g = 448·6 / amax(stream) puts the largest block scale at

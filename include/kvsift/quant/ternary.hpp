@@ -1,4 +1,4 @@
-// Ternary (T2) groups (ALGORITHMS.md §3.2): 16 codes in {-1, 0, +1} times one scale α stored as
+// Ternary (T2) groups (docs/algorithms.md §3.2): 16 codes in {-1, 0, +1} times one scale α stored as
 // E4M3. For a fixed set of m kept elements the best α is their mean |x|, and the squared error is
 //   Σ x² − (Σ_{kept} |x|)² / m,
 // so the best set of size m is the m largest |x|, and the best m maximises (S_m)² / m where S_m is

@@ -1,5 +1,5 @@
 // Softmax attention mass that decode queries give each cached token: H2O's accumulated
-// "heavy hitter" statistic (ALGORITHMS.md §1.4) and SkipKV's last-query variant.
+// "heavy hitter" statistic (docs/algorithms.md §1.4) and SkipKV's last-query variant.
 #pragma once
 
 #include <Eigen/Core>

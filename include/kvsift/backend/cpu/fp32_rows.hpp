@@ -1,5 +1,5 @@
 // Staging of stored rows (f32 / f16 / bf16) into fp32 Eigen matrices: every CPU scorer does its
-// math in fp32 (ALGORITHMS.md, notation), so this is the one place where storage formats meet it.
+// math in fp32 (docs/algorithms.md, notation), so this is the one place where storage formats meet it.
 // Non-finite inputs are rejected here, with the tensor's name and the element's coordinates.
 #pragma once
 

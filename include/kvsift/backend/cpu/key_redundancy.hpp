@@ -1,4 +1,4 @@
-// Key redundancy (R-KV), ALGORITHMS.md §1.2: a token whose key is, on average, similar to many
+// Key redundancy (R-KV), docs/algorithms.md §1.2: a token whose key is, on average, similar to many
 // other keys is redundant. Column means of the key cosine matrix, after sparing each token's most
 // recent near-duplicate, softmaxed over the sequence.
 //
@@ -18,14 +18,9 @@
 #include "kvsift/backend/cpu/score_tensor.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/kv_cache_view.hpp"
+#include "kvsift/config/options.hpp"
 
 namespace kvsift {
-
-// What happens to a row with no near-duplicate (ALGORITHMS.md §1.2 step 3).
-enum class RedundancyMode {
-  sound,     // nothing is zeroed (library default)
-  faithful,  // the reference's r_i = 0 fallback: C[i, 0] is zeroed, an accidental sink keeper
-};
 
 struct KeyRedundancyConfig {
   float threshold = 0.5f;  // cosine above which two keys are near-duplicates (strictly greater)
@@ -163,7 +158,7 @@ inline ScoreTensor slice_window(ScoreTensor full, int window) {
   return full;
 }
 
-// The window-sliced redundancy R[b, h, j], j < S_b - W (ALGORITHMS.md §1.2 step 5).
+// The window-sliced redundancy R[b, h, j], j < S_b - W (docs/algorithms.md §1.2 step 5).
 inline ScoreTensor key_redundancy(const KVCacheView& kv, const KeyRedundancyConfig& cfg, int window,
                                   const std::uint8_t* active = nullptr) {
   return slice_window(redundancy_full(kv, cfg, active), window);

@@ -1,5 +1,5 @@
 // Top-k selection shared by the score-based policies (R-KV, SnapKV, H2O, StreamingLLM):
-// ALGORITHMS.md §1.3. Per (sequence, KV head), keep the `budget − window` highest scores before
+// docs/algorithms.md §1.3. Per (sequence, KV head), keep the `budget − window` highest scores before
 // the window (ties: lower index first), plus the last `window` tokens; kept slots sorted ascending.
 #pragma once
 
@@ -67,7 +67,7 @@ inline void top_k_slots(const float* scores, std::int32_t n, const std::uint8_t*
 }
 
 // Sequences to compress this step: [batch] 1 where S_b > budget. At S_b <= budget selection is a
-// no-op (ALGORITHMS.md §1.3), so those are neither scored nor compacted.
+// no-op (docs/algorithms.md §1.3), so those are neither scored nor compacted.
 inline std::vector<std::uint8_t> sequences_over_budget(const KVCacheView& kv, int budget) {
   std::vector<std::uint8_t> over(static_cast<std::size_t>(kv.batch()));
   for (std::int64_t b = 0; b < kv.batch(); ++b) over[b] = kv.length(b) > budget ? 1 : 0;
@@ -78,7 +78,7 @@ inline std::vector<std::uint8_t> sequences_over_budget(const KVCacheView& kv, in
 // window candidates of every sequence over budget (nullptr: no scores, only sinks and window,
 // StreamingLLM). A sequence at or below the budget keeps everything; any other keeps its sinks,
 // the top `budget − window − sink` scored valid tokens and the last `window` tokens. With a
-// padding mask pads are never kept when a sequence is compressed (the default of ALGORITHMS.md
+// padding mask pads are never kept when a sequence is compressed (the default of docs/algorithms.md
 // §2.4, our choice for the baselines too: every head then agrees on the pads, and the budget
 // counts real tokens); a sequence with at most `budget` real tokens keeps exactly those.
 // Throws kvsift::Error for NaN scores, naming the position.
@@ -134,7 +134,7 @@ inline KeepPlan plan_from_scores(const KVCacheView& kv, const ScoreTensor* score
 
 // The select() of a policy that scores and then plans with plan_from_scores (R-KV, SnapKV):
 // validates the cache, and if no sequence is over `sel.budget` keeps everything without scoring
-// (ALGORITHMS.md §1.3: selection is then a no-op); otherwise `score(over)` scores the sequences
+// (docs/algorithms.md §1.3: selection is then a no-op); otherwise `score(over)` scores the sequences
 // marked in the [batch] mask `over` and returns a ScoreTensor [batch, kv_heads, capacity], from
 // which the plan is made (the others keep everything).
 template <class ScoreOverBudget>

@@ -1,4 +1,4 @@
-// Window attention importance (SnapKV / R-KV "attention" term), ALGORITHMS.md §1.1: how much the
+// Window attention importance (SnapKV / R-KV "attention" term), docs/algorithms.md §1.1: how much the
 // last W queries attend to every earlier token, GQA-reduced on raw logits, softmaxed over the
 // tokens before the window, reduced over the window and 1-d pooled.
 #pragma once
@@ -15,15 +15,9 @@
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/kv_cache_view.hpp"
 #include "kvsift/core/tensor_view.hpp"
+#include "kvsift/config/options.hpp"
 
 namespace kvsift {
-
-// How the G query heads of one KV head are combined, on raw logits before the softmax.
-enum class GqaReduce { max, mean };
-// The 1-d pooling over neighbouring tokens (stride 1, "same" padding).
-enum class Pooling { max, avg };
-// How the W per-query attention rows are combined.
-enum class WindowReduce { mean, sum };
 
 struct WindowImportanceConfig {
   int window = 8;                               // W: observation-window queries
@@ -41,7 +35,7 @@ struct WindowImportanceConfig {
 
 namespace cpu {
 
-// The logit given to a left-pad key before the GQA reduction (ALGORITHMS.md §1.1 step 5).
+// The logit given to a left-pad key before the GQA reduction (docs/algorithms.md §1.1 step 5).
 inline constexpr float kPadLogit = -1e9f;
 
 namespace detail {
@@ -125,7 +119,7 @@ void window_importance_impl(const KVCacheView& kv, const RowMatrix& queries, std
 
 }  // namespace detail
 
-// Window importance a[b, h, j] for j < S_b - W (ALGORITHMS.md §1.1).
+// Window importance a[b, h, j] for j < S_b - W (docs/algorithms.md §1.1).
 //   kv.keys   [batch, kv_heads, capacity, head_dim], post-RoPE, any storage dtype
 //   queries   [batch, q_heads, window, head_dim], the last W decode queries (post-RoPE)
 //   active    [batch] or nullptr: sequences to score (others get count 0), e.g. those over budget

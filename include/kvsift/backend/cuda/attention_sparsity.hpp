@@ -1,5 +1,5 @@
 // kvsift::cuda::attention_sparsity: ThinKV's per-sequence attention sparsity of one decode step
-// (ALGORITHMS.md §3.1) on a device KV cache, the same numbers as kvsift::attention_sparsity.
+// (docs/algorithms.md §3.1) on a device KV cache, the same numbers as kvsift::attention_sparsity.
 //
 // For every sequence b and query head q (GQA: KV head q / G): the logits q·k_j / sqrt(D) of the
 // valid keys j < lengths[b], then count(logit_j < max_logit + ln 0.01) / n_valid, averaged over the

@@ -1,5 +1,5 @@
-// kvsift::cuda::kmeans_select: ThinKV's deterministic k-means token selection (ALGORITHMS.md §3.3,
-// rules in policy/kmeans_select.hpp) for many problems at once, one thread block per problem: a
+// kvsift::cuda::kmeans_select: ThinKV's deterministic k-means token selection (docs/algorithms.md §3.3,
+// rules in backend/cpu/kmeans_select.hpp) for many problems at once, one thread block per problem: a
 // problem is one segment of one (layer, KV head), n <= 128 keys of head_dim <= 256, K <= 64.
 //
 // Same indices as kvsift::kmeans_select on the keys widened to fp32. Every floating-point value
@@ -20,7 +20,7 @@
 
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/kv_cache_view.hpp"
-#include "kvsift/policy/kmeans_select.hpp"
+#include "kvsift/backend/cpu/kmeans_select.hpp"
 
 namespace kvsift::cuda {
 

@@ -1,4 +1,4 @@
-// kvsift::cuda device mirror of ThinKV's Continuous Thinking table (ALGORITHMS.md §3.4;
+// kvsift::cuda device mirror of ThinKV's Continuous Thinking table (docs/algorithms.md §3.4;
 // docs/continuous_thinking.md): the block storage, the per-(block, KV head) eviction masks, the
 // sealed-key-group bits and the full-precision key staging buffers live in device memory; slot
 // allocation and segment metadata stay on the host.

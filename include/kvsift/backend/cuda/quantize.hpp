@@ -1,5 +1,5 @@
 // kvsift::cuda::quantize / dequantize: ThinKV's TBQ group codecs (NVFP4, FP8, ternary;
-// ALGORITHMS.md §3.2, docs/quantization.md) for a device [tokens, channels] tensor in the KIVI
+// docs/algorithms.md §3.2, docs/quantization.md) for a device [tokens, channels] tensor in the KIVI
 // layout (kivi_layout.hpp), bit for bit the host reference kvsift::quantize_tensor /
 // dequantize_tensor (quant/quantized_tensor.hpp): same codes, same scales, same decoded floats.
 //

@@ -1,4 +1,4 @@
-// kvsift::cuda R-KV scoring and selection (ALGORITHMS.md §1.1–§1.3) on a device KV cache:
+// kvsift::cuda R-KV scoring and selection (docs/algorithms.md §1.1–§1.3) on a device KV cache:
 // window importance a, key redundancy R, the joint score λ·a − (1−λ)·R and the per-(sequence,
 // KV head) top-(budget − W) selection, emitted as sorted slot rows ready to become a KeepPlan.
 //
@@ -27,7 +27,7 @@
 
 namespace kvsift::cuda {
 
-// R-KV parameters, defaults from ALGORITHMS.md §4.
+// R-KV parameters, defaults from docs/algorithms.md §4.
 struct RKVScoringConfig {
   int budget = 1024;        // tokens per (sequence, KV head) after compression, window included
   int window = 8;           // W: observation-window queries; the last W tokens are always kept
@@ -64,7 +64,7 @@ struct RKVScoreOutputs {
 };
 
 // Slot value that marks "no token" at the end of a row: a padded sequence keeps fewer than
-// `budget` tokens (pads are never kept, ALGORITHMS.md §2.4 default mode).
+// `budget` tokens (pads are never kept, docs/algorithms.md §2.4 default mode).
 inline constexpr std::int32_t kUnusedSlot = -1;
 // Slot value filling a whole row whose scores contain a NaN; download_keep_plan() rejects it.
 inline constexpr std::int32_t kNanScoreSlot = -2;
@@ -88,7 +88,7 @@ void rkv_score(const KVCacheView& kv, const TensorView& queries, const RKVScorin
 // Scores and selects: writes `slots` [batch, kv_heads, budget] int32 (device) where every row is
 // ascending: the top (budget − W) valid candidates by score (ties: lower index first), then the W
 // window slots S − W .. S − 1, then kUnusedSlot up to `budget` when pads left too few candidates.
-// When S <= budget nothing is scored (ALGORITHMS.md §1.3 no-op): every row is 0 .. S − 1 followed
+// When S <= budget nothing is scored (docs/algorithms.md §1.3 no-op): every row is 0 .. S − 1 followed
 // by kUnusedSlot, and the function returns false; otherwise true. `scores` (device [batch,
 // kv_heads, S − W] or nullptr) receives the joint scores when given.
 bool rkv_select(const KVCacheView& kv, const TensorView& queries, const RKVScoringConfig& cfg,
@@ -96,7 +96,7 @@ bool rkv_select(const KVCacheView& kv, const TensorView& queries, const RKVScori
                 cudaStream_t stream);
 
 // All layers of one compression step in one set of launches: layer l's cache is layers[l], its
-// window queries queries[l]. Each layer is scored and selected independently (ALGORITHMS.md §1.3),
+// window queries queries[l]. Each layer is scored and selected independently (docs/algorithms.md §1.3),
 // exactly as rkv_select() on that layer alone would, but the kernels see n_layers · batch
 // sequences at once, so a small batch still fills the GPU and pays the launch latency once per
 // step instead of once per layer. The layers must agree in shape, dtype, strides and lengths and

@@ -1,4 +1,4 @@
-// kvsift::cuda SkipKV scoring and selection (ALGORITHMS.md §2.4, SkipKV eq. 6 as implemented) on a
+// kvsift::cuda SkipKV scoring and selection (docs/algorithms.md §2.4, SkipKV eq. 6 as implemented) on a
 // device KV cache:
 //   S_t = λ·a_t − (1−λ)·R_t − Σ_{redundant sentences i mapped over t} λ_i
 // The R-KV part λ·a − (1−λ)·R is rkv_score() itself (rkv_scoring.hpp), not re-implemented here;
@@ -11,7 +11,7 @@
 // [lo, hi] ∩ [0, S − W); ranges overlapping one token subtract in CSR order, exactly the CPU's
 // float arithmetic.
 //
-// Pads (kv.valid_mask == 0), the two modes of policy/sentence_scorer.hpp:
+// Pads (kv.valid_mask == 0), the two modes of policy/skipkv/sentence_scorer.hpp:
 //   faithful_pads = true   the SkipKV reference: a pad's score is replaced by exactly +100, so the
 //                          selection (run without the mask) keeps pads first, in every head the
 //                          same ones (ties break by lower index), and they eat budget;
@@ -38,12 +38,12 @@
 namespace kvsift::cuda {
 
 // The score a pad gets in faithful mode; equals kvsift::kFaithfulPadScore of
-// policy/sentence_scorer.hpp (not included here: that header pulls the Eigen CPU scorers into
+// policy/skipkv/sentence_scorer.hpp (not included here: that header pulls the Eigen CPU scorers into
 // nvcc), which the GPU test checks.
 inline constexpr float kSkipKVPadScore = 100.0f;
 
 // SkipKV parameters: the R-KV ones (budget, window, kernel, mix_lambda, threshold, the redundancy
-// fallback `rkv.faithful`, tensor-core search) plus the pad mode. Defaults from ALGORITHMS.md §4.
+// fallback `rkv.faithful`, tensor-core search) plus the pad mode. Defaults from docs/algorithms.md §4.
 struct SkipKVScoringConfig {
   RKVScoringConfig rkv;
   bool faithful_pads = false;  // true: PadMode::faithful (pads +100, kept); false: exclude
@@ -103,7 +103,7 @@ void skipkv_score(const KVCacheView& kv, const TensorView& queries, const SkipKV
                   const SentencePenaltiesDevice& penalties, const RKVScoreOutputs& out,
                   void* workspace, std::size_t workspace_bytes, cudaStream_t stream);
 
-// Scores and selects (ALGORITHMS.md §2.4 + §1.3): writes `slots` [batch, kv_heads, budget] int32
+// Scores and selects (docs/algorithms.md §2.4 + §1.3): writes `slots` [batch, kv_heads, budget] int32
 // (device), rows ascending as rkv_select() writes them: the top (budget − W) candidates by eq. 6
 // score (ties: lower index), then the W window slots, then kUnusedSlot. Faithful pads compete
 // with their +100 score (selection without the mask); in exclude mode pads are never kept and a

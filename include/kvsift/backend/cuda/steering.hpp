@@ -1,5 +1,5 @@
 // kvsift::cuda::apply_steering: SkipKV's adaptive steering update h[b, last] += α_b · v on a
-// device hidden-state tensor (ALGORITHMS.md §2.5), bit-exact with SteeringController::apply.
+// device hidden-state tensor (docs/algorithms.md §2.5), bit-exact with SteeringController::apply.
 //
 // The arithmetic is the CPU reference's: the stored value widened to fp32, α_b · v[k] rounded to
 // fp32, the sum rounded to fp32 (no fused multiply-add, which would round once and differ), then
@@ -14,7 +14,7 @@
 #include <cstdint>
 
 #include "kvsift/core/tensor_view.hpp"
-#include "kvsift/policy/steering.hpp"
+#include "kvsift/policy/skipkv/steering.hpp"
 
 namespace kvsift::cuda {
 

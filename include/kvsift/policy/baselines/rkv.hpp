@@ -1,4 +1,4 @@
-// R-KV (redundancy-aware KV compression for reasoning models), ALGORITHMS.md §1.3: joint score
+// R-KV (redundancy-aware KV compression for reasoning models), docs/algorithms.md §1.3: joint score
 // score_j = λ·a_j − (1−λ)·R_j of window importance (§1.1) and key redundancy (§1.2); keep the
 // budget − W best per (sequence, KV head) plus the window.
 //

@@ -1,4 +1,4 @@
-// SentenceTracker: SkipKV's sentence bookkeeping for one sequence (ALGORITHMS.md §2.1-2.2).
+// SentenceTracker: SkipKV's sentence bookkeeping for one sequence (docs/algorithms.md §2.1-2.2).
 // Splits the token stream into sentences at host-supplied delimiter ids, labels "check"
 // (non-executive) sentences by keyword ids, turns each sentence's hidden states into a unit
 // embedding, and at compression triggers marks earlier sentences that a newer one repeats.
@@ -40,7 +40,7 @@ struct SentenceTrackerConfig {
   // Width of the hidden states given per token (final-norm last-layer output). 0: segmentation
   // only, observe() takes no hidden states and triggers find no redundancy.
   std::int64_t hidden_size = 0;
-  float tau = 0.95f;  // PSS threshold τ (ALGORITHMS.md §4); marks need PSS > τ
+  float tau = 0.95f;  // PSS threshold τ (docs/algorithms.md §4); marks need PSS > τ
 
   void validate() const;
 };

@@ -1,4 +1,4 @@
-// SnapKV (ALGORITHMS.md §1.4): the window importance a of §1.1 alone, with SnapKV's own defaults
+// SnapKV (docs/algorithms.md §1.4): the window importance a of §1.1 alone, with SnapKV's own defaults
 // (window 32, kernel 5, average pooling, attention summed over the window). For grouped-query
 // attention the group's logits are averaged (our choice: SnapKV itself is multi-head only).
 // Same trigger and prefill use as R-KV (see rkv.hpp).

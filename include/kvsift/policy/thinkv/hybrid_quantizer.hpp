@@ -1,4 +1,4 @@
-// ThinKV's Think Before you Quantize (TBQ, ALGORITHMS.md §3.2): a KV cache stream per (layer, KV
+// ThinKV's Think Before you Quantize (TBQ, docs/algorithms.md §3.2): a KV cache stream per (layer, KV
 // head) whose tokens are quantized with the precision of their thought type, default R4 E4 T2
 // (R and E as NVFP4, T as ternary; FP8 "R8" is an option per type).
 //
@@ -24,7 +24,7 @@
 
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/error.hpp"
-#include "kvsift/policy/thought_type.hpp"
+#include "kvsift/config/thought_type.hpp"
 #include "kvsift/quant/format.hpp"
 #include "kvsift/quant/group_codec.hpp"
 
@@ -34,7 +34,7 @@ struct HybridQuantizerConfig {
   int num_layers = 1;
   int num_kv_heads = 1;
   int head_dim = 128;                                    // a multiple of 16
-  QuantFormat reasoning_format = QuantFormat::nvfp4;     // R4 (ALGORITHMS.md §4)
+  QuantFormat reasoning_format = QuantFormat::nvfp4;     // R4 (docs/algorithms.md §4)
   QuantFormat execution_format = QuantFormat::nvfp4;     // E4
   QuantFormat transition_format = QuantFormat::ternary;  // T2
   DType buffer_dtype = DType::f32;  // how the full-precision buffer stores tokens

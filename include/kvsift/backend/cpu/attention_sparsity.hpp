@@ -1,4 +1,4 @@
-// Attention sparsity of one decode step (ThinKV, ALGORITHMS.md §3.1): the fraction of keys whose
+// Attention sparsity of one decode step (ThinKV, docs/algorithms.md §3.1): the fraction of keys whose
 // softmax weight is below 1% of the row's largest, i.e. logit_j < max_logit + ln(0.01). Computed
 // from the step's queries and the cache (q·k / sqrt(D), GQA: query head q reads KV head q / G), or
 // from an attention row the engine already has. Averaged over query heads; the average over the

@@ -1,4 +1,4 @@
-// SentenceScorer: SkipKV's eviction score (SkipKV eq. 6 as implemented, ALGORITHMS.md §2.4)
+// SentenceScorer: SkipKV's eviction score (SkipKV eq. 6 as implemented, docs/algorithms.md §2.4)
 //   S_t = λ·a_t − (1−λ)·R_t − Σ_{redundant sentences i mapped over t} λ_i
 // with a, R the R-KV window importance and key redundancy (§1.1, §1.2, padding handled there),
 // and the per-(sequence, KV head) top-(budget − W) selection plus the window of §1.3.
@@ -26,25 +26,10 @@
 #include "kvsift/core/keep_plan.hpp"
 #include "kvsift/core/kv_cache_view.hpp"
 #include "kvsift/core/segment_table.hpp"
-#include "kvsift/policy/rkv.hpp"
+#include "kvsift/policy/baselines/rkv.hpp"
+#include "kvsift/config/options.hpp"
 
 namespace kvsift {
-
-enum class PadMode {
-  exclude,   // pads never kept, never counted in the budget (library default)
-  faithful,  // the SkipKV reference: pad score +100, force-kept, counted in the budget
-};
-
-inline const char* pad_mode_name(PadMode m) {
-  return m == PadMode::faithful ? "faithful" : "exclude";
-}
-
-inline PadMode parse_pad_mode(std::string_view s) {
-  if (s == "faithful") return PadMode::faithful;
-  KVSIFT_CHECK(s == "exclude", "pad mode must be 'faithful' or 'exclude', got '", std::string(s),
-               "'");
-  return PadMode::exclude;
-}
 
 // The score the SkipKV reference gives a pad token (it replaces the pad's computed score).
 inline constexpr float kFaithfulPadScore = 100.0f;

@@ -1,5 +1,5 @@
 // Deterministic k-means selection of representative tokens: ThinKV's rule for which tokens of a
-// demoted segment survive (ALGORITHMS.md §3.3). Implemented in src/kmeans_select.cpp.
+// demoted segment survive (docs/algorithms.md §3.3). Implemented in src/kmeans_select.cpp.
 #pragma once
 
 #include <cstdint>
@@ -8,14 +8,14 @@
 namespace kvsift {
 
 struct KMeansSelectConfig {
-  int max_iterations = 10;  // Lloyd iterations at most (ALGORITHMS.md §3.3)
+  int max_iterations = 10;  // Lloyd iterations at most (docs/algorithms.md §3.3)
 
   // Throws kvsift::Error naming the value.
   void validate() const;
 };
 
 // Picks `k` distinct rows of `points` that represent them: k-means with K = k, then for every
-// centroid the real row nearest to it. Deterministic by construction (ALGORITHMS.md §3.3, our
+// centroid the real row nearest to it. Deterministic by construction (docs/algorithms.md §3.3, our
 // choice):
 //  - seeding: farthest-point, starting from row 0 (the segment's first token); each next seed is
 //    the not-yet-chosen row with the largest squared distance to its nearest seed, ties to the

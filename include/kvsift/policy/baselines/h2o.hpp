@@ -1,4 +1,4 @@
-// H2O, heavy-hitter oracle (ALGORITHMS.md §1.4): every KV head accumulates the softmax attention
+// H2O, heavy-hitter oracle (docs/algorithms.md §1.4): every KV head accumulates the softmax attention
 // its group's query heads give each token over the decode steps; a compression keeps the top
 // budget − recent tokens by that sum plus the `recent` most recent tokens.
 //
@@ -22,13 +22,9 @@
 #include "kvsift/core/error.hpp"
 #include "kvsift/policy/budget_trigger.hpp"
 #include "kvsift/policy/policy.hpp"
+#include "kvsift/config/options.hpp"
 
 namespace kvsift {
-
-enum class H2OMode {
-  accumulated,        // H2O: per KV head, summed over steps and the group's query heads
-  last_query_shared,  // SkipKV's variant: last query only, heads averaged, one set for all heads
-};
 
 struct H2OConfig {
   int budget = 1024;

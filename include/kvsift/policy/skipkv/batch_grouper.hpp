@@ -1,6 +1,6 @@
-// BatchGrouper: SkipKV's batch grouping (ALGORITHMS.md §2.6). Batched decoding left-pads every
+// BatchGrouper: SkipKV's batch grouping (docs/algorithms.md §2.6). Batched decoding left-pads every
 // prompt to the longest one in its batch, and the SkipKV reference force-keeps pads in the
-// compressed cache (score +100, ALGORITHMS.md §2.4 "Padding"), so each pad eats one slot of the
+// compressed cache (score +100, docs/algorithms.md §2.4 "Padding"), so each pad eats one slot of the
 // budget. Sorting requests by prefill length before cutting them into batches puts similar lengths
 // together, which removes most of the padding.
 #pragma once
@@ -19,7 +19,7 @@
 namespace kvsift {
 
 struct BatchGrouperConfig {
-  // Requests per batch; the last batch holds the remainder. ALGORITHMS.md §4 gives no default:
+  // Requests per batch; the last batch holds the remainder. docs/algorithms.md §4 gives no default:
   // 1 (no batching, hence no padding) is the neutral choice **(our choice)**.
   std::int64_t batch_size = 1;
   // Sort ascending by prefill length before batching (the SkipKV grouping); false keeps data-set
@@ -114,7 +114,7 @@ class BatchGrouper {
 };
 
 // Effective budget of a request whose `pad` left pads are force-kept (SkipKV faithful mode,
-// ALGORITHMS.md §2.6): B' = B - pad. The window must still fit, so B' <= window is an error.
+// docs/algorithms.md §2.6): B' = B - pad. The window must still fit, so B' <= window is an error.
 inline std::int64_t effective_budget(std::int64_t budget, std::int64_t window, std::int64_t pad) {
   KVSIFT_CHECK(window >= 0, "effective_budget: window must be >= 0, got ", window);
   KVSIFT_CHECK(pad >= 0, "effective_budget: pad must be >= 0, got ", pad);

@@ -1,4 +1,4 @@
-// SkipKV: the whole pipeline of ALGORITHMS.md §2 as one object a host drives per step.
+// SkipKV: the whole pipeline of docs/algorithms.md §2 as one object a host drives per step.
 //   observe(seq, tokens, hidden)  every appended token (prompt and decode) of every sequence:
 //                                 sentences, check labels, embeddings (§2.1), steering gate (§2.5)
 //   should_compress(lengths)      the decode trigger: a sequence reaches budget + buffer (§1.3)
@@ -30,9 +30,9 @@
 #include "kvsift/core/step_inputs.hpp"
 #include "kvsift/policy/budget_trigger.hpp"
 #include "kvsift/policy/policy.hpp"
-#include "kvsift/policy/sentence_scorer.hpp"
-#include "kvsift/policy/sentence_tracker.hpp"
-#include "kvsift/policy/steering.hpp"
+#include "kvsift/policy/skipkv/sentence_scorer.hpp"
+#include "kvsift/policy/skipkv/sentence_tracker.hpp"
+#include "kvsift/policy/skipkv/steering.hpp"
 
 namespace kvsift {
 
@@ -43,7 +43,7 @@ struct SkipKVConfig {
   std::int64_t batch = 1;
   std::int64_t layers = 0;    // decoder layers; 0: any layer index >= 0 is accepted
   std::int64_t kv_heads = 0;  // KV heads per layer; 0: taken from the first cache seen
-  // Eviction (ALGORITHMS.md §4 defaults).
+  // Eviction (docs/algorithms.md §4 defaults).
   int budget = 1024;        // tokens per (sequence, KV head) after a compression
   int window = 8;           // observation window W, always kept
   int buffer = 128;         // decode steps between compressions (>= window)

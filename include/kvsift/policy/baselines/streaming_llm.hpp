@@ -1,4 +1,4 @@
-// StreamingLLM (ALGORITHMS.md §1.4): keep the first `sink` tokens (attention sinks) and the most
+// StreamingLLM (docs/algorithms.md §1.4): keep the first `sink` tokens (attention sinks) and the most
 // recent budget − sink. With left padding the sinks are the first real tokens.
 #pragma once
 

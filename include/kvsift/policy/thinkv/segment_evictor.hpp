@@ -1,4 +1,4 @@
-// SegmentEvictor: ThinKV's Think-Before-you-Evict (TBE, ALGORITHMS.md §3.3). It keeps the
+// SegmentEvictor: ThinKV's Think-Before-you-Evict (TBE, docs/algorithms.md §3.3). It keeps the
 // segment bookkeeping of one sequence (one segment per 128-step refresh interval, with its thought
 // type) and decides, step by step, which segments are demoted and to how many tokens. Which tokens
 // of a demoted segment survive is decided per (layer, KV head) by kmeans_select on the segment's
@@ -15,8 +15,8 @@
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/keep_plan.hpp"
 #include "kvsift/core/kv_cache_view.hpp"
-#include "kvsift/policy/kmeans_select.hpp"
-#include "kvsift/policy/thought_type.hpp"
+#include "kvsift/backend/cpu/kmeans_select.hpp"
+#include "kvsift/config/thought_type.hpp"
 
 namespace kvsift {
 
@@ -111,7 +111,7 @@ class SegmentEvictor {
   // One decode step: the new token joins the open segment, or opens a new segment of type
   // `label` (the classifier's label for this interval) every `segment_length` tokens. Then:
   //  Rule 1: if the token opened a T segment, every earlier segment is demoted one step;
-  //  Rule 2: otherwise (ALGORITHMS.md §3.3: not on a step where Rule 1 fired), while the cache
+  //  Rule 2: otherwise (docs/algorithms.md §3.3: not on a step where Rule 1 fired), while the cache
   //          exceeds the budget, the least important closed segment (lowest ρ, then oldest) that
   //          can still shrink is demoted. When no candidate can shrink, it stops and reports
   //          `over_budget`. A cache still above budget after Rule 1 is trimmed at the next step.

@@ -1,4 +1,4 @@
-// ThoughtClassifier: ThinKV's thought decomposition (ALGORITHMS.md §3.1). Every decode step the
+// ThoughtClassifier: ThinKV's thought decomposition (docs/algorithms.md §3.1). Every decode step the
 // engine reports the attention sparsity of the calibrated layers L*; their mean is the step's
 // sparsity. Every `refresh` (τ = 128) steps the mean sparsity of the interval just finished labels
 // the NEXT interval (our choice; the paper is ambiguous): s < θ1 → E, θ1 ≤ s < θ2 → R, s ≥ θ2 → T.
@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "kvsift/core/error.hpp"
-#include "kvsift/policy/thought_type.hpp"
+#include "kvsift/config/thought_type.hpp"
 
 namespace kvsift {
 

@@ -1,5 +1,5 @@
 // Offline calibration of ThinKV's thought thresholds θ1 < θ2 and calibrated layers L*
-// (ALGORITHMS.md §3.1) from per-step attention sparsities of calibration prompts. For every
+// (docs/algorithms.md §3.1) from per-step attention sparsities of calibration prompts. For every
 // (prompt, layer): a Gaussian KDE on a grid over [0, 1]; the layer's KDE qualifies when it has
 // exactly 3 modes over a stable bandwidth range; the density minima between adjacent modes are the
 // thresholds. Implemented in src/sparsity_calibration.cpp; docs/thinkv.md explains the choices.

@@ -1,4 +1,4 @@
-// FullKV (ALGORITHMS.md §1.4): keeps everything; the reference for memory and recall.
+// FullKV (docs/algorithms.md §1.4): keeps everything; the reference for memory and recall.
 #pragma once
 
 #include <string_view>

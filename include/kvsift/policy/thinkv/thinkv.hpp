@@ -1,11 +1,11 @@
-// ThinKV: the whole pipeline of ALGORITHMS.md §3 for one sequence, driven step by step by a host
+// ThinKV: the whole pipeline of docs/algorithms.md §3 for one sequence, driven step by step by a host
 // (the engine). It wires together
 //  - the thought classifier (§3.1): per-step attention sparsity of the calibrated layers L*, one
-//    R/E/T label per τ = 128-step refresh interval (policy/thought_classifier.hpp);
+//    R/E/T label per τ = 128-step refresh interval (policy/thinkv/thought_classifier.hpp);
 //  - Think Before you Quantize (§3.2): each layer's ThoughtBlockTable stores a token at the
 //    precision of its thought type (R4 E4 T2 by default; paged/block_codec.hpp);
 //  - Think Before you Evict (§3.3): the SegmentEvictor's Rule 1 / Rule 2 demotions, each applied
-//    per (layer, KV head) by k-means on the segment's resident keys (policy/segment_evictor.hpp);
+//    per (layer, KV head) by k-means on the segment's resident keys (policy/thinkv/segment_evictor.hpp);
 //  - Continuous Thinking (§3.4): eviction only sets bits in the table; nothing is gathered.
 //
 // One ThinKV object serves one sequence and owns one ThoughtBlockTable per layer (each with its
@@ -31,10 +31,10 @@
 
 #include "kvsift/paged/block_codec.hpp"
 #include "kvsift/paged/thought_block_table.hpp"
-#include "kvsift/policy/kmeans_select.hpp"
-#include "kvsift/policy/segment_evictor.hpp"
-#include "kvsift/policy/thought_classifier.hpp"
-#include "kvsift/policy/thought_type.hpp"
+#include "kvsift/backend/cpu/kmeans_select.hpp"
+#include "kvsift/policy/thinkv/segment_evictor.hpp"
+#include "kvsift/policy/thinkv/thought_classifier.hpp"
+#include "kvsift/config/thought_type.hpp"
 
 namespace kvsift {
 

@@ -1,4 +1,4 @@
-// ThinKV's thought types (ALGORITHMS.md §3.1): reasoning, execution and transition segments of
+// ThinKV's thought types (docs/algorithms.md §3.1): reasoning, execution and transition segments of
 // a reasoning trace, and their importance ρ used by eviction (§3.3) and precision (§3.2).
 #pragma once
 

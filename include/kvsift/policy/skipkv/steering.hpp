@@ -1,4 +1,4 @@
-// SteeringController: SkipKV's adaptive steering (ALGORITHMS.md §2.5). A fixed vector v, built
+// SteeringController: SkipKV's adaptive steering (docs/algorithms.md §2.5). A fixed vector v, built
 // offline SEAL-style as mean(hidden at execution thoughts) - mean(hidden at non-execution
 // thoughts), is added to the input of one decoder layer at thought boundaries inside
 // <think>…</think>, with a per-sequence strength α = α0 + γ·N_o that grows with the number of
