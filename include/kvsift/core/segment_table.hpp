@@ -37,6 +37,9 @@ struct PenaltyRange {
   float lambda = 0.0f;
 };
 
+// [batch * kv_heads] lists of penalty ranges, one list per (sequence, KV head) row.
+using SentencePenalties = std::vector<std::vector<PenaltyRange>>;
+
 class SegmentTable {
  public:
   SegmentTable() = default;

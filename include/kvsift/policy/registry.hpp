@@ -1,4 +1,5 @@
-// Choosing a policy at run time by name, as an engine reads it from its config.
+// The one table of methods. make_policy(), the kvsift tool, the C API, the Python package and the
+// docs all read it; adding a method is its header plus one line in src/policy_registry.cpp.
 #pragma once
 
 #include <cstdint>
@@ -11,29 +12,37 @@
 
 namespace kvsift {
 
-// The knobs shared by the baselines (docs/algorithms.md §4 defaults). Each policy maps them onto its
-// own validated XxxConfig; policy-specific settings are set on those configs directly.
-struct PolicyOptions {
-  int budget = 1024;        // tokens kept per (sequence, KV head) after a compression
-  int window = 8;           // observation window W (always kept)
-  int buffer = 128;         // decode steps between compressions once the budget is reached
-  int kernel = 7;           // pooling kernel of the window importance
-  float mix_lambda = 0.1f;  // R-KV λ: importance vs redundancy
-  float threshold = 0.5f;   // R-KV redundancy cosine threshold
-  int sink = 4;             // StreamingLLM sink tokens
-  // SkipKV: width of the final-norm last-layer hidden states the host will pass to
-  // SkipKV::observe(). 0 (default): segmentation only — no sentence embeddings, so no redundancy
-  // marks and SkipKV's plans are R-KV's plus its sentence bookkeeping.
-  std::int64_t hidden_size = 0;
+struct MethodInfo {
+  std::string_view name;     // "rkv": what engines put in their config
+  std::string_view family;   // "baseline", "skipkv", "thinkv", ...
+  std::string_view summary;  // one line for help texts and the docs
+  unsigned needs;            // the Needs bits its observe() reads
+  // Builds the method from a JSON object of its config's fields ("{}": the defaults of
+  // docs/algorithms.md §4). Unknown keys, wrong types and invalid values raise kvsift::Error
+  // naming the key and the value.
+  std::unique_ptr<Policy> (*create)(std::string_view json_config);
 };
 
-// Known names: "fullkv", "streaming", "h2o", "snapkv", "rkv", "skipkv". Throws kvsift::Error naming
-// the unknown name and listing the known ones.
-// "skipkv" is a kvsift::SkipKV (skipkv.hpp) with batch = 0 (sized from the sequences it observes
-// before its first select()), any layer count, R1-Distill-Qwen sentence ids, τ and steering at
-// their defaults, no steering vector, and hidden_size from the options. Unlike the others it must
-// observe() every token of every sequence before select() (dynamic_cast to SkipKV to reach it).
-std::unique_ptr<Policy> make_policy(std::string_view name, const PolicyOptions& options);
+// Every registered method, in table order.
+const std::vector<MethodInfo>& registered_methods();
+// The entry for `name`; throws kvsift::Error naming the unknown name and listing the known ones.
+const MethodInfo& method_info(std::string_view name);
 std::vector<std::string> policy_names();
+
+// make_policy("rkv", R"({"budget": 512})").
+std::unique_ptr<Policy> make_policy(std::string_view name, std::string_view json_config = "{}");
+
+// TRANSITIONAL (removed once every caller builds from JSON): the old shared knobs.
+struct PolicyOptions {
+  int budget = 1024;
+  int window = 8;
+  int buffer = 128;
+  int kernel = 7;
+  float mix_lambda = 0.1f;
+  float threshold = 0.5f;
+  int sink = 4;
+  std::int64_t hidden_size = 0;
+};
+std::unique_ptr<Policy> make_policy(std::string_view name, const PolicyOptions& options);
 
 }  // namespace kvsift

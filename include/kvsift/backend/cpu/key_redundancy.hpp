@@ -19,18 +19,9 @@
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/kv_cache_view.hpp"
 #include "kvsift/config/options.hpp"
+#include "kvsift/config/scoring.hpp"
 
 namespace kvsift {
-
-struct KeyRedundancyConfig {
-  float threshold = 0.5f;  // cosine above which two keys are near-duplicates (strictly greater)
-  RedundancyMode mode = RedundancyMode::sound;
-
-  void validate() const {
-    KVSIFT_CHECK(std::isfinite(threshold) && threshold >= -1.0f && threshold <= 1.0f,
-                 "KeyRedundancyConfig: threshold must be in [-1, 1], got ", threshold);
-  }
-};
 
 namespace cpu {
 

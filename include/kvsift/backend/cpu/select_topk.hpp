@@ -12,23 +12,9 @@
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/keep_plan.hpp"
 #include "kvsift/core/kv_cache_view.hpp"
+#include "kvsift/config/scoring.hpp"
 
 namespace kvsift {
-
-struct TopKSelection {
-  int budget = 1024;  // tokens per (sequence, KV head) after compression
-  int window = 8;     // most recent tokens, always kept
-  int sink = 0;       // first (valid) tokens, always kept; counted in the budget
-
-  void validate() const {
-    KVSIFT_CHECK(window >= 0 && sink >= 0, "TopKSelection: window (", window, ") and sink (", sink,
-                 ") must be >= 0");
-    // StreamingLLM's plan is all sinks and window (budget == window + sink); policies that choose
-    // by score require budget > window + sink in their own configs.
-    KVSIFT_CHECK(budget >= window + sink && budget > 0, "TopKSelection: budget (", budget,
-                 ") must be positive and at least window + sink (", window, " + ", sink, ")");
-  }
-};
 
 namespace cpu {
 

@@ -16,22 +16,9 @@
 #include "kvsift/core/kv_cache_view.hpp"
 #include "kvsift/core/tensor_view.hpp"
 #include "kvsift/config/options.hpp"
+#include "kvsift/config/scoring.hpp"
 
 namespace kvsift {
-
-struct WindowImportanceConfig {
-  int window = 8;                               // W: observation-window queries
-  int kernel = 7;                               // pooling kernel, odd
-  GqaReduce gqa = GqaReduce::max;               // R-KV default
-  Pooling pooling = Pooling::max;               // R-KV default (SnapKV: avg)
-  WindowReduce reduction = WindowReduce::mean;  // R-KV default (SnapKV: sum)
-
-  void validate() const {
-    KVSIFT_CHECK(window >= 1, "WindowImportanceConfig: window must be >= 1, got ", window);
-    KVSIFT_CHECK(kernel >= 1 && kernel % 2 == 1,
-                 "WindowImportanceConfig: kernel must be odd and >= 1, got ", kernel);
-  }
-};
 
 namespace cpu {
 

@@ -11,7 +11,9 @@ class FullKV final : public Policy {
  public:
   std::string_view name() const override { return "fullkv"; }
   bool should_compress(const KVCacheView&) const override { return false; }
-  KeepPlan select(const StepInputs& in) override {
+  using Policy::select;
+  KeepPlan select(const StepInputs& in, const ExecContext& ctx) override {
+    (void)ctx;
     in.kv.validate();
     return KeepPlan::keep_all(in.kv);
   }

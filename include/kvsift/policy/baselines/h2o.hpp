@@ -69,7 +69,9 @@ class H2O final : public Policy {
     cpu::accumulate_attention(in.kv, in.window_queries, acc);
   }
 
-  KeepPlan select(const StepInputs& in) override {
+  using Policy::select;
+  KeepPlan select(const StepInputs& in, const ExecContext& ctx) override {
+    (void)ctx;
     in.kv.validate();
     const std::vector<std::uint8_t> over = cpu::sequences_over_budget(in.kv, cfg_.budget);
     if (std::find(over.begin(), over.end(), 1) == over.end()) return KeepPlan::keep_all(in.kv);

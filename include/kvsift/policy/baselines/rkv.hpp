@@ -20,42 +20,9 @@
 #include "kvsift/core/error.hpp"
 #include "kvsift/policy/budget_trigger.hpp"
 #include "kvsift/policy/policy.hpp"
+#include "kvsift/config/rkv_config.hpp"
 
 namespace kvsift {
-
-struct RKVConfig {
-  int budget = 1024;        // tokens per (sequence, KV head) after a compression
-  int window = 8;           // observation window W, always kept
-  int buffer = 128;         // decode steps between compressions (>= window)
-  int kernel = 7;           // max-pooling kernel of the importance (odd)
-  float mix_lambda = 0.1f;  // λ; R-KV's class default 0.07 is a value, not the default (§1.3)
-  float threshold = 0.5f;   // redundancy cosine threshold
-  int sink = 0;             // first tokens always kept (R-KV passes 4 but ignores it)
-  RedundancyMode redundancy = RedundancyMode::sound;  // faithful: the reference's column-0 quirk
-  GqaReduce gqa = GqaReduce::max;
-
-  void validate() const {
-    KVSIFT_CHECK(window >= 1, "RKVConfig: window must be >= 1, got ", window);
-    KVSIFT_CHECK(sink >= 0, "RKVConfig: sink must be >= 0, got ", sink);
-    KVSIFT_CHECK(budget > window + sink, "RKVConfig: budget (", budget,
-                 ") must exceed window + sink (", window, " + ", sink, ")");
-    KVSIFT_CHECK(buffer >= window, "RKVConfig: buffer (", buffer, ") must be >= window (", window,
-                 ")");
-    KVSIFT_CHECK(mix_lambda >= 0.0f && mix_lambda <= 1.0f,
-                 "RKVConfig: mix_lambda must be in [0, 1], got ", mix_lambda);
-    importance_config().validate();
-    redundancy_config().validate();
-  }
-  WindowImportanceConfig importance_config() const {
-    WindowImportanceConfig c;
-    c.window = window;
-    c.kernel = kernel;
-    c.gqa = gqa;
-    return c;
-  }
-  KeyRedundancyConfig redundancy_config() const { return {threshold, redundancy}; }
-  TopKSelection selection() const { return {budget, window, sink}; }
-};
 
 // Every intermediate of the R-KV score, [batch, kv_heads, capacity] each.
 struct RKVScores {
@@ -106,7 +73,9 @@ class RKV final : public Policy {
   }
 
   // Scores and plans the sequences over budget; the others keep everything.
-  KeepPlan select(const StepInputs& in) override {
+  using Policy::select;
+  KeepPlan select(const StepInputs& in, const ExecContext& ctx) override {
+    (void)ctx;
     return cpu::select_scored_over_budget(in.kv, cfg_.selection(), [&](const std::uint8_t* over) {
       return cpu::rkv_scores(in.kv, in.window_queries, cfg_, over).score;
     });

@@ -54,7 +54,9 @@ class SnapKV final : public Policy {
   }
 
   // Scores and plans the sequences over budget; the others keep everything.
-  KeepPlan select(const StepInputs& in) override {
+  using Policy::select;
+  KeepPlan select(const StepInputs& in, const ExecContext& ctx) override {
+    (void)ctx;
     return cpu::select_scored_over_budget(in.kv, cfg_.selection(), [&](const std::uint8_t* over) {
       return cpu::window_importance(in.kv, in.window_queries, cfg_.importance_config(), over);
     });

@@ -37,7 +37,9 @@ class StreamingLLM final : public Policy {
   }
 
   // Needs no queries: in.window_queries is ignored.
-  KeepPlan select(const StepInputs& in) override {
+  using Policy::select;
+  KeepPlan select(const StepInputs& in, const ExecContext& ctx) override {
+    (void)ctx;
     in.kv.validate();
     return cpu::plan_from_scores(in.kv, nullptr, {cfg_.budget, cfg_.recent(), cfg_.sink});
   }

@@ -156,7 +156,9 @@ class SkipKV final : public Policy {
   // trigger says (prefill compression of a long prompt).
   //   in.kv              [batch, kv_heads, capacity, head_dim]
   //   in.window_queries  [batch, q_heads, window, head_dim]
-  KeepPlan select(const StepInputs& in) override {
+  using Policy::select;
+  KeepPlan select(const StepInputs& in, const ExecContext& ctx) override {
+    (void)ctx;
     const KVCacheView& kv = in.kv;
     kv.validate();
     KVSIFT_CHECK(kv.batch() == batch(), "SkipKV::select: cache batch (", kv.batch(),

@@ -1,0 +1,57 @@
+// The CUDA backend as host code sees it: an interface with no CUDA types, so the policies, the
+// C API and the tool can reach the GPU paths without including CUDA headers. kvsift::cuda
+// implements it (cuda/device_backend.cpp) and registers itself when it is linked; a binary built
+// without kvsift::cuda gets a kvsift::Error saying so the first time a device view reaches a
+// policy or compact().
+//
+// Every call validates on the host before it enqueues anything on ctx.stream and carves its
+// scratch from ctx.workspace (sized by the matching *_workspace_bytes). Calls that return a
+// KeepPlan wait for the stream once, to download the kept slots.
+#pragma once
+
+#include <cstddef>
+
+#include "kvsift/config/rkv_config.hpp"
+#include "kvsift/config/sentence_scorer_config.hpp"
+#include "kvsift/core/exec_context.hpp"
+#include "kvsift/core/keep_plan.hpp"
+#include "kvsift/core/kv_cache_view.hpp"
+#include "kvsift/core/segment_table.hpp"
+#include "kvsift/core/tensor_view.hpp"
+
+namespace kvsift {
+
+class DeviceBackend {
+ public:
+  virtual ~DeviceBackend() = default;
+
+  // compact() on device views: moves kept rows in place; lengths (host) rewritten.
+  virtual std::size_t compact_workspace_bytes(const KeepPlan& plan) const = 0;
+  virtual void compact(const KVCacheView& kv, const KeepPlan& plan, const ExecContext& ctx) const = 0;
+
+  // R-KV (§1.3) on a device cache.
+  //   kv       keys/values [batch, kv_heads, capacity, head_dim] device; lengths host
+  //   queries  [batch, q_heads, window, head_dim] device
+  virtual std::size_t rkv_workspace_bytes(const KVCacheView& kv, const TensorView& queries,
+                                          const RKVConfig& cfg) const = 0;
+  virtual KeepPlan rkv_select(const KVCacheView& kv, const TensorView& queries,
+                              const RKVConfig& cfg, const ExecContext& ctx) const = 0;
+
+  // SkipKV's eq. 6 selection (§2.4) on a device cache; penalties from the host range maps.
+  virtual std::size_t skipkv_workspace_bytes(const KVCacheView& kv, const TensorView& queries,
+                                             const SentenceScorerConfig& cfg,
+                                             const SentencePenalties& penalties) const = 0;
+  virtual KeepPlan skipkv_select(const KVCacheView& kv, const TensorView& queries,
+                                 const SentenceScorerConfig& cfg,
+                                 const SentencePenalties& penalties,
+                                 const ExecContext& ctx) const = 0;
+};
+
+// The registered backend; throws kvsift::Error when kvsift::cuda is not linked.
+const DeviceBackend& device_backend();
+// True when kvsift::cuda is linked and registered (it says nothing about a device being present).
+bool has_device_backend();
+// Called once by kvsift::cuda at static initialisation.
+void register_device_backend(const DeviceBackend* backend);
+
+}  // namespace kvsift
