@@ -163,12 +163,13 @@ void launch_joint_score(const float* importance, const float* redundancy, int ro
                         int length, float mix_lambda, float* score, cudaStream_t stream);
 
 // Top-(budget − window) selection of every row (select_topk_slots), for `rows` = sequences ·
-// kv_heads rows whose padding mask row is (row / kv_heads) % mask_batch.
-//   scores [rows, length − window]; valid_mask [mask_batch, capacity] or nullptr; slots [rows,
-//   budget]
+// kv_heads rows of `length` tokens whose padding mask row is (row / kv_heads) % mask_batch.
+//   scores [rows, score_pitch] (−1: length − window), the first length − window used;
+//   valid_mask [mask_batch, capacity] or nullptr; slots [rows, budget]
 void launch_select_topk(const float* scores, const std::uint8_t* valid_mask, int mask_batch,
                         int sequences, int kv_heads, std::int64_t capacity, int length, int budget,
-                        int window, std::int32_t* slots, cudaStream_t stream);
+                        int window, std::int32_t* slots, cudaStream_t stream,
+                        std::int64_t score_pitch = -1);
 
 // The no-op plan: rows 0 .. length − 1, then kUnusedSlot up to `budget`.
 //   slots [rows, budget]
