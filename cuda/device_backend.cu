@@ -61,7 +61,7 @@ class CudaBackend final : public DeviceBackend {
   KeepPlan rkv_select(const KVCacheView& kv, const TensorView& queries, const RKVConfig& cfg,
                       const ExecContext& ctx) const override {
     const char* op = "DeviceBackend::rkv_select";
-    const std::size_t need = rkv_workspace_bytes(kv, queries, cfg);  // validates everything
+    const std::size_t need = rkv_workspace_bytes(kv, queries, cfg);       // validates everything
     if (!any_over_budget(kv, cfg.budget)) return KeepPlan::keep_all(kv);  // §1.3: nothing moves
     KVSIFT_CHECK(ctx.workspace != nullptr && ctx.workspace_bytes >= need, op, ": workspace of ",
                  ctx.workspace_bytes, " bytes is too small (", need, " needed)");
@@ -104,8 +104,9 @@ class CudaBackend final : public DeviceBackend {
   void copy_to_host(void* dst, const void* src, std::size_t bytes,
                     const ExecContext& ctx) const override {
     if (bytes == 0) return;
-    KVSIFT_CHECK(dst != nullptr && src != nullptr, "DeviceBackend::copy_to_host: null pointer (dst ",
-                 dst, ", src ", src, ") for ", bytes, " bytes");
+    KVSIFT_CHECK(dst != nullptr && src != nullptr,
+                 "DeviceBackend::copy_to_host: null pointer (dst ", dst, ", src ", src, ") for ",
+                 bytes, " bytes");
     KVSIFT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_of(ctx)));
     KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream_of(ctx)));
   }

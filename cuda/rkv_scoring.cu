@@ -5,10 +5,10 @@
 #include <string>
 #include <vector>
 
+#include "batch_runs.hpp"
 #include "kvsift/backend/cuda/check.hpp"
 #include "kvsift/backend/cuda/rkv_scoring.hpp"
 #include "kvsift/backend/cuda/workspace.hpp"
-#include "batch_runs.hpp"
 #include "rkv_kernels.cuh"
 
 namespace kvsift::cuda {
@@ -57,7 +57,7 @@ struct CallShape {
   std::int64_t layers = 1, batch = 0, kv_heads = 0, window = 0, head_dim = 0;
   std::int64_t length = 0;            // S = max_b S_b: the pitch of every per-token buffer
   std::vector<std::int32_t> lengths;  // [batch] S_b (a host copy of layer 0's)
-  bool tensor_core = false;  // the tensor-core search runs (asked for, and head_dim fits)
+  bool tensor_core = false;           // the tensor-core search runs (asked for, and head_dim fits)
   std::int64_t n() const { return length > window ? length - window : 0; }
   std::int64_t sequences() const { return layers * batch; }
   std::int64_t rows() const { return sequences() * kv_heads; }
@@ -257,8 +257,8 @@ RunViews run_views(const KVCacheView* layers, const TensorView* queries, int n_l
 void copy_rows(float* dst, std::int64_t dst_pitch, const float* src, std::int64_t width,
                std::int64_t rows, cudaStream_t stream) {
   if (rows == 0 || width == 0) return;
-  KVSIFT_CUDA_CHECK(cudaMemcpy2DAsync(dst, static_cast<std::size_t>(dst_pitch) * sizeof(float),
-                                      src, static_cast<std::size_t>(width) * sizeof(float),
+  KVSIFT_CUDA_CHECK(cudaMemcpy2DAsync(dst, static_cast<std::size_t>(dst_pitch) * sizeof(float), src,
+                                      static_cast<std::size_t>(width) * sizeof(float),
                                       static_cast<std::size_t>(width) * sizeof(float),
                                       static_cast<std::size_t>(rows), cudaMemcpyDeviceToDevice,
                                       stream));
@@ -364,8 +364,8 @@ bool rkv_select(const KVCacheView& kv, const TensorView& queries, const RKVConfi
 }
 
 bool rkv_select_step(const KVCacheView* layers, const TensorView* queries, int n_layers,
-                     const RKVConfig& cfg, std::int32_t* slots, float* scores,
-                     void* workspace, std::size_t workspace_bytes, cudaStream_t stream) {
+                     const RKVConfig& cfg, std::int32_t* slots, float* scores, void* workspace,
+                     std::size_t workspace_bytes, cudaStream_t stream) {
   return detail::select_step(layers, queries, n_layers, cfg, slots, scores, workspace,
                              workspace_bytes, stream, "rkv_select_step");
 }

@@ -11,9 +11,9 @@
 #include <cstdint>
 #include <cub/block/block_scan.cuh>
 
+#include "batch_runs.hpp"
 #include "kvsift/backend/cuda/check.hpp"
 #include "kvsift/backend/cuda/rkv_scoring.hpp"
-#include "batch_runs.hpp"
 #include "rkv_kernels.cuh"
 
 namespace kvsift::cuda {
@@ -34,8 +34,7 @@ __global__ void __launch_bounds__(kBlockThreads)
     select_topk_kernel(const float* __restrict__ scores,        // [rows, score_pitch], n used
                        const std::uint8_t* __restrict__ valid,  // [mask_batch, capacity] or null
                        int mask_batch, std::int64_t capacity, int kv_heads, int n,
-                       std::int64_t score_pitch, int keep,
-                       int window, int budget,
+                       std::int64_t score_pitch, int keep, int window, int budget,
                        std::int32_t* __restrict__ slots) {  // [rows, budget]
   using Scan = cub::BlockScan<int, kBlockThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;

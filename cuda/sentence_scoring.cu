@@ -9,10 +9,10 @@
 #include <type_traits>
 #include <vector>
 
+#include "batch_runs.hpp"
 #include "kvsift/backend/cuda/check.hpp"
 #include "kvsift/backend/cuda/sentence_scoring.hpp"
 #include "kvsift/backend/cuda/workspace.hpp"
-#include "batch_runs.hpp"
 #include "rkv_kernels.cuh"
 
 namespace kvsift::cuda {
@@ -289,10 +289,9 @@ std::size_t skipkv_workspace_bytes(const KVCacheView& kv, const TensorView& quer
   return detail::own_bytes(s) + rkv_workspace_bytes(kv, queries, s.rkv);
 }
 
-void skipkv_score(const KVCacheView& kv, const TensorView& queries,
-                  const SentenceScorerConfig& cfg, const SentencePenaltiesDevice& penalties,
-                  const RKVScoreOutputs& out, void* workspace, std::size_t workspace_bytes,
-                  cudaStream_t stream) {
+void skipkv_score(const KVCacheView& kv, const TensorView& queries, const SentenceScorerConfig& cfg,
+                  const SentencePenaltiesDevice& penalties, const RKVScoreOutputs& out,
+                  void* workspace, std::size_t workspace_bytes, cudaStream_t stream) {
   const detail::Shape s = detail::check_call(kv, cfg, penalties, "skipkv_score");
   KVSIFT_CHECK(out.score != nullptr, "skipkv_score: out.score must be a device pointer, got null");
   if (s.batch == 0) return;
@@ -309,8 +308,8 @@ void skipkv_score(const KVCacheView& kv, const TensorView& queries,
 
 bool skipkv_select(const KVCacheView& kv, const TensorView& queries,
                    const SentenceScorerConfig& cfg, const SentencePenaltiesDevice& penalties,
-                   std::int32_t* slots, float* scores, void* workspace,
-                   std::size_t workspace_bytes, cudaStream_t stream) {
+                   std::int32_t* slots, float* scores, void* workspace, std::size_t workspace_bytes,
+                   cudaStream_t stream) {
   using namespace detail;
   const Shape s = check_call(kv, cfg, penalties, "skipkv_select");
   KVSIFT_CHECK(slots != nullptr, "skipkv_select: slots must be a device pointer, got null");
@@ -322,8 +321,8 @@ bool skipkv_select(const KVCacheView& kv, const TensorView& queries,
   std::size_t rkv_bytes = 0;
   float* own_score = nullptr;
   if (any_over) {
-    own_score = carve(s, kv, queries, workspace, workspace_bytes, "skipkv_select", &rkv_ws,
-                      &rkv_bytes);
+    own_score =
+        carve(s, kv, queries, workspace, workspace_bytes, "skipkv_select", &rkv_ws, &rkv_bytes);
   }
   const bool faithful = cfg.pad_mode == PadMode::faithful;
   const std::vector<LengthRun> runs = equal_length_runs(s.lengths.data(), s.batch);
@@ -347,9 +346,9 @@ bool skipkv_select(const KVCacheView& kv, const TensorView& queries,
                             static_cast<int>(r.length), n, stream);
     // Faithful pads are ordinary candidates at +100 (kept first, counted); excluded ones are
     // masked.
-    launch_select_topk(out.score, faithful ? nullptr : run_kv.valid_mask,
-                       static_cast<int>(r.count), static_cast<int>(r.count), heads, kv.capacity(),
-                       r.length, budget, s.window, slots + row0 * budget, stream);
+    launch_select_topk(out.score, faithful ? nullptr : run_kv.valid_mask, static_cast<int>(r.count),
+                       static_cast<int>(r.count), heads, kv.capacity(), r.length, budget, s.window,
+                       slots + row0 * budget, stream);
     if (!whole && scores != nullptr && n > 0) {
       KVSIFT_CUDA_CHECK(cudaMemcpy2DAsync(
           scores + row0 * s.n(), static_cast<std::size_t>(s.n()) * sizeof(float), out.score,

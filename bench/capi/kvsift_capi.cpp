@@ -121,9 +121,8 @@ Layout layout_for(const Shapes& s, const Views& v, const RKVConfig& cfg) {
 }
 
 // Score + select; returns whether scoring ran. `slots_out` may be null (the workspace slice).
-bool select_into(const Shapes& s, const Views& v, const RKVConfig& cfg,
-                 std::int32_t*& slots, void* workspace, std::size_t workspace_bytes,
-                 cudaStream_t stream) {
+bool select_into(const Shapes& s, const Views& v, const RKVConfig& cfg, std::int32_t*& slots,
+                 void* workspace, std::size_t workspace_bytes, cudaStream_t stream) {
   const Layout l = layout_for(s, v, cfg);
   KVSIFT_CHECK(workspace != nullptr || l.total() == 0, "kvsift_capi: workspace is null but ",
                l.total(), " bytes are needed");

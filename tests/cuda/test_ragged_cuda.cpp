@@ -88,7 +88,8 @@ struct Ragged {
         if (i > 0 && ud(rng) < 0.25f) {
           const std::int64_t src = std::uniform_int_distribution<std::int64_t>(0, i - 1)(rng);
           const T* from = &k[static_cast<std::size_t>((bh * C + src) * D)];
-          for (std::int64_t e = 0; e < D; ++e) out[e] = from_float<T>(to_float(from[e]) + 0.05f * nd(rng));
+          for (std::int64_t e = 0; e < D; ++e)
+            out[e] = from_float<T>(to_float(from[e]) + 0.05f * nd(rng));
         } else {
           for (std::int64_t e = 0; e < D; ++e) out[e] = from_float<T>(nd(rng) + 0.3f * common[e]);
         }
@@ -138,8 +139,7 @@ struct Ragged {
     return TensorView::contiguous(queries.data(), dtype_of<T>::value, Device::cpu, {B, Hq, W, D});
   }
   TensorView dev_q() {
-    return TensorView::contiguous(d_queries.get(), dtype_of<T>::value, Device::cuda,
-                                  {B, Hq, W, D});
+    return TensorView::contiguous(d_queries.get(), dtype_of<T>::value, Device::cuda, {B, Hq, W, D});
   }
   TensorView dev_q_one(std::int64_t b) {
     return TensorView::contiguous(d_queries.get() + b * Hq * W * D, dtype_of<T>::value,
@@ -213,9 +213,11 @@ void check_against_cpu_plan(const KeepPlan& gpu, const KeepPlan& cpu_plan,
       const std::int64_t n = lengths[b] - W;
       std::vector<float> cand;
       for (std::int64_t j = 0; j < n; ++j)
-        if (!exclude_pads || mask == nullptr || mask[b * C + j]) cand.push_back(cpu_score.at(b, h, j));
+        if (!exclude_pads || mask == nullptr || mask[b * C + j])
+          cand.push_back(cpu_score.at(b, h, j));
       std::sort(cand.begin(), cand.end(), std::greater<float>());
-      const std::size_t keep = std::min<std::size_t>(cand.size(), static_cast<std::size_t>(budget - W));
+      const std::size_t keep =
+          std::min<std::size_t>(cand.size(), static_cast<std::size_t>(budget - W));
       const float cut = keep > 0 ? cand[keep - 1] : 0.0f;
       std::vector<std::int32_t> diff;
       std::set_symmetric_difference(ours.begin(), ours.end(), ref.begin(), ref.end(),
@@ -259,9 +261,9 @@ struct HostCompacted {
 template <class T>
 HostCompacted<T> host_compact(const Ragged<T>& c, const KeepPlan& plan) {
   HostCompacted<T> h{c.keys, c.values, c.mask, c.lengths};
-  KVCacheView kv = make_kv_cache_view(h.keys.data(), h.values.data(), dtype_of<T>::value,
-                                      Device::cpu, c.B, c.H, c.C, c.D, h.lengths.data(),
-                                      h.mask.empty() ? nullptr : h.mask.data());
+  KVCacheView kv =
+      make_kv_cache_view(h.keys.data(), h.values.data(), dtype_of<T>::value, Device::cpu, c.B, c.H,
+                         c.C, c.D, h.lengths.data(), h.mask.empty() ? nullptr : h.mask.data());
   compact(kv, plan);
   return h;
 }
@@ -300,8 +302,8 @@ void check_rkv_ragged(Ragged<T>& c, const RKVConfig& cfg) {
     const std::int64_t n = c.lengths[b] - c.W;
     DeviceBuffer<float> s1(c.H * n), r1(c.H * c.lengths[b]);
     DeviceBuffer<char> ws1(cuda::rkv_workspace_bytes(c.dev_kv_one(b), c.dev_q_one(b), cfg));
-    cuda::rkv_score(c.dev_kv_one(b), c.dev_q_one(b), cfg, {s1.get(), nullptr, r1.get()},
-                    ws1.get(), ws1.size(), nullptr);
+    cuda::rkv_score(c.dev_kv_one(b), c.dev_q_one(b), cfg, {s1.get(), nullptr, r1.get()}, ws1.get(),
+                    ws1.size(), nullptr);
     const std::vector<float> one = s1.download(), one_r = r1.download();
     for (std::int64_t h = 0; h < c.H; ++h) {
       CHECK(std::memcmp(one.data() + h * n, g_score.data() + (b * c.H + h) * pitch,
@@ -341,8 +343,8 @@ void check_rkv_ragged(Ragged<T>& c, const RKVConfig& cfg) {
   // select_topk_slots on the pitched scores makes the same rows.
   DeviceBuffer<std::int32_t> slots2(rows * cfg.budget);
   cuda::select_topk_slots(score.get(), c.lengths.data(), c.mask.empty() ? nullptr : c.d_mask.get(),
-                          static_cast<int>(c.B), static_cast<int>(c.H), c.C, cfg.budget,
-                          cfg.window, slots2.get(), nullptr);
+                          static_cast<int>(c.B), static_cast<int>(c.H), c.C, cfg.budget, cfg.window,
+                          slots2.get(), nullptr);
   CHECK(slots2.download() == slots.download());
 
   // Determinism.
@@ -357,8 +359,7 @@ void check_rkv_ragged(Ragged<T>& c, const RKVConfig& cfg) {
   KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
   CHECK(new_lengths.download() == plan.kept_lengths());
   check_same_rows(c.d_keys.download(), want.keys, plan.kept_lengths(), c.H, c.C, c.D, "keys");
-  check_same_rows(c.d_values.download(), want.values, plan.kept_lengths(), c.H, c.C, c.D,
-                  "values");
+  check_same_rows(c.d_values.download(), want.values, plan.kept_lengths(), c.H, c.C, c.D, "values");
   if (!c.mask.empty()) {
     const std::vector<std::uint8_t> m = c.d_mask.download();
     for (std::int64_t b = 0; b < c.B; ++b)
@@ -433,8 +434,8 @@ TEST_CASE("cuda rkv_select_step on a ragged batch equals rkv_select layer by lay
   DeviceBuffer<float> step_scores(2 * rows * pitch);
   KVSIFT_CUDA_CHECK(cudaMemset(step_scores.get(), 0, step_scores.size() * sizeof(float)));
   DeviceBuffer<char> ws(cuda::rkv_step_workspace_bytes(kvs.data(), qs.data(), 2, cfg));
-  REQUIRE(cuda::rkv_select_step(kvs.data(), qs.data(), 2, cfg, step_slots.get(),
-                                step_scores.get(), ws.get(), ws.size(), nullptr));
+  REQUIRE(cuda::rkv_select_step(kvs.data(), qs.data(), 2, cfg, step_slots.get(), step_scores.get(),
+                                ws.get(), ws.size(), nullptr));
   const std::vector<std::int32_t> all_slots = step_slots.download();
   const std::vector<float> all_scores = step_scores.download();
   for (int l = 0; l < 2; ++l) {
@@ -443,13 +444,12 @@ TEST_CASE("cuda rkv_select_step on a ragged batch equals rkv_select layer by lay
     DeviceBuffer<float> scores(rows * pitch);
     KVSIFT_CUDA_CHECK(cudaMemset(scores.get(), 0, scores.size() * sizeof(float)));
     DeviceBuffer<char> ws1(cuda::rkv_workspace_bytes(kvs[l], qs[l], cfg));
-    cuda::rkv_select(kvs[l], qs[l], cfg, slots.get(), scores.get(), ws1.get(), ws1.size(),
-                     nullptr);
+    cuda::rkv_select(kvs[l], qs[l], cfg, slots.get(), scores.get(), ws1.get(), ws1.size(), nullptr);
     const std::vector<std::int32_t> one = slots.download();
     CHECK(std::equal(one.begin(), one.end(), all_slots.begin() + l * rows * cfg.budget));
     const std::vector<float> sc = scores.download();
-    CHECK(std::memcmp(sc.data(), all_scores.data() + l * rows * pitch,
-                      sc.size() * sizeof(float)) == 0);
+    CHECK(std::memcmp(sc.data(), all_scores.data() + l * rows * pitch, sc.size() * sizeof(float)) ==
+          0);
   }
   // One compaction for both layers; the new lengths are the plan's.
   const KeepPlan plan =
@@ -472,7 +472,8 @@ SentencePenalties random_penalties(const std::vector<std::int32_t>& lengths, std
       auto& list = p[b * static_cast<std::size_t>(H) + static_cast<std::size_t>(h)];
       const int count = std::uniform_int_distribution<int>(0, 6)(rng);
       for (int i = 0; i < count; ++i) {
-        const std::int64_t lo = std::uniform_int_distribution<std::int64_t>(0, lengths[b] + 20)(rng);
+        const std::int64_t lo =
+            std::uniform_int_distribution<std::int64_t>(0, lengths[b] + 20)(rng);
         const std::int64_t hi = lo + std::uniform_int_distribution<std::int64_t>(0, 30)(rng);
         list.push_back({lo, hi, std::uniform_real_distribution<float>(0.95f, 1.0f)(rng)});
       }
@@ -499,7 +500,8 @@ void check_skipkv_ragged(Ragged<T>& c, const SentenceScorerConfig& cfg,
   KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
   const std::vector<float> g_score = score.download();
   const SentenceScores ref = cpu::sentence_scores(c.host_kv(), c.host_q(), cfg, penalties);
-  CHECK(count_off(g_score, pitch, ref.score, [](std::int64_t) { return true; }, "score") == 0);
+  CHECK(count_off(
+            g_score, pitch, ref.score, [](std::int64_t) { return true; }, "score") == 0);
 
   DeviceBuffer<std::int32_t> slots(rows * cfg.budget);
   DeviceBuffer<float> sel(rows * pitch);
@@ -615,9 +617,9 @@ TEST_CASE("linking kvsift::cuda registers the DeviceBackend; its selections equa
     check_same_rows(c.d_values.download(), want.values, plan.kept_lengths(), c.H, c.C, c.D,
                     "values");
 
-    REQUIRE_THROWS_WITH(backend.rkv_select(c.dev_kv(), c.dev_q(), cfg,
-                                           ExecContext{ws.get(), 100, stream}),
-                        Catch::Matchers::Contains("workspace of 100 bytes is too small"));
+    REQUIRE_THROWS_WITH(
+        backend.rkv_select(c.dev_kv(), c.dev_q(), cfg, ExecContext{ws.get(), 100, stream}),
+        Catch::Matchers::Contains("workspace of 100 bytes is too small"));
   }
   SECTION("skipkv_select") {
     SentenceScorerConfig cfg;
@@ -626,9 +628,8 @@ TEST_CASE("linking kvsift::cuda registers the DeviceBackend; its selections equa
     std::mt19937 rng(9);
     const SentencePenalties penalties = random_penalties(lengths, 2, rng);
     DeviceBuffer<char> ws(backend.skipkv_workspace_bytes(c.dev_kv(), c.dev_q(), cfg, penalties));
-    const KeepPlan plan =
-        backend.skipkv_select(c.dev_kv(), c.dev_q(), cfg, penalties,
-                              ExecContext{ws.get(), ws.size(), stream});
+    const KeepPlan plan = backend.skipkv_select(c.dev_kv(), c.dev_q(), cfg, penalties,
+                                                ExecContext{ws.get(), ws.size(), stream});
     const SentenceScores ref = cpu::sentence_scores(c.host_kv(), c.host_q(), cfg, penalties);
     const KeepPlan cpu_plan = SentenceScorer(cfg).select(c.host_kv(), c.host_q(), penalties);
     check_against_cpu_plan(plan, cpu_plan, ref.score, c.host_mask(), c.C, c.lengths, cfg.budget,

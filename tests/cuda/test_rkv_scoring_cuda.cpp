@@ -1,8 +1,8 @@
-// kvsift::cuda R-KV scoring and selection against the CPU reference (policy/baselines/rkv.hpp), a naive
-// O(S²) redundancy oracle written straight from docs/algorithms.md §1.2, and the golden cases of the
-// published R-KV code. Scores: |x − ref| <= 1e-6 + 1e-4·|ref|; kept sets equal the reference's
-// except for tokens within that tolerance of the cut; given the GPU's own scores the selection
-// must equal the CPU selection rule exactly.
+// kvsift::cuda R-KV scoring and selection against the CPU reference (policy/baselines/rkv.hpp), a
+// naive O(S²) redundancy oracle written straight from docs/algorithms.md §1.2, and the golden cases
+// of the published R-KV code. Scores: |x − ref| <= 1e-6 + 1e-4·|ref|; kept sets equal the
+// reference's except for tokens within that tolerance of the cut; given the GPU's own scores the
+// selection must equal the CPU selection rule exactly.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -236,9 +236,8 @@ void check_case(TestCase<T>& tc, const RKVConfig& cfg) {
           k[i * tc.D + d] =
               to_float(tc.keys[((std::int64_t(b) * H + h) * tc.capacity + i) * tc.D + d]);
       const std::uint8_t* valid = tc.mask.empty() ? nullptr : &tc.mask[b * tc.capacity];
-      const std::vector<double> r =
-          naive_redundancy(k, valid, tc.S, tc.D, cfg.threshold,
-                           cfg.redundancy == RedundancyMode::faithful);
+      const std::vector<double> r = naive_redundancy(k, valid, tc.S, tc.D, cfg.threshold,
+                                                     cfg.redundancy == RedundancyMode::faithful);
       for (int j = 0; j < tc.S; ++j)
         naive_bad += within_score_tolerance(g.redundancy[(b * H + h) * tc.S + j], r[j]) ? 0 : 1;
     }

@@ -1,5 +1,6 @@
 // kvsift::cuda SkipKV scoring (docs/algorithms.md §2.4) against the CPU SentenceScorer
-// (policy/skipkv/sentence_scorer.hpp) and the SkipKV reference (golden skipkv_pad, skipkv_sentences):
+// (policy/skipkv/sentence_scorer.hpp) and the SkipKV reference (golden skipkv_pad,
+// skipkv_sentences):
 //   - eq. 6 scores within |x − ref| <= 1e-6 + 1e-4·|ref| of the CPU and of the reference;
 //   - the penalty and pad pass bit-exact: the GPU's own R-KV score minus the λ's of the mapped
 //     ranges, subtracted in list order by a per-token host oracle, faithful pads exactly +100;
@@ -257,7 +258,8 @@ void check_case(Case<T>& c, const SentenceScorerConfig& cfg,
   // Scores: the CPU reference, and the exact penalty/pad arithmetic on the GPU's R-KV score.
   const SentenceScores ref = cpu::sentence_scores(c.host_kv(), c.host_q(), ccfg, penalties);
   CHECK(count_off(g.score, ref.score, c.H, n, "score") == 0);
-  const std::vector<float> exact = penalty_oracle(c, g.rkv, penalties, (cfg.pad_mode == PadMode::faithful));
+  const std::vector<float> exact =
+      penalty_oracle(c, g.rkv, penalties, (cfg.pad_mode == PadMode::faithful));
   std::int64_t inexact = 0;
   for (std::size_t i = 0; i < exact.size(); ++i)
     if (std::memcmp(&exact[i], &g.score[i], sizeof(float)) != 0 && inexact++ < 5)
@@ -279,9 +281,9 @@ void check_case(Case<T>& c, const SentenceScorerConfig& cfg,
     CHECK(g.plan.slots() == rule.slots());
     CHECK(g.plan.indptr() == rule.indptr());
     // Against the CPU's own scores: differences only at the cut.
-    const std::int64_t swaps =
-        check_near_cut(g.plan, cpu_plan, ref.score, c.host_mask(), c.S, keep, !(cfg.pad_mode == PadMode::faithful),
-                       [](float x, float cut) { return within_tolerance(x, cut); });
+    const std::int64_t swaps = check_near_cut(
+        g.plan, cpu_plan, ref.score, c.host_mask(), c.S, keep, !(cfg.pad_mode == PadMode::faithful),
+        [](float x, float cut) { return within_tolerance(x, cut); });
     UNSCOPED_INFO(swaps << " near-cut slots differ from the CPU plan");
   }
   check_compact(c, g.plan, (cfg.pad_mode == PadMode::faithful), cfg.budget);

@@ -113,15 +113,13 @@ void check_dtype(bool strided) {
   SECTION("gated rows and strengths from the controller") {
     DeviceBuffer<T> d_h(host);
     REQUIRE(cuda::apply_steering(controller.config(), 20, view_of(d_h.get(), Device::cuda),
-                                 gated.data(), strength.data(), d_vec.get(), vsize,
-                                 nullptr) == 4);
+                                 gated.data(), strength.data(), d_vec.get(), vsize, nullptr) == 4);
     KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
     compare(d_h.download(), "controller");
     // Another layer is left alone.
     DeviceBuffer<T> d_other(host);
     REQUIRE(cuda::apply_steering(controller.config(), 3, view_of(d_other.get(), Device::cuda),
-                                 gated.data(), strength.data(), d_vec.get(), vsize,
-                                 nullptr) == 0);
+                                 gated.data(), strength.data(), d_vec.get(), vsize, nullptr) == 0);
     KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
     const std::vector<T> untouched = d_other.download();
     for (std::size_t i = 0; i < host.size(); ++i)

@@ -15,10 +15,10 @@
 
 #include "../../examples/tool/score_cuda.hpp"
 #include "catch.hpp"
-#include "kvsift/policy/baselines/rkv.hpp"
 #include "golden_case.hpp"
 #include "kvsift/core/safetensors.hpp"
 #include "kvsift/core/segment_table.hpp"
+#include "kvsift/policy/baselines/rkv.hpp"
 
 using namespace kvsift;
 using tool::RKVRun;

@@ -30,7 +30,8 @@ class DeviceBackend {
 
   // compact() on device views: moves kept rows in place; lengths (host) rewritten.
   virtual std::size_t compact_workspace_bytes(const KeepPlan& plan) const = 0;
-  virtual void compact(const KVCacheView& kv, const KeepPlan& plan, const ExecContext& ctx) const = 0;
+  virtual void compact(const KVCacheView& kv, const KeepPlan& plan,
+                       const ExecContext& ctx) const = 0;
 
   // R-KV (§1.3) on a device cache.
   //   kv       keys/values [batch, kv_heads, capacity, head_dim] device; lengths host

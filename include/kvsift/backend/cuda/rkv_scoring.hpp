@@ -82,8 +82,8 @@ bool rkv_select(const KVCacheView& kv, const TensorView& queries, const RKVConfi
                 cudaStream_t stream);
 
 // All layers of one compression step in one set of launches: layer l's cache is layers[l], its
-// window queries queries[l]. Each layer is scored and selected independently (docs/algorithms.md §1.3),
-// exactly as rkv_select() on that layer alone would, but the kernels see n_layers · batch
+// window queries queries[l]. Each layer is scored and selected independently (docs/algorithms.md
+// §1.3), exactly as rkv_select() on that layer alone would, but the kernels see n_layers · batch
 // sequences at once, so a small batch still fills the GPU and pays the launch latency once per
 // step instead of once per layer. The layers must agree in shape, dtype, strides and per-sequence
 // lengths and share one padding mask (it is per sequence); 1 <= n_layers <= 128 (call again for
@@ -96,8 +96,8 @@ bool rkv_select(const KVCacheView& kv, const TensorView& queries, const RKVConfi
 std::size_t rkv_step_workspace_bytes(const KVCacheView* layers, const TensorView* queries,
                                      int n_layers, const RKVConfig& cfg);
 bool rkv_select_step(const KVCacheView* layers, const TensorView* queries, int n_layers,
-                     const RKVConfig& cfg, std::int32_t* slots, float* scores,
-                     void* workspace, std::size_t workspace_bytes, cudaStream_t stream);
+                     const RKVConfig& cfg, std::int32_t* slots, float* scores, void* workspace,
+                     std::size_t workspace_bytes, cudaStream_t stream);
 
 // The selection step alone, reusable by any score-based policy (SnapKV, H2O), on a ragged batch:
 //   scores      device [batch, kv_heads, max_b lengths[b] − window] fp32; row (b, h) holds
@@ -115,8 +115,8 @@ void select_topk_slots(const float* scores, const std::int32_t* lengths,
 
 // Waits for `stream`, downloads `slots` [batch, kv_heads, budget] (as rkv_select() wrote them for
 // `kv` at its current per-sequence lengths, host kv.lengths) and builds the KeepPlan, each
-// sequence with its own source length S_b and kept count. Throws kvsift::Error naming the row when a
-// row holds kNanScoreSlot (a NaN score), is not ascending, or the heads of one sequence disagree
+// sequence with its own source length S_b and kept count. Throws kvsift::Error naming the row when
+// a row holds kNanScoreSlot (a NaN score), is not ascending, or the heads of one sequence disagree
 // on the kept count.
 KeepPlan download_keep_plan(const KVCacheView& kv, const std::int32_t* slots, int budget,
                             int window, cudaStream_t stream);

@@ -1,5 +1,5 @@
-// kvsift::cuda SkipKV scoring and selection (docs/algorithms.md §2.4, SkipKV eq. 6 as implemented) on a
-// device KV cache:
+// kvsift::cuda SkipKV scoring and selection (docs/algorithms.md §2.4, SkipKV eq. 6 as implemented)
+// on a device KV cache:
 //   S_t = λ·a_t − (1−λ)·R_t − Σ_{redundant sentences i mapped over t} λ_i
 // The R-KV part λ·a − (1−λ)·R is rkv_score() itself (rkv_scoring.hpp), not re-implemented here;
 // this layer adds the sentence penalty, the pad handling and the §1.3 selection.
@@ -40,8 +40,8 @@
 namespace kvsift::cuda {
 
 // The score a pad gets in faithful mode; equals kvsift::kFaithfulPadScore of
-// policy/skipkv/sentence_scorer.hpp (not included here: that header pulls the Eigen CPU scorers into
-// nvcc), which the GPU test checks.
+// policy/skipkv/sentence_scorer.hpp (not included here: that header pulls the Eigen CPU scorers
+// into nvcc), which the GPU test checks.
 inline constexpr float kSkipKVPadScore = 100.0f;
 
 // The penalties as a host CSR over rows r = b * kv_heads + h: row r's ranges are
@@ -99,17 +99,18 @@ void skipkv_score(const KVCacheView& kv, const TensorView& queries, const Senten
                   const SentencePenaltiesDevice& penalties, const RKVScoreOutputs& out,
                   void* workspace, std::size_t workspace_bytes, cudaStream_t stream);
 
-// Scores and selects (docs/algorithms.md §2.4 + §1.3): writes `slots` [batch, kv_heads, budget] int32
-// (device), rows ascending as rkv_select() writes them: the top (budget − W) candidates by eq. 6
-// score (ties: lower index), then the W window slots, then kUnusedSlot. Faithful pads compete
+// Scores and selects (docs/algorithms.md §2.4 + §1.3): writes `slots` [batch, kv_heads, budget]
+// int32 (device), rows ascending as rkv_select() writes them: the top (budget − W) candidates by
+// eq. 6 score (ties: lower index), then the W window slots, then kUnusedSlot. Faithful pads compete
 // with their +100 score (selection without the mask); in exclude mode pads are never kept and a
 // sequence keeps min(budget, real tokens). A sequence with S_b <= budget is not scored: its rows
 // are 0 .. S_b − 1 then kUnusedSlot. Returns true when at least one sequence was scored, false
 // when all kept everything. `scores` (device [batch, kv_heads, S − W], S = max_b S_b, or
 // nullptr) receives the eq. 6 scores of the scored sequences when given. download_keep_plan()
 // (rkv_scoring.hpp) turns `slots` into the KeepPlan that compact() takes.
-bool skipkv_select(const KVCacheView& kv, const TensorView& queries, const SentenceScorerConfig& cfg,
-                   const SentencePenaltiesDevice& penalties, std::int32_t* slots, float* scores,
-                   void* workspace, std::size_t workspace_bytes, cudaStream_t stream);
+bool skipkv_select(const KVCacheView& kv, const TensorView& queries,
+                   const SentenceScorerConfig& cfg, const SentencePenaltiesDevice& penalties,
+                   std::int32_t* slots, float* scores, void* workspace, std::size_t workspace_bytes,
+                   cudaStream_t stream);
 
 }  // namespace kvsift::cuda

@@ -15,8 +15,8 @@
 
 #include <cstdint>
 
-#include "kvsift/core/tensor_view.hpp"
 #include "kvsift/config/steering_config.hpp"
+#include "kvsift/core/tensor_view.hpp"
 
 namespace kvsift::cuda {
 
