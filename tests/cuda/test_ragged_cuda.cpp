@@ -608,6 +608,11 @@ TEST_CASE("linking kvsift::cuda registers the DeviceBackend; its selections equa
     CHECK(plan.slots() == direct.slots());
     CHECK(plan.indptr() == direct.indptr());
 
+    // Too small a workspace is refused before anything runs (the lengths are still over budget).
+    REQUIRE_THROWS_WITH(
+        backend.rkv_select(c.dev_kv(), c.dev_q(), cfg, ExecContext{ws.get(), 100, stream}),
+        Catch::Matchers::Contains("workspace of 100 bytes is too small"));
+
     // compact through the backend equals kvsift::compact on the host.
     const HostCompacted<bf16_t> want = host_compact(c, plan);
     DeviceBuffer<char> cws(backend.compact_workspace_bytes(plan));
@@ -616,10 +621,6 @@ TEST_CASE("linking kvsift::cuda registers the DeviceBackend; its selections equa
     CHECK(c.dev_len == want.lengths);
     check_same_rows(c.d_values.download(), want.values, plan.kept_lengths(), c.H, c.C, c.D,
                     "values");
-
-    REQUIRE_THROWS_WITH(
-        backend.rkv_select(c.dev_kv(), c.dev_q(), cfg, ExecContext{ws.get(), 100, stream}),
-        Catch::Matchers::Contains("workspace of 100 bytes is too small"));
   }
   SECTION("skipkv_select") {
     SentenceScorerConfig cfg;
