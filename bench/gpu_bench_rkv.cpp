@@ -14,7 +14,7 @@
 // Two key distributions bracket the redundancy search (§1.2 cost note): "random" keys almost never
 // reach cosine 0.5, so every row scans the whole sequence (the worst case); "clustered" keys share
 // a direction per head, so nearly every row finds its last match in the first tile it sees.
-// Each is run with the fp32 last-match search and with RKVScoringConfig::tensor_core_search (bf16
+// Each is run with the fp32 last-match search and with RKVConfig::tensor_core_search (bf16
 // mma.sync tiles plus exact fp32 re-checks near the threshold; identical results): column "search".
 #include <cuda_runtime_api.h>
 
@@ -101,11 +101,11 @@ void run(int batch, bool clustered, bool tensor_core, bool skipkv, double bandwi
                                             batch, kKVHeads, kSeq, kHeadDim, lengths.data());
   const TensorView qv = TensorView::contiguous(queries.get(), DType::bf16, Device::cuda,
                                                {batch, kQHeads, kWindow, kHeadDim});
-  cuda::SkipKVScoringConfig skip_cfg;
-  cuda::RKVScoringConfig& cfg = skip_cfg.rkv;
-  cfg.budget = kBudget;
-  cfg.window = kWindow;
-  cfg.tensor_core_search = tensor_core;
+  SentenceScorerConfig skip_cfg;
+  skip_cfg.budget = kBudget;
+  skip_cfg.window = kWindow;
+  skip_cfg.tensor_core_search = tensor_core;
+  const RKVConfig cfg = skip_cfg.rkv_config();
   const cuda::SentencePenaltyCsr csr = bench_penalties(batch);
   DeviceArray<char> penalty_ws(cuda::sentence_penalty_workspace_bytes(csr));
   DeviceArray<char> ws(skipkv ? cuda::skipkv_workspace_bytes(kv, qv, skip_cfg)

@@ -681,13 +681,14 @@ def self_test(lib_path):
         msg = error_of(lambda: lib.workspace_bytes(1, 1152, 1152, 1024, 8, dtype=7))
         expect("code 1" in msg and "dtype code" in msg and "got 7" in msg, "bad dtype: " + msg)
         msg = error_of(lambda: lib.workspace_bytes(1, 1152, 1152, 8, 8))
-        expect("budget (8) must exceed window (8)" in msg, "budget <= window: " + msg)
-        lengths = (ctypes.c_int32 * 2)(1152, 1000)
+        expect("budget (8) must exceed window + sink (8 + 0)" in msg, "budget <= window: " + msg)
+        lengths = (ctypes.c_int32 * 2)(1152, 2000)
         fake = 0x1000  # never dereferenced: validation fails first
         shape = (2, KV_HEADS, Q_HEADS, 1152, HEAD_DIM)
         msg = error_of(lambda: lib.step(fake, fake, fake, shape, lengths, 1024, 8, 0.1, 0.5, None,
                                         fake, 1 << 40, None))
-        expect("lengths[1] = 1000" in msg, "unequal lengths: " + msg)
+        expect("lengths[1] = 2000 is outside [0, capacity = 1152]" in msg,
+               "length beyond capacity: " + msg)
         lengths[1] = 1152
         msg = error_of(lambda: lib.step(fake, fake, fake, shape, lengths, 1024, 8, 0.1, 0.5, None,
                                         fake, 100, None))

@@ -1,5 +1,5 @@
-// Tensor-core last-match search of R-KV's key redundancy (docs/algorithms.md §1.2 step 3 and its cost
-// note), selected by RKVScoringConfig::tensor_core_search. It finds, for every row i, the same
+// Tensor-core last-match search of R-KV's key redundancy (docs/algorithms.md §1.2 step 3 and its
+// cost note), selected by RKVConfig::tensor_core_search. It finds, for every row i, the same
 //   r_i = max{ j != i : C[i,j] > threshold }
 // as last_match_kernel in key_redundancy.cu, bit for bit, and spares the same fp32 cosines.
 //

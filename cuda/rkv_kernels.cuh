@@ -19,8 +19,9 @@ inline constexpr int kKeySumRows = 128;    // rows per partial sum of the unit k
 // Partial sums of the unit keys per (b, h) for a sequence of `length` tokens.
 inline int key_sum_chunks(int length) { return (length + kKeySumRows - 1) / kKeySumRows; }
 
-// The layers of one compression step, scored together (docs/algorithms.md §1.3 selects in every layer
-// independently, so a step is a batch of n_layers · batch sequences). Sequence z = layer · batch
+// The layers of one compression step, scored together (docs/algorithms.md §1.3 selects in every
+// layer independently, so a step is a batch of n_layers · batch sequences). Sequence z = layer ·
+// batch
 // + b; every layer has the same shape, dtype, strides, lengths and padding mask (the public entry
 // points check it), so only the base pointers differ.
 struct StepView {
@@ -107,8 +108,8 @@ __device__ __forceinline__ UnitHead<T> unit_head(const UnitKeys& u, std::int64_t
   return {u.keys.seq<const T>(z) + h * u.stride_h, u.stride_s, u.denom + bh * u.length};
 }
 
-// Window importance a (docs/algorithms.md §1.1) of all sequences of the step, each of `length` tokens;
-// z = layer · batch + b below.
+// Window importance a (docs/algorithms.md §1.1) of all sequences of the step, each of `length`
+// tokens; z = layer · batch + b below.
 //   queries     per layer [batch, q_heads, window, head_dim], keys' dtype
 //   logits      [z, kv_heads, window, length − window] scratch: GQA-max logits
 //   pre_pool    [z, kv_heads, length − window] scratch: window-mean attention A
@@ -116,8 +117,8 @@ __device__ __forceinline__ UnitHead<T> unit_head(const UnitKeys& u, std::int64_t
 void launch_window_importance(const StepView& step, int length, int kernel, float* logits,
                               float* pre_pool, float* importance, cudaStream_t stream);
 
-// Key redundancy R over all `length` tokens (docs/algorithms.md §1.2 steps 1–5, before the slice) of
-// every sequence z = layer · batch + b of the step.
+// Key redundancy R over all `length` tokens (docs/algorithms.md §1.2 steps 1–5, before the slice)
+// of every sequence z = layer · batch + b of the step.
 //   denom       [z, kv_heads, length] scratch: each row's ||K|| + 1e-8 (0: pad), see UnitKeys
 //   unit16      [z, kv_heads, length, tc_row_pitch(head_dim)] scratch: bf16 k̂ for the
 //               tensor-core search; nullptr when it does not run (then the fp32 search does)
@@ -163,12 +164,13 @@ void launch_joint_score(const float* importance, const float* redundancy, int ro
                         int length, float mix_lambda, float* score, cudaStream_t stream);
 
 // Top-(budget − window) selection of every row (select_topk_slots), for `rows` = sequences ·
-// kv_heads rows whose padding mask row is (row / kv_heads) % mask_batch.
-//   scores [rows, length − window]; valid_mask [mask_batch, capacity] or nullptr; slots [rows,
-//   budget]
+// kv_heads rows of `length` tokens whose padding mask row is (row / kv_heads) % mask_batch.
+//   scores [rows, score_pitch] (−1: length − window), the first length − window used;
+//   valid_mask [mask_batch, capacity] or nullptr; slots [rows, budget]
 void launch_select_topk(const float* scores, const std::uint8_t* valid_mask, int mask_batch,
                         int sequences, int kv_heads, std::int64_t capacity, int length, int budget,
-                        int window, std::int32_t* slots, cudaStream_t stream);
+                        int window, std::int32_t* slots, cudaStream_t stream,
+                        std::int64_t score_pitch = -1);
 
 // The no-op plan: rows 0 .. length − 1, then kUnusedSlot up to `budget`.
 //   slots [rows, budget]

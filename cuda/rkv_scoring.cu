@@ -1,15 +1,26 @@
 // Host side of the R-KV CUDA pipeline (docs/algorithms.md §1.1–§1.3): validation, workspace layout,
 // the joint score λ·a − (1−λ)·R, and the download of selected slots into a KeepPlan.
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "batch_runs.hpp"
 #include "kvsift/backend/cuda/check.hpp"
 #include "kvsift/backend/cuda/rkv_scoring.hpp"
 #include "kvsift/backend/cuda/workspace.hpp"
 #include "rkv_kernels.cuh"
 
 namespace kvsift::cuda {
+
+void check_cuda_rkv_config(const RKVConfig& cfg, const char* op) {
+  cfg.validate();
+  KVSIFT_CHECK(cfg.gqa == GqaReduce::max, op,
+               ": RKVConfig.gqa = mean is not supported by the CUDA backend (max only)");
+  KVSIFT_CHECK(cfg.sink == 0, op, ": RKVConfig.sink = ", cfg.sink,
+               " is not supported by the CUDA backend (0 only)");
+}
+
 namespace detail {
 namespace {
 
@@ -43,15 +54,25 @@ void launch_joint_score(const float* importance, const float* redundancy, int ro
 namespace {
 
 struct CallShape {
-  std::int64_t layers = 1, batch = 0, kv_heads = 0, window = 0, length = 0, head_dim = 0;
-  bool tensor_core = false;  // the tensor-core search runs (asked for, and head_dim fits)
+  std::int64_t layers = 1, batch = 0, kv_heads = 0, window = 0, head_dim = 0;
+  std::int64_t length = 0;            // S = max_b S_b: the pitch of every per-token buffer
+  std::vector<std::int32_t> lengths;  // [batch] S_b (a host copy of layer 0's)
+  bool tensor_core = false;           // the tensor-core search runs (asked for, and head_dim fits)
   std::int64_t n() const { return length > window ? length - window : 0; }
   std::int64_t sequences() const { return layers * batch; }
   std::int64_t rows() const { return sequences() * kv_heads; }
+  // The shape of the run's slice of the batch: the kernels see equal lengths there.
+  CallShape run(const LengthRun& r) const {
+    CallShape c = *this;
+    c.batch = r.count;
+    c.length = r.length;
+    c.lengths.assign(static_cast<std::size_t>(r.count), r.length);
+    return c;
+  }
 };
 
 // Everything rkv_* check of one layer before touching the device. `op` names the caller.
-CallShape check_layer(const KVCacheView& kv, const TensorView& queries, const RKVScoringConfig& cfg,
+CallShape check_layer(const KVCacheView& kv, const TensorView& queries, const RKVConfig& cfg,
                       const std::string& op) {
   kv.validate();
   KVSIFT_CHECK(kv.device() == Device::cuda, op, ": the cache is in host memory (device ",
@@ -82,20 +103,16 @@ CallShape check_layer(const KVCacheView& kv, const TensorView& queries, const RK
   s.kv_heads = kv.kv_heads();
   s.window = cfg.window;
   s.head_dim = kv.head_dim();
-  s.length = kv.batch() > 0 ? kv.lengths[0] : 0;
-  for (std::int64_t b = 1; b < kv.batch(); ++b) {
-    KVSIFT_CHECK(kv.lengths[b] == s.length, op, ": lengths[", b, "] = ", kv.lengths[b],
-                 " != lengths[0] = ", s.length,
-                 " (this version needs equal sequence lengths across the batch)");
-  }
+  s.lengths.assign(kv.lengths, kv.lengths + kv.batch());
+  for (std::int32_t len : s.lengths) s.length = std::max<std::int64_t>(s.length, len);
   return s;
 }
 
 // The checks of a whole step: every layer as above, and all layers alike (shape, dtype, strides,
 // lengths, one shared padding mask), since the kernels address them through one set of strides.
 CallShape check_step(const KVCacheView* layers, const TensorView* queries, int n_layers,
-                     const RKVScoringConfig& cfg, const char* op) {
-  cfg.validate();
+                     const RKVConfig& cfg, const char* op) {
+  check_cuda_rkv_config(cfg, op);
   KVSIFT_CHECK(n_layers >= 1 && n_layers <= kMaxStepLayers, op, ": n_layers (", n_layers,
                ") must be in [1, ", kMaxStepLayers, "]");
   KVSIFT_CHECK(layers != nullptr && queries != nullptr, op,
@@ -110,7 +127,10 @@ CallShape check_step(const KVCacheView* layers, const TensorView* queries, int n
                  kv0.keys.shape_string(), " ", dtype_name(kv0.dtype()));
     KVSIFT_CHECK(kv.keys.stride == kv0.keys.stride && kv.values.stride == kv0.values.stride, op_l,
                  ": key/value strides differ from layer 0's (all layers need one layout)");
-    KVSIFT_CHECK(sl.length == s.length, op_l, ": length ", sl.length, " != layer 0's ", s.length);
+    for (std::int64_t b = 0; b < s.batch; ++b) {
+      KVSIFT_CHECK(sl.lengths[b] == s.lengths[b], op_l, ": lengths[", b, "] = ", sl.lengths[b],
+                   " != layer 0's ", s.lengths[b], " (a sequence has one length in every layer)");
+    }
     KVSIFT_CHECK(
         kv.valid_mask == kv0.valid_mask, op_l,
         ": valid_mask differs from layer 0's (the mask is per sequence: one for all layers)");
@@ -182,14 +202,15 @@ std::size_t workspace_bytes_for(const CallShape& s) {
 }
 
 // The scoring proper, after validation: writes `score` and, when given, importance/redundancy.
-void enqueue_scores(const StepView& step, const RKVScoringConfig& cfg, const CallShape& s,
+void enqueue_scores(const StepView& step, const RKVConfig& cfg, const CallShape& s,
                     const Workspace& w, float* score, float* importance, float* redundancy,
                     cudaStream_t stream) {
   float* a = importance != nullptr ? importance : w.importance;
   float* r = redundancy != nullptr ? redundancy : w.redundancy;
   const int length = static_cast<int>(s.length);
   launch_window_importance(step, length, cfg.kernel, w.logits, w.pre_pool, a, stream);
-  launch_key_redundancy(step, length, cfg.threshold, cfg.faithful, w.denom, w.unit16, w.tc_reached,
+  const bool faithful = cfg.redundancy == RedundancyMode::faithful;
+  launch_key_redundancy(step, length, cfg.threshold, faithful, w.denom, w.unit16, w.tc_reached,
                         w.spared, w.key_sums, r, stream);
   launch_joint_score(a, r, static_cast<int>(s.rows()), static_cast<int>(s.n()), length,
                      cfg.mix_lambda, score, stream);
@@ -199,58 +220,143 @@ void enqueue_scores(const StepView& step, const RKVScoringConfig& cfg, const Cal
 }  // namespace detail
 
 std::size_t rkv_step_workspace_bytes(const KVCacheView* layers, const TensorView* queries,
-                                     int n_layers, const RKVScoringConfig& cfg) {
+                                     int n_layers, const RKVConfig& cfg) {
   return detail::workspace_bytes_for(
       detail::check_step(layers, queries, n_layers, cfg, "rkv_step_workspace_bytes"));
 }
 
 std::size_t rkv_workspace_bytes(const KVCacheView& kv, const TensorView& queries,
-                                const RKVScoringConfig& cfg) {
+                                const RKVConfig& cfg) {
   return detail::workspace_bytes_for(
       detail::check_step(&kv, &queries, 1, cfg, "rkv_workspace_bytes"));
 }
 
-void rkv_score(const KVCacheView& kv, const TensorView& queries, const RKVScoringConfig& cfg,
+namespace detail {
+namespace {
+
+// The slice of a run's sequences in every layer of the step, with their queries.
+struct RunViews {
+  std::vector<KVCacheView> layers;
+  std::vector<TensorView> queries;
+  StepView step() const {
+    return StepView{layers.data(), queries.data(), static_cast<int>(layers.size())};
+  }
+};
+
+RunViews run_views(const KVCacheView* layers, const TensorView* queries, int n_layers,
+                   const LengthRun& r) {
+  RunViews v;
+  for (int l = 0; l < n_layers; ++l) {
+    v.layers.push_back(batch_slice(layers[l], r.first, r.count));
+    v.queries.push_back(batch_slice(queries[l], r.first, r.count));
+  }
+  return v;
+}
+
+// `rows` rows of `width` floats from a packed run buffer into the caller's pitched output.
+void copy_rows(float* dst, std::int64_t dst_pitch, const float* src, std::int64_t width,
+               std::int64_t rows, cudaStream_t stream) {
+  if (rows == 0 || width == 0) return;
+  KVSIFT_CUDA_CHECK(cudaMemcpy2DAsync(dst, static_cast<std::size_t>(dst_pitch) * sizeof(float), src,
+                                      static_cast<std::size_t>(width) * sizeof(float),
+                                      static_cast<std::size_t>(width) * sizeof(float),
+                                      static_cast<std::size_t>(rows), cudaMemcpyDeviceToDevice,
+                                      stream));
+}
+
+}  // namespace
+}  // namespace detail
+
+void rkv_score(const KVCacheView& kv, const TensorView& queries, const RKVConfig& cfg,
                const RKVScoreOutputs& out, void* workspace, std::size_t workspace_bytes,
                cudaStream_t stream) {
-  const detail::CallShape s = detail::check_step(&kv, &queries, 1, cfg, "rkv_score");
+  using namespace detail;
+  const CallShape s = check_step(&kv, &queries, 1, cfg, "rkv_score");
   KVSIFT_CHECK(out.score != nullptr, "rkv_score: out.score must be a device pointer, got null");
   if (s.batch == 0) return;
-  KVSIFT_CHECK(s.length > cfg.window, "rkv_score: length (", s.length, ") must exceed the window (",
-               cfg.window, ")");
-  const detail::Workspace w = detail::carve_workspace(s, workspace, workspace_bytes, "rkv_score");
-  detail::enqueue_scores(detail::StepView{&kv, &queries, 1}, cfg, s, w, out.score, out.importance,
-                         out.redundancy, stream);
+  for (std::int64_t b = 0; b < s.batch; ++b) {
+    KVSIFT_CHECK(s.lengths[b] > cfg.window, "rkv_score: lengths[", b, "] (", s.lengths[b],
+                 ") must exceed the window (", cfg.window, ")");
+  }
+  // The whole-batch layout is checked up front; every run's own is smaller.
+  const Workspace whole = carve_workspace(s, workspace, workspace_bytes, "rkv_score");
+  const std::vector<LengthRun> runs = equal_length_runs(s.lengths.data(), s.batch);
+  if (runs.size() == 1) {
+    enqueue_scores(StepView{&kv, &queries, 1}, cfg, s, whole, out.score, out.importance,
+                   out.redundancy, stream);
+    return;
+  }
+  for (const LengthRun& r : runs) {  // runs reuse the scratch one after the other on `stream`
+    const CallShape rs = s.run(r);
+    const Workspace w = carve_workspace(rs, workspace, workspace_bytes, "rkv_score");
+    const RunViews v = run_views(&kv, &queries, 1, r);
+    enqueue_scores(v.step(), cfg, rs, w, w.score, w.importance, w.redundancy, stream);
+    const std::int64_t rows = r.count * s.kv_heads, row0 = r.first * s.kv_heads;
+    copy_rows(out.score + row0 * s.n(), s.n(), w.score, rs.n(), rows, stream);
+    if (out.importance != nullptr)
+      copy_rows(out.importance + row0 * s.n(), s.n(), w.importance, rs.n(), rows, stream);
+    if (out.redundancy != nullptr)
+      copy_rows(out.redundancy + row0 * s.length, s.length, w.redundancy, rs.length, rows, stream);
+  }
 }
 
 namespace detail {
 namespace {
 
 bool select_step(const KVCacheView* layers, const TensorView* queries, int n_layers,
-                 const RKVScoringConfig& cfg, std::int32_t* slots, float* scores, void* workspace,
+                 const RKVConfig& cfg, std::int32_t* slots, float* scores, void* workspace,
                  std::size_t workspace_bytes, cudaStream_t stream, const char* op) {
   const CallShape s = check_step(layers, queries, n_layers, cfg, op);
   KVSIFT_CHECK(slots != nullptr, op, ": slots must be a device pointer, got null");
   if (s.batch == 0) return false;
-  if (s.length <= cfg.budget) {  // docs/algorithms.md §1.3: at or below the budget nothing is evicted
-    launch_keep_all_slots(static_cast<int>(s.rows()), static_cast<int>(s.length), cfg.budget, slots,
-                          stream);
-    return false;
+  const int budget = cfg.budget, heads = static_cast<int>(s.kv_heads);
+  // docs/algorithms.md §1.3: a sequence at or below the budget evicts nothing and is not scored.
+  const bool any_over = s.length > budget;
+  if (any_over) carve_workspace(s, workspace, workspace_bytes, op);  // all checks up front
+  const std::vector<LengthRun> runs = equal_length_runs(s.lengths.data(), s.batch);
+  const bool whole = runs.size() == 1;  // the common equal-length batch: one set of launches
+  for (const LengthRun& r : runs) {
+    // Row (l, b, h) of the step's outputs is (l * batch + b) * kv_heads + h.
+    auto row0 = [&](int l) { return (l * s.batch + r.first) * s.kv_heads; };
+    if (r.length <= budget) {
+      if (whole) {
+        launch_keep_all_slots(static_cast<int>(s.rows()), r.length, budget, slots, stream);
+      } else {
+        for (int l = 0; l < n_layers; ++l)
+          launch_keep_all_slots(static_cast<int>(r.count * s.kv_heads), r.length, budget,
+                                slots + row0(l) * budget, stream);
+      }
+      continue;
+    }
+    const CallShape rs = s.run(r);
+    const Workspace w = carve_workspace(rs, workspace, workspace_bytes, op);
+    const RunViews v = run_views(layers, queries, n_layers, r);
+    float* score = (whole && scores != nullptr) ? scores : w.score;
+    enqueue_scores(v.step(), cfg, rs, w, score, nullptr, nullptr, stream);
+    const KVCacheView& kv = v.layers[0];
+    if (whole) {
+      launch_select_topk(score, kv.valid_mask, static_cast<int>(s.batch),
+                         static_cast<int>(s.sequences()), heads, kv.capacity(), r.length, budget,
+                         cfg.window, slots, stream);
+      continue;
+    }
+    for (int l = 0; l < n_layers; ++l) {
+      const float* layer_score = score + l * r.count * s.kv_heads * rs.n();
+      launch_select_topk(layer_score, kv.valid_mask, static_cast<int>(r.count),
+                         static_cast<int>(r.count), heads, kv.capacity(), r.length, budget,
+                         cfg.window, slots + row0(l) * budget, stream);
+      if (scores != nullptr)
+        copy_rows(scores + row0(l) * s.n(), s.n(), layer_score, rs.n(), r.count * s.kv_heads,
+                  stream);
+    }
   }
-  const Workspace w = carve_workspace(s, workspace, workspace_bytes, op);
-  float* score = scores != nullptr ? scores : w.score;
-  const KVCacheView& kv = layers[0];
-  enqueue_scores(StepView{layers, queries, n_layers}, cfg, s, w, score, nullptr, nullptr, stream);
-  launch_select_topk(score, kv.valid_mask, static_cast<int>(s.batch),
-                     static_cast<int>(s.sequences()), static_cast<int>(s.kv_heads), kv.capacity(),
-                     static_cast<int>(s.length), cfg.budget, cfg.window, slots, stream);
-  return true;
+  return any_over;
 }
 
 }  // namespace
 }  // namespace detail
 
-bool rkv_select(const KVCacheView& kv, const TensorView& queries, const RKVScoringConfig& cfg,
+bool rkv_select(const KVCacheView& kv, const TensorView& queries, const RKVConfig& cfg,
                 std::int32_t* slots, float* scores, void* workspace, std::size_t workspace_bytes,
                 cudaStream_t stream) {
   return detail::select_step(&kv, &queries, 1, cfg, slots, scores, workspace, workspace_bytes,
@@ -258,8 +364,8 @@ bool rkv_select(const KVCacheView& kv, const TensorView& queries, const RKVScori
 }
 
 bool rkv_select_step(const KVCacheView* layers, const TensorView* queries, int n_layers,
-                     const RKVScoringConfig& cfg, std::int32_t* slots, float* scores,
-                     void* workspace, std::size_t workspace_bytes, cudaStream_t stream) {
+                     const RKVConfig& cfg, std::int32_t* slots, float* scores, void* workspace,
+                     std::size_t workspace_bytes, cudaStream_t stream) {
   return detail::select_step(layers, queries, n_layers, cfg, slots, scores, workspace,
                              workspace_bytes, stream, "rkv_select_step");
 }

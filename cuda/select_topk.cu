@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cub/block/block_scan.cuh>
 
+#include "batch_runs.hpp"
 #include "kvsift/backend/cuda/check.hpp"
 #include "kvsift/backend/cuda/rkv_scoring.hpp"
 #include "rkv_kernels.cuh"
@@ -30,10 +31,10 @@ __device__ __forceinline__ unsigned order_key(float x) {
 }
 
 __global__ void __launch_bounds__(kBlockThreads)
-    select_topk_kernel(const float* __restrict__ scores,        // [rows, n]
+    select_topk_kernel(const float* __restrict__ scores,        // [rows, score_pitch], n used
                        const std::uint8_t* __restrict__ valid,  // [mask_batch, capacity] or null
-                       int mask_batch, std::int64_t capacity, int kv_heads, int n, int keep,
-                       int window, int budget,
+                       int mask_batch, std::int64_t capacity, int kv_heads, int n,
+                       std::int64_t score_pitch, int keep, int window, int budget,
                        std::int32_t* __restrict__ slots) {  // [rows, budget]
   using Scan = cub::BlockScan<int, kBlockThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
@@ -42,7 +43,7 @@ __global__ void __launch_bounds__(kBlockThreads)
   __shared__ int cut_remaining;
   const std::int64_t row = blockIdx.x;
   const int b = static_cast<int>(row / kv_heads) % mask_batch;  // layers share the mask
-  const float* sc = scores + row * n;
+  const float* sc = scores + row * score_pitch;
   const std::uint8_t* vm = valid != nullptr ? valid + b * capacity : nullptr;
   std::int32_t* out = slots + row * budget;
   auto is_valid = [&](int j) { return vm == nullptr || vm[j] != 0; };
@@ -128,11 +129,13 @@ __global__ void keep_all_kernel(std::int64_t total, int length, int budget,
 
 void launch_select_topk(const float* scores, const std::uint8_t* valid_mask, int mask_batch,
                         int sequences, int kv_heads, std::int64_t capacity, int length, int budget,
-                        int window, std::int32_t* slots, cudaStream_t stream) {
+                        int window, std::int32_t* slots, cudaStream_t stream,
+                        std::int64_t score_pitch) {
   if (sequences == 0) return;
+  const int n = length - window;
   select_topk_kernel<<<static_cast<unsigned>(sequences * kv_heads), kBlockThreads, 0, stream>>>(
-      scores, valid_mask, mask_batch, capacity, kv_heads, length - window, budget - window, window,
-      budget, slots);
+      scores, valid_mask, mask_batch, capacity, kv_heads, n, score_pitch < 0 ? n : score_pitch,
+      budget - window, window, budget, slots);
   KVSIFT_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -147,22 +150,40 @@ void launch_keep_all_slots(int rows, int length, int budget, std::int32_t* slots
 
 }  // namespace detail
 
-void select_topk_slots(const float* scores, const std::uint8_t* valid_mask, int batch, int kv_heads,
-                       std::int64_t capacity, int length, int budget, int window,
-                       std::int32_t* slots, cudaStream_t stream) {
+void select_topk_slots(const float* scores, const std::int32_t* lengths,
+                       const std::uint8_t* valid_mask, int batch, int kv_heads,
+                       std::int64_t capacity, int budget, int window, std::int32_t* slots,
+                       cudaStream_t stream) {
   KVSIFT_CHECK(batch >= 0 && kv_heads >= 1, "select_topk_slots: bad shape batch=", batch,
                " kv_heads=", kv_heads);
   KVSIFT_CHECK(window >= 1 && budget > window, "select_topk_slots: budget (", budget,
                ") must exceed window (", window, ") >= 1");
-  KVSIFT_CHECK(length > budget && length <= capacity, "select_topk_slots: length (", length,
-               ") must exceed budget (", budget, ") and fit capacity (", capacity, ")");
   KVSIFT_CHECK(static_cast<std::int64_t>(batch) * kv_heads <= 0x7fffffff,
                "select_topk_slots: batch * kv_heads (", batch, " * ", kv_heads, ") too large");
   if (batch == 0) return;
-  KVSIFT_CHECK(scores != nullptr && slots != nullptr,
-               "select_topk_slots: scores and slots must be device pointers, got null");
-  detail::launch_select_topk(scores, valid_mask, batch, batch, kv_heads, capacity, length, budget,
-                             window, slots, stream);
+  KVSIFT_CHECK(lengths != nullptr, "select_topk_slots: lengths (host) must be given, got null");
+  std::int32_t longest = 0;
+  for (int b = 0; b < batch; ++b) {
+    KVSIFT_CHECK(lengths[b] >= 0 && lengths[b] <= capacity, "select_topk_slots: lengths[", b,
+                 "] = ", lengths[b], " is outside [0, capacity = ", capacity, "]");
+    longest = std::max(longest, lengths[b]);
+  }
+  KVSIFT_CHECK(slots != nullptr, "select_topk_slots: slots must be a device pointer, got null");
+  KVSIFT_CHECK(scores != nullptr || longest <= budget,
+               "select_topk_slots: scores must be a device pointer, got null");
+  const std::int64_t pitch = longest > window ? longest - window : 0;
+  for (const detail::LengthRun& r : detail::equal_length_runs(lengths, batch)) {
+    const std::int64_t row0 = r.first * kv_heads;
+    const int rows = static_cast<int>(r.count * kv_heads);
+    if (r.length <= budget) {  // docs/algorithms.md §1.3: keeps everything
+      detail::launch_keep_all_slots(rows, r.length, budget, slots + row0 * budget, stream);
+      continue;
+    }
+    const std::uint8_t* mask = valid_mask != nullptr ? valid_mask + r.first * capacity : nullptr;
+    detail::launch_select_topk(scores + row0 * pitch, mask, static_cast<int>(r.count),
+                               static_cast<int>(r.count), kv_heads, capacity, r.length, budget,
+                               window, slots + row0 * budget, stream, pitch);
+  }
 }
 
 }  // namespace kvsift::cuda

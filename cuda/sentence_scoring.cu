@@ -2,12 +2,14 @@
 // sentence penalty, with faithful pads pinned to +100, then the §1.3 selection of select_topk.cu.
 // Only the penalty/pad pass is new device code; the CSR of penalty ranges is built and validated
 // on the host.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cub/block/block_scan.cuh>
 #include <type_traits>
 #include <vector>
 
+#include "batch_runs.hpp"
 #include "kvsift/backend/cuda/check.hpp"
 #include "kvsift/backend/cuda/sentence_scoring.hpp"
 #include "kvsift/backend/cuda/workspace.hpp"
@@ -33,12 +35,13 @@ constexpr int kTile = kBlockThreads * kPerThread;  // score elements per block
 // by several ranges sees exactly the CPU's sequence of fp32 subtractions. No two threads ever
 // write one element, and only ranges that touch the tile cost per-element work.
 __global__ void __launch_bounds__(kBlockThreads)
-    sentence_penalty_kernel(float* __restrict__ score,                  // [batch, kv_heads, n]
+    sentence_penalty_kernel(float* __restrict__ score,  // [batch, kv_heads, pitch], n used
                             const std::int64_t* __restrict__ indptr,    // [rows + 1] or nullptr
                             const PenaltyRange* __restrict__ ranges,    // [indptr[rows]]
                             const std::uint8_t* __restrict__ pad_mask,  // [batch, capacity] or
                                                                         // nullptr: no +100 pass
-                            std::int64_t capacity, int kv_heads, int n, int length) {
+                            std::int64_t capacity, int kv_heads, int n, int length,
+                            std::int64_t pitch) {
   using Scan = cub::BlockScan<int, kBlockThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
   __shared__ int hit_lo[kBlockThreads];
@@ -49,7 +52,7 @@ __global__ void __launch_bounds__(kBlockThreads)
   const std::int64_t row = static_cast<std::int64_t>(b) * kv_heads + h;
   const int tile_begin = blockIdx.x * kTile;
   const int tile_end = min(n, tile_begin + kTile);
-  float* sc = score + row * n;
+  float* sc = score + row * pitch;
 
   float v[kPerThread];
 #pragma unroll
@@ -104,43 +107,47 @@ __global__ void __launch_bounds__(kBlockThreads)
   }
 }
 
+// The penalty/pad pass over `batch` sequences of `length` tokens whose score rows are `pitch`
+// floats apart; `penalties` and `pad_mask` start at the first of them.
 void launch_sentence_penalty(float* score, const SentencePenaltiesDevice& penalties,
                              const std::uint8_t* pad_mask, std::int64_t capacity, int batch,
-                             int kv_heads, int n, int length, cudaStream_t stream) {
+                             int kv_heads, int n, int length, std::int64_t pitch,
+                             cudaStream_t stream) {
   const bool any_penalty = penalties.indptr != nullptr && penalties.count > 0;
   if ((!any_penalty && pad_mask == nullptr) || batch == 0 || n == 0) return;
   const dim3 grid(static_cast<unsigned>((n + kTile - 1) / kTile), static_cast<unsigned>(kv_heads),
                   static_cast<unsigned>(batch));
   sentence_penalty_kernel<<<grid, kBlockThreads, 0, stream>>>(
       score, any_penalty ? penalties.indptr : nullptr, penalties.ranges, pad_mask, capacity,
-      kv_heads, n, length);
+      kv_heads, n, length, pitch);
   KVSIFT_CUDA_CHECK(cudaGetLastError());
 }
 
 struct Shape {
-  std::int64_t batch = 0, kv_heads = 0, length = 0, window = 0;
+  std::int64_t batch = 0, kv_heads = 0, window = 0;
+  std::int64_t length = 0;            // S = max_b S_b: the pitch of the score rows
+  std::vector<std::int32_t> lengths;  // [batch] S_b
+  RKVConfig rkv;                      // the R-KV part of the score (cfg.rkv_config())
   std::int64_t rows() const { return batch * kv_heads; }
   std::int64_t n() const { return length > window ? length - window : 0; }
 };
 
-// The checks of this layer, before rkv_* repeat theirs (their messages name rkv_*): device
-// memory, equal lengths, penalties built for this cache's rows.
-Shape check_call(const KVCacheView& kv, const SkipKVScoringConfig& cfg,
+// The checks of this layer, before rkv_* repeat theirs (their messages name rkv_*): a config
+// the kernels implement, device memory, penalties built for this cache's rows.
+Shape check_call(const KVCacheView& kv, const SentenceScorerConfig& cfg,
                  const SentencePenaltiesDevice& penalties, const char* op) {
   cfg.validate();
   kv.validate();
   KVSIFT_CHECK(kv.device() == Device::cuda, op, ": the cache is in host memory (device ",
                device_name(kv.device()), "); use the CPU SentenceScorer");
   Shape s;
+  s.rkv = cfg.rkv_config();
+  check_cuda_rkv_config(s.rkv, op);
   s.batch = kv.batch();
   s.kv_heads = kv.kv_heads();
-  s.window = cfg.rkv.window;
-  s.length = s.batch > 0 ? kv.lengths[0] : 0;
-  for (std::int64_t b = 1; b < s.batch; ++b) {
-    KVSIFT_CHECK(kv.lengths[b] == s.length, op, ": lengths[", b, "] = ", kv.lengths[b],
-                 " != lengths[0] = ", s.length,
-                 " (this version needs equal sequence lengths across the batch)");
-  }
+  s.window = cfg.window;
+  s.lengths.assign(kv.lengths, kv.lengths + kv.batch());
+  for (std::int32_t len : s.lengths) s.length = std::max<std::int64_t>(s.length, len);
   if (penalties.indptr != nullptr) {
     KVSIFT_CHECK(penalties.batch == s.batch && penalties.kv_heads == s.kv_heads, op,
                  ": penalties were built for batch=", penalties.batch,
@@ -153,16 +160,16 @@ Shape check_call(const KVCacheView& kv, const SkipKVScoringConfig& cfg,
 }
 
 // Layout: [own score buffer | rkv workspace]. The own part is a multiple of kWorkspaceAlign, so
-// the R-KV part stays as aligned as the caller's base.
+// the R-KV part stays as aligned as the caller's base. Both are sized for the whole batch at
+// S = max_b S_b, which bounds what every run of equal lengths needs.
 std::size_t own_bytes(const Shape& s) {
   return align_up(static_cast<std::size_t>(s.rows() * s.n()) * sizeof(float));
 }
 
 // Checks the whole workspace up front (nothing is enqueued on failure) and returns the pieces.
-float* carve(const Shape& s, const KVCacheView& kv, const TensorView& queries,
-             const SkipKVScoringConfig& cfg, void* workspace, std::size_t workspace_bytes,
-             const char* op, void** rkv_ws, std::size_t* rkv_bytes) {
-  const std::size_t need = own_bytes(s) + rkv_workspace_bytes(kv, queries, cfg.rkv);
+float* carve(const Shape& s, const KVCacheView& kv, const TensorView& queries, void* workspace,
+             std::size_t workspace_bytes, const char* op, void** rkv_ws, std::size_t* rkv_bytes) {
+  const std::size_t need = own_bytes(s) + rkv_workspace_bytes(kv, queries, s.rkv);
   KVSIFT_CHECK(workspace != nullptr || need == 0, op, ": workspace is null but ", need,
                " bytes are needed");
   KVSIFT_CHECK(workspace_bytes >= need, op, ": workspace of ", workspace_bytes,
@@ -172,15 +179,28 @@ float* carve(const Shape& s, const KVCacheView& kv, const TensorView& queries,
   return static_cast<float*>(workspace);
 }
 
-// rkv_score() into `score`, then the penalty and pad pass in place.
-void enqueue_scores(const KVCacheView& kv, const TensorView& queries,
-                    const SkipKVScoringConfig& cfg, const SentencePenaltiesDevice& penalties,
-                    const Shape& s, const RKVScoreOutputs& out, void* rkv_ws, std::size_t rkv_bytes,
-                    cudaStream_t stream) {
-  rkv_score(kv, queries, cfg.rkv, out, rkv_ws, rkv_bytes, stream);
-  launch_sentence_penalty(out.score, penalties, cfg.faithful_pads ? kv.valid_mask : nullptr,
-                          kv.capacity(), static_cast<int>(s.batch), static_cast<int>(s.kv_heads),
-                          static_cast<int>(s.n()), static_cast<int>(s.length), stream);
+// The penalties of the run's rows: indptr holds absolute offsets into `ranges`, so shifting it
+// is enough.
+SentencePenaltiesDevice run_penalties(const SentencePenaltiesDevice& p, const LengthRun& r) {
+  SentencePenaltiesDevice q = p;
+  q.batch = r.count;
+  if (p.indptr != nullptr) q.indptr = p.indptr + r.first * p.kv_heads;
+  return q;
+}
+
+// The penalty and pad pass of every run over scores laid out with `pitch` floats per row.
+void enqueue_penalties(const KVCacheView& kv, const SentenceScorerConfig& cfg,
+                       const SentencePenaltiesDevice& penalties, const Shape& s, float* score,
+                       std::int64_t pitch, cudaStream_t stream) {
+  const bool faithful = cfg.pad_mode == PadMode::faithful;
+  for (const LengthRun& r : equal_length_runs(s.lengths.data(), s.batch)) {
+    const KVCacheView run_kv = batch_slice(kv, r.first, r.count);
+    launch_sentence_penalty(score + r.first * s.kv_heads * pitch, run_penalties(penalties, r),
+                            faithful ? run_kv.valid_mask : nullptr, kv.capacity(),
+                            static_cast<int>(r.count), static_cast<int>(s.kv_heads),
+                            static_cast<int>(r.length - s.window), static_cast<int>(r.length),
+                            pitch, stream);
+  }
 }
 
 }  // namespace
@@ -264,50 +284,79 @@ SentencePenaltiesDevice upload_sentence_penalties(const SentencePenaltyCsr& csr,
 }
 
 std::size_t skipkv_workspace_bytes(const KVCacheView& kv, const TensorView& queries,
-                                   const SkipKVScoringConfig& cfg) {
+                                   const SentenceScorerConfig& cfg) {
   const detail::Shape s = detail::check_call(kv, cfg, {}, "skipkv_workspace_bytes");
-  return detail::own_bytes(s) + rkv_workspace_bytes(kv, queries, cfg.rkv);
+  return detail::own_bytes(s) + rkv_workspace_bytes(kv, queries, s.rkv);
 }
 
-void skipkv_score(const KVCacheView& kv, const TensorView& queries, const SkipKVScoringConfig& cfg,
+void skipkv_score(const KVCacheView& kv, const TensorView& queries, const SentenceScorerConfig& cfg,
                   const SentencePenaltiesDevice& penalties, const RKVScoreOutputs& out,
                   void* workspace, std::size_t workspace_bytes, cudaStream_t stream) {
   const detail::Shape s = detail::check_call(kv, cfg, penalties, "skipkv_score");
   KVSIFT_CHECK(out.score != nullptr, "skipkv_score: out.score must be a device pointer, got null");
   if (s.batch == 0) return;
-  KVSIFT_CHECK(s.length > s.window, "skipkv_score: length (", s.length,
-               ") must exceed the window (", s.window, ")");
-  void* rkv_ws = nullptr;
-  std::size_t rkv_bytes = 0;
-  detail::carve(s, kv, queries, cfg, workspace, workspace_bytes, "skipkv_score", &rkv_ws,
-                &rkv_bytes);
-  detail::enqueue_scores(kv, queries, cfg, penalties, s, out, rkv_ws, rkv_bytes, stream);
-}
-
-bool skipkv_select(const KVCacheView& kv, const TensorView& queries, const SkipKVScoringConfig& cfg,
-                   const SentencePenaltiesDevice& penalties, std::int32_t* slots, float* scores,
-                   void* workspace, std::size_t workspace_bytes, cudaStream_t stream) {
-  const detail::Shape s = detail::check_call(kv, cfg, penalties, "skipkv_select");
-  KVSIFT_CHECK(slots != nullptr, "skipkv_select: slots must be a device pointer, got null");
-  if (s.batch == 0) return false;
-  const int budget = cfg.rkv.budget;
-  if (s.length <= budget) {  // docs/algorithms.md §1.3: at or below the budget nothing is evicted
-    detail::launch_keep_all_slots(static_cast<int>(s.rows()), static_cast<int>(s.length), budget,
-                                  slots, stream);
-    return false;
+  for (std::int64_t b = 0; b < s.batch; ++b) {
+    KVSIFT_CHECK(s.lengths[b] > s.window, "skipkv_score: lengths[", b, "] (", s.lengths[b],
+                 ") must exceed the window (", s.window, ")");
   }
   void* rkv_ws = nullptr;
   std::size_t rkv_bytes = 0;
-  float* own_score = detail::carve(s, kv, queries, cfg, workspace, workspace_bytes, "skipkv_select",
-                                   &rkv_ws, &rkv_bytes);
-  RKVScoreOutputs out;
-  out.score = scores != nullptr ? scores : own_score;
-  detail::enqueue_scores(kv, queries, cfg, penalties, s, out, rkv_ws, rkv_bytes, stream);
-  // Faithful pads are ordinary candidates at +100 (kept first, counted); excluded ones are masked.
-  select_topk_slots(out.score, cfg.faithful_pads ? nullptr : kv.valid_mask,
-                    static_cast<int>(s.batch), static_cast<int>(s.kv_heads), kv.capacity(),
-                    static_cast<int>(s.length), budget, cfg.rkv.window, slots, stream);
-  return true;
+  detail::carve(s, kv, queries, workspace, workspace_bytes, "skipkv_score", &rkv_ws, &rkv_bytes);
+  rkv_score(kv, queries, s.rkv, out, rkv_ws, rkv_bytes, stream);  // ragged: pitched rows
+  detail::enqueue_penalties(kv, cfg, penalties, s, out.score, s.n(), stream);
+}
+
+bool skipkv_select(const KVCacheView& kv, const TensorView& queries,
+                   const SentenceScorerConfig& cfg, const SentencePenaltiesDevice& penalties,
+                   std::int32_t* slots, float* scores, void* workspace, std::size_t workspace_bytes,
+                   cudaStream_t stream) {
+  using namespace detail;
+  const Shape s = check_call(kv, cfg, penalties, "skipkv_select");
+  KVSIFT_CHECK(slots != nullptr, "skipkv_select: slots must be a device pointer, got null");
+  if (s.batch == 0) return false;
+  const int budget = cfg.budget, heads = static_cast<int>(s.kv_heads);
+  // docs/algorithms.md §1.3: a sequence at or below the budget evicts nothing and is not scored.
+  const bool any_over = s.length > budget;
+  void* rkv_ws = nullptr;
+  std::size_t rkv_bytes = 0;
+  float* own_score = nullptr;
+  if (any_over) {
+    own_score =
+        carve(s, kv, queries, workspace, workspace_bytes, "skipkv_select", &rkv_ws, &rkv_bytes);
+  }
+  const bool faithful = cfg.pad_mode == PadMode::faithful;
+  const std::vector<LengthRun> runs = equal_length_runs(s.lengths.data(), s.batch);
+  const bool whole = runs.size() == 1;  // the common equal-length batch: scores go straight out
+  for (const LengthRun& r : runs) {
+    const std::int64_t row0 = r.first * s.kv_heads;
+    if (r.length <= budget) {
+      launch_keep_all_slots(static_cast<int>(r.count * s.kv_heads), r.length, budget,
+                            slots + row0 * budget, stream);
+      continue;
+    }
+    const KVCacheView run_kv = batch_slice(kv, r.first, r.count);
+    const TensorView run_q = batch_slice(queries, r.first, r.count);
+    const std::int64_t n = r.length - s.window;
+    RKVScoreOutputs out;
+    out.score = (whole && scores != nullptr) ? scores : own_score;  // packed rows of n
+    rkv_score(run_kv, run_q, s.rkv, out, rkv_ws, rkv_bytes, stream);
+    launch_sentence_penalty(out.score, run_penalties(penalties, r),
+                            faithful ? run_kv.valid_mask : nullptr, kv.capacity(),
+                            static_cast<int>(r.count), heads, static_cast<int>(n),
+                            static_cast<int>(r.length), n, stream);
+    // Faithful pads are ordinary candidates at +100 (kept first, counted); excluded ones are
+    // masked.
+    launch_select_topk(out.score, faithful ? nullptr : run_kv.valid_mask, static_cast<int>(r.count),
+                       static_cast<int>(r.count), heads, kv.capacity(), r.length, budget, s.window,
+                       slots + row0 * budget, stream);
+    if (!whole && scores != nullptr && n > 0) {
+      KVSIFT_CUDA_CHECK(cudaMemcpy2DAsync(
+          scores + row0 * s.n(), static_cast<std::size_t>(s.n()) * sizeof(float), out.score,
+          static_cast<std::size_t>(n) * sizeof(float), static_cast<std::size_t>(n) * sizeof(float),
+          static_cast<std::size_t>(r.count * s.kv_heads), cudaMemcpyDeviceToDevice, stream));
+    }
+  }
+  return any_over;
 }
 
 }  // namespace kvsift::cuda

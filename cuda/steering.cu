@@ -135,22 +135,24 @@ void apply_steering(const TensorView& hidden, const float* alpha, AlphaLocation 
   KVSIFT_CUDA_CHECK(cudaGetLastError());
 }
 
-std::int64_t apply_steering(const SteeringController& controller, int layer,
-                            const TensorView& hidden, const float* vector, cudaStream_t stream) {
+std::int64_t apply_steering(const SteeringConfig& cfg, int layer, const TensorView& hidden,
+                            const std::uint8_t* gated, const float* alpha, const float* vector,
+                            std::int64_t vector_size, cudaStream_t stream) {
   validate(hidden, vector);
-  KVSIFT_CHECK(hidden.shape[0] == controller.batch(), "cuda::apply_steering: hidden has batch ",
-               hidden.shape[0], ", the controller tracks ", controller.batch(), " sequences");
-  KVSIFT_CHECK(hidden.shape[2] == controller.vector().hidden_size(),
-               "cuda::apply_steering: steering vector has ", controller.vector().hidden_size(),
-               " values, hidden size is ", hidden.shape[2]);
-  if (layer != controller.config().layer) return 0;
+  const std::int64_t batch = hidden.shape[0];
+  KVSIFT_CHECK(vector_size == hidden.shape[2], "cuda::apply_steering: steering vector has ",
+               vector_size, " values, hidden size is ", hidden.shape[2]);
+  KVSIFT_CHECK((gated != nullptr && alpha != nullptr) || batch == 0,
+               "cuda::apply_steering: gated and alpha (host, [batch]) must be given for batch ",
+               batch);
+  if (layer != cfg.layer) return 0;
   // Gated rows are steered even at strength 0, exactly as the CPU controller does.
   std::vector<std::int32_t> rows;
   std::vector<float> alphas;
-  for (std::int64_t b = 0; b < controller.batch(); ++b) {
-    if (!controller.gated(b)) continue;
+  for (std::int64_t b = 0; b < batch; ++b) {
+    if (gated[b] == 0) continue;
     rows.push_back(static_cast<std::int32_t>(b));
-    alphas.push_back(controller.strength(b));
+    alphas.push_back(alpha[b]);
   }
   launch_host_rows(hidden, rows, alphas, vector, stream);
   return static_cast<std::int64_t>(rows.size());

@@ -80,8 +80,8 @@ Views make_views(const Shapes& s, void* keys, void* values, const void* queries,
   return v;
 }
 
-cuda::RKVScoringConfig make_config(const Shapes& s, float mix_lambda, float threshold) {
-  cuda::RKVScoringConfig cfg;  // kernel, faithful: docs/algorithms.md §4 defaults
+RKVConfig make_config(const Shapes& s, float mix_lambda, float threshold) {
+  RKVConfig cfg;  // kernel, redundancy mode: docs/algorithms.md §4 defaults
   cfg.budget = s.budget;
   cfg.window = s.window;
   cfg.mix_lambda = mix_lambda;
@@ -89,6 +89,7 @@ cuda::RKVScoringConfig make_config(const Shapes& s, float mix_lambda, float thre
   // The tensor-core search gives the fp32 search's exact answers (same r_i, bit-identical scores),
   // so the benchmark times the fast path.
   cfg.tensor_core_search = true;
+  cfg.buffer = std::max(cfg.buffer, cfg.window);  // the trigger is the caller's business
   cfg.validate();
   return cfg;
 }
@@ -111,7 +112,7 @@ struct Layout {
   std::size_t total() const { return rkv + slots + compact; }
 };
 
-Layout layout_for(const Shapes& s, const Views& v, const cuda::RKVScoringConfig& cfg) {
+Layout layout_for(const Shapes& s, const Views& v, const RKVConfig& cfg) {
   Layout l;
   l.rkv = cuda::align_up(cuda::rkv_workspace_bytes(v.kv, v.queries, cfg));
   l.slots = cuda::align_up(std::max<std::size_t>(slot_count(s), 1) * sizeof(std::int32_t));
@@ -120,9 +121,8 @@ Layout layout_for(const Shapes& s, const Views& v, const cuda::RKVScoringConfig&
 }
 
 // Score + select; returns whether scoring ran. `slots_out` may be null (the workspace slice).
-bool select_into(const Shapes& s, const Views& v, const cuda::RKVScoringConfig& cfg,
-                 std::int32_t*& slots, void* workspace, std::size_t workspace_bytes,
-                 cudaStream_t stream) {
+bool select_into(const Shapes& s, const Views& v, const RKVConfig& cfg, std::int32_t*& slots,
+                 void* workspace, std::size_t workspace_bytes, cudaStream_t stream) {
   const Layout l = layout_for(s, v, cfg);
   KVSIFT_CHECK(workspace != nullptr || l.total() == 0, "kvsift_capi: workspace is null but ",
                l.total(), " bytes are needed");
@@ -155,7 +155,7 @@ LayerViews make_layer_views(const Shapes& s, int n_layers, void* const* keys, vo
 }
 
 // The step workspace: [R-KV scratch of all layers | slot rows [n_layers, batch, kv_heads, budget]].
-Layout layers_layout(const Shapes& s, const LayerViews& lv, const cuda::RKVScoringConfig& cfg) {
+Layout layers_layout(const Shapes& s, const LayerViews& lv, const RKVConfig& cfg) {
   const int n = static_cast<int>(lv.kv.size());
   Layout l;
   l.rkv = cuda::align_up(cuda::rkv_step_workspace_bytes(lv.kv.data(), lv.queries.data(), n, cfg));
@@ -212,16 +212,17 @@ int kvsift_rkv_step(int dtype, void* keys, void* values, const void* queries, in
     const Shapes s =
         check_shapes(dtype, batch, kv_heads, q_heads, capacity, head_dim, budget, window);
     const Views v = make_views(s, keys, values, queries, lengths);
-    const cuda::RKVScoringConfig cfg = make_config(s, mix_lambda, threshold);
+    const RKVConfig cfg = make_config(s, mix_lambda, threshold);
     const auto st = static_cast<cudaStream_t>(stream);
     std::int32_t* slots = slots_out;
     const bool ran = select_into(s, v, cfg, slots, workspace, workspace_bytes, st);
     if (compressed != nullptr) *compressed = ran ? 1 : 0;
     if (!ran) return;  // at or below the budget: nothing moves (§1.3), no need to wait
     // The slot rows stay on the device: no host plan, no stream synchronisation. Without a pad
-    // mask every compressed row keeps exactly `budget` slots, so the host lengths are known.
+    // mask a compressed sequence keeps exactly `budget` slots and the others all of theirs, so
+    // the host lengths are known.
     cuda::compact_device_rows(v.kv, slots, s.budget, nullptr, st);
-    for (int b = 0; b < s.batch; ++b) lengths[b] = s.budget;
+    for (int b = 0; b < s.batch; ++b) lengths[b] = std::min(lengths[b], s.budget);
   });
 }
 
@@ -250,7 +251,7 @@ int kvsift_rkv_layers_step(int dtype, int n_layers, void* const* keys, void* con
     const Shapes s =
         check_shapes(dtype, batch, kv_heads, q_heads, capacity, head_dim, budget, window);
     const LayerViews lv = make_layer_views(s, n_layers, keys, values, queries, lengths);
-    const cuda::RKVScoringConfig cfg = make_config(s, mix_lambda, threshold);
+    const RKVConfig cfg = make_config(s, mix_lambda, threshold);
     const Layout l = layers_layout(s, lv, cfg);
     KVSIFT_CHECK(workspace_bytes >= l.total(), "kvsift_capi: workspace of ", workspace_bytes,
                  " bytes is too small (", l.total(), " needed)");
@@ -262,7 +263,8 @@ int kvsift_rkv_layers_step(int dtype, int n_layers, void* const* keys, void* con
     if (compressed != nullptr) *compressed = ran ? 1 : 0;
     if (!ran) return;
     cuda::compact_device_rows_step(lv.kv.data(), n_layers, slots, s.budget, nullptr, st);
-    for (int b = 0; b < s.batch; ++b) lengths[b] = s.budget;  // no pad mask: full budget
+    for (int b = 0; b < s.batch; ++b)  // no pad mask: full budget, or everything when below it
+      lengths[b] = std::min(lengths[b], s.budget);
   });
 }
 

@@ -47,7 +47,7 @@ KVSIFT_CAPI_EXPORT int kvsift_rkv_workspace_bytes(int dtype, int batch, int kv_h
 /* Score + select, asynchronous on `stream` (a cudaStream_t; NULL is the legacy default stream):
  *   keys, values  device [batch, kv_heads, capacity, head_dim]
  *   queries       device [batch, q_heads, window, head_dim], the last `window` decode queries
- *   lengths       host [batch], tokens per sequence; all equal in this version
+ *   lengths       host [batch], tokens per sequence (may differ: a ragged batch)
  *   slots_out     device [batch, kv_heads, budget] int32, each row ascending (kvsift::cuda::
  *                 rkv_select); required here
  *   compressed    host, optional: set to 1 when scoring ran, 0 when length <= budget (no-op)

@@ -25,7 +25,7 @@ class RKVCudaPolicy final : public DemoPolicy {
   // Same name as the CPU policy, so the two tables line up row for row.
   std::string name() const override { return std::string(rkv_->name()); }
   bool should_compress(const KVCacheView& kv) override { return rkv_->should_compress(kv); }
-  //   in.kv              host [batch, kv_heads, capacity, head_dim], equal lengths
+  //   in.kv              host [batch, kv_heads, capacity, head_dim], any lengths
   //   in.window_queries  host [batch, q_heads, W, head_dim] in the cache's dtype
   KeepPlan select(const StepInputs& in) override {
     return tool::select_rkv_cuda(in.kv, in.window_queries, rkv_->config());

@@ -69,13 +69,13 @@ class DeviceBytes {
   std::size_t bytes_ = 0;
 };
 
-// The GPU R-KV's scope (rkv_scoring.hpp): equal lengths, queries in the keys' dtype, GQA max, max
-// pooling, window mean, no sink tokens. Throws a kvsift::Error naming what the call asks for
-// otherwise; returns the device config.
+// The GPU R-KV's scope (rkv_scoring.hpp): queries in the keys' dtype, GQA max, max pooling,
+// window mean, no sink tokens (ragged lengths are fine). Throws a kvsift::Error naming what the
+// call asks for otherwise; returns the config with the tool's choice of last-match search.
 //   kv       host or device [batch, kv_heads, capacity, head_dim]
 //   queries  [batch, q_heads, W, head_dim]
-inline cuda::RKVScoringConfig cuda_rkv_config(const RKVConfig& r, const KVCacheView& kv,
-                                              const TensorView& queries, bool fp32_search = false) {
+inline RKVConfig cuda_rkv_config(const RKVConfig& r, const KVCacheView& kv,
+                                 const TensorView& queries, bool fp32_search = false) {
   r.validate();
   KVSIFT_CHECK(r.sink == 0, "--device cuda: R-KV on CUDA keeps no sink tokens, the case asks for ",
                r.sink, " (use --device cpu)");
@@ -84,25 +84,13 @@ inline cuda::RKVScoringConfig cuda_rkv_config(const RKVConfig& r, const KVCacheV
       ic.gqa == GqaReduce::max && ic.pooling == Pooling::max && ic.reduction == WindowReduce::mean,
       "--device cuda: R-KV on CUDA supports only GQA max, max pooling and window mean "
       "(use --device cpu)");
-  for (std::int64_t b = 1; b < kv.batch(); ++b)
-    KVSIFT_CHECK(kv.length(b) == kv.length(0),
-                 "--device cuda: R-KV on CUDA needs equal sequence lengths, sequence 0 holds ",
-                 kv.length(0), " tokens and sequence ", b, " holds ", kv.length(b),
-                 " (use --device cpu)");
   KVSIFT_CHECK(queries.dtype == kv.dtype(),
                "--device cuda: R-KV on CUDA needs queries in the "
                "keys' dtype, got queries ",
                dtype_name(queries.dtype), " and keys ", dtype_name(kv.dtype()),
                " (use --device cpu)");
-  cuda::RKVScoringConfig c;
-  c.budget = r.budget;
-  c.window = r.window;
-  c.kernel = r.kernel;
-  c.mix_lambda = r.mix_lambda;
-  c.threshold = r.threshold;
-  c.faithful = r.redundancy == RedundancyMode::faithful;
+  RKVConfig c = r;
   c.tensor_core_search = !fp32_search;
-  c.validate();
   return c;
 }
 
@@ -183,7 +171,7 @@ inline void finish_cuda_run(RKVRun& run, DeviceRKVInputs& dev, DeviceScores& out
 inline RKVRun run_rkv_cuda(const KVCacheView& kv, const TensorView& queries, const RKVConfig& cfg,
                            bool fp32_search = false) {
   check_rkv_run_inputs(kv, queries, cfg);
-  const cuda::RKVScoringConfig c = cuda_rkv_config(cfg, kv, queries, fp32_search);
+  const RKVConfig c = cuda_rkv_config(cfg, kv, queries, fp32_search);
   require_cuda_device();
   RKVRun run = shaped_run(kv, cfg.window);
   DeviceRKVInputs dev(kv, queries);
@@ -210,10 +198,8 @@ inline RKVRun run_skipkv_cuda(const KVCacheView& kv, const TensorView& queries,
   sc.validate();
   const RKVConfig r = sc.rkv_config();
   check_rkv_run_inputs(kv, queries, r);
-  cuda::SkipKVScoringConfig c;
-  c.rkv = cuda_rkv_config(r, kv, queries, fp32_search);
-  c.faithful_pads = sc.pad_mode == PadMode::faithful;
-  c.validate();
+  SentenceScorerConfig c = sc;
+  c.tensor_core_search = cuda_rkv_config(r, kv, queries, fp32_search).tensor_core_search;
   require_cuda_device();
   RKVRun run = shaped_run(kv, sc.window);
   DeviceRKVInputs dev(kv, queries);
@@ -222,7 +208,7 @@ inline RKVRun run_skipkv_cuda(const KVCacheView& kv, const TensorView& queries,
   cudaStream_t stream = nullptr;
   const cuda::SentencePenaltiesDevice dev_penalties =
       cuda::upload_sentence_penalties(csr, penalty_ws.get(), penalty_ws.size(), stream);
-  DeviceScores out(run, c.rkv.budget);
+  DeviceScores out(run, c.budget);
   DeviceBytes workspace(cuda::skipkv_workspace_bytes(dev.kv, dev.q, c));
 
   cuda::skipkv_score(dev.kv, dev.q, c, dev_penalties, out.outputs(), workspace.get(),
@@ -230,20 +216,20 @@ inline RKVRun run_skipkv_cuda(const KVCacheView& kv, const TensorView& queries,
   run.compressed =
       cuda::skipkv_select(dev.kv, dev.q, c, dev_penalties, out.slots.get<std::int32_t>(), nullptr,
                           workspace.get(), workspace.size(), stream);
-  finish_cuda_run(run, dev, out, c.rkv.budget, c.rkv.window, stream);
+  finish_cuda_run(run, dev, out, c.budget, c.window, stream);
   return run;
 }
 
 // `kvsift demo --device cuda`: R-KV's plan for one layer, selected on the GPU. Sequences at or
 // under the budget keep everything (rkv_select's no-op, as RKV::select on the CPU).
-//   kv       contiguous host [batch, kv_heads, capacity, head_dim], equal lengths
+//   kv       contiguous host [batch, kv_heads, capacity, head_dim], any lengths
 //   queries  contiguous host [batch, q_heads, W, head_dim] in the keys' dtype
 inline KeepPlan select_rkv_cuda(const KVCacheView& kv, const TensorView& queries,
                                 const RKVConfig& cfg) {
   kv.validate();
   KVSIFT_CHECK(queries.shape[2] == cfg.window, "--device cuda: window (", cfg.window,
                ") must equal the queries' W (", queries.shape[2], ")");
-  const cuda::RKVScoringConfig c = cuda_rkv_config(cfg, kv, queries);
+  const RKVConfig c = cuda_rkv_config(cfg, kv, queries);
   DeviceRKVInputs dev(kv, queries);
   DeviceBytes slots(static_cast<std::size_t>(kv.batch() * kv.kv_heads()) * c.budget *
                     sizeof(std::int32_t));

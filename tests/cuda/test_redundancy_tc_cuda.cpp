@@ -1,4 +1,4 @@
-// The tensor-core last-match search (cuda/key_redundancy_tc.cu, RKVScoringConfig::
+// The tensor-core last-match search (cuda/key_redundancy_tc.cu, RKVConfig::
 // tensor_core_search) against
 //   - an exact host oracle of the fp32 search: r_i = max{ j != i : C[i,j] > t } with C computed
 //     as a sequential fmaf chain over d from 0.0f (the fp32 kernel's arithmetic), and the spared
@@ -239,11 +239,11 @@ void check_paths_agree(const std::vector<float>& keys, std::vector<std::uint8_t>
   const TensorView qv =
       TensorView::contiguous(d_q.get(), dtype_of<T>::value, Device::cuda, {B, Hq, W, D});
   auto run = [&](bool tensor_core) {
-    cuda::RKVScoringConfig cfg;
+    RKVConfig cfg;
     cfg.budget = S / 2;
     cfg.window = W;
     cfg.threshold = threshold;
-    cfg.faithful = faithful;
+    cfg.redundancy = faithful ? RedundancyMode::faithful : RedundancyMode::sound;
     cfg.tensor_core_search = tensor_core;
     const std::size_t rows = static_cast<std::size_t>(B) * H, n = S - W;
     DeviceBuffer<float> score(rows * n), imp(rows * n), red(rows * S);

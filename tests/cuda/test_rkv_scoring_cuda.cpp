@@ -1,8 +1,8 @@
-// kvsift::cuda R-KV scoring and selection against the CPU reference (policy/baselines/rkv.hpp), a naive
-// O(S²) redundancy oracle written straight from docs/algorithms.md §1.2, and the golden cases of the
-// published R-KV code. Scores: |x − ref| <= 1e-6 + 1e-4·|ref|; kept sets equal the reference's
-// except for tokens within that tolerance of the cut; given the GPU's own scores the selection
-// must equal the CPU selection rule exactly.
+// kvsift::cuda R-KV scoring and selection against the CPU reference (policy/baselines/rkv.hpp), a
+// naive O(S²) redundancy oracle written straight from docs/algorithms.md §1.2, and the golden cases
+// of the published R-KV code. Scores: |x − ref| <= 1e-6 + 1e-4·|ref|; kept sets equal the
+// reference's except for tokens within that tolerance of the cut; given the GPU's own scores the
+// selection must equal the CPU selection rule exactly.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -180,7 +180,7 @@ struct GpuScores {
 };
 
 template <class T>
-GpuScores gpu_scores(TestCase<T>& tc, const cuda::RKVScoringConfig& cfg) {
+GpuScores gpu_scores(TestCase<T>& tc, const RKVConfig& cfg) {
   const std::int64_t rows = std::int64_t(tc.B) * tc.Hkv, n = tc.S - tc.W;
   DeviceBuffer<float> score(rows * n), imp(rows * n), red(rows * tc.S);
   KVCacheView kv = tc.dev_kv();
@@ -192,7 +192,7 @@ GpuScores gpu_scores(TestCase<T>& tc, const cuda::RKVScoringConfig& cfg) {
 }
 
 template <class T>
-KeepPlan gpu_plan(TestCase<T>& tc, const cuda::RKVScoringConfig& cfg, bool* compressed,
+KeepPlan gpu_plan(TestCase<T>& tc, const RKVConfig& cfg, bool* compressed,
                   std::vector<float>* scores = nullptr) {
   const std::int64_t rows = std::int64_t(tc.B) * tc.Hkv;
   DeviceBuffer<std::int32_t> slots(rows * cfg.budget);
@@ -206,23 +206,15 @@ KeepPlan gpu_plan(TestCase<T>& tc, const cuda::RKVScoringConfig& cfg, bool* comp
   return plan;
 }
 
-RKVConfig cpu_config(const cuda::RKVScoringConfig& c) {
-  RKVConfig r;
-  r.budget = c.budget;
-  r.window = c.window;
-  r.buffer = std::max(128, c.window);
-  r.kernel = c.kernel;
-  r.mix_lambda = c.mix_lambda;
-  r.threshold = c.threshold;
-  r.redundancy = c.faithful ? RedundancyMode::faithful : RedundancyMode::sound;
-  return r;
-}
+// The CPU reference takes the same config (config/rkv_config.hpp); tensor_core_search is a
+// CUDA-only option it ignores.
+RKVConfig cpu_config(const RKVConfig& c) { return c; }
 
 // The whole comparison for one case: scores vs the CPU reference and the naive redundancy,
 // the kept set vs the CPU plan (near-cut swaps only), the selection rule exactly on the GPU's
 // own scores, and bitwise determinism across two runs.
 template <class T>
-void check_case(TestCase<T>& tc, const cuda::RKVScoringConfig& cfg) {
+void check_case(TestCase<T>& tc, const RKVConfig& cfg) {
   const std::int64_t rows = std::int64_t(tc.B) * tc.Hkv, n = tc.S - tc.W, H = tc.Hkv;
   const GpuScores g = gpu_scores(tc, cfg);
   const RKVScores ref = cpu::rkv_scores(tc.host_kv(), tc.host_q(), cpu_config(cfg));
@@ -244,8 +236,8 @@ void check_case(TestCase<T>& tc, const cuda::RKVScoringConfig& cfg) {
           k[i * tc.D + d] =
               to_float(tc.keys[((std::int64_t(b) * H + h) * tc.capacity + i) * tc.D + d]);
       const std::uint8_t* valid = tc.mask.empty() ? nullptr : &tc.mask[b * tc.capacity];
-      const std::vector<double> r =
-          naive_redundancy(k, valid, tc.S, tc.D, cfg.threshold, cfg.faithful);
+      const std::vector<double> r = naive_redundancy(k, valid, tc.S, tc.D, cfg.threshold,
+                                                     cfg.redundancy == RedundancyMode::faithful);
       for (int j = 0; j < tc.S; ++j)
         naive_bad += within_score_tolerance(g.redundancy[(b * H + h) * tc.S + j], r[j]) ? 0 : 1;
     }
@@ -317,11 +309,11 @@ void run_random(int B, int Hkv, int G, int S, int D, int W, int budget, int kern
   }
   TestCase<T> tc(B, Hkv, Hq, S, D, W, make_keys(B, Hkv, S, D, dup, shared, rng),
                  make_queries(B, Hq, W, D, rng), mask);
-  cuda::RKVScoringConfig cfg;
+  RKVConfig cfg;
   cfg.budget = budget;
   cfg.window = W;
   cfg.kernel = kernel;
-  cfg.faithful = faithful;
+  cfg.redundancy = faithful ? RedundancyMode::faithful : RedundancyMode::sound;
   INFO("B=" << B << " Hkv=" << Hkv << " G=" << G << " S=" << S << " D=" << D << " W=" << W
             << " budget=" << budget << " faithful=" << faithful << " dtype "
             << dtype_name(dtype_of<T>::value));
@@ -363,7 +355,7 @@ TEST_CASE("cuda R-KV at or below the budget keeps everything", "[cuda][rkv]") {
     std::mt19937 rng(11);
     TestCase<bf16_t> tc(3, 2, 8, S, 16, 8, make_keys(3, 2, S + 10, 16, 0.1f, 0.0f, rng),
                         make_queries(3, 8, 8, 16, rng), {}, 10);
-    cuda::RKVScoringConfig cfg;
+    RKVConfig cfg;
     cfg.budget = 100;
     bool compressed = true;
     const KeepPlan plan = gpu_plan(tc, cfg, &compressed);
@@ -386,13 +378,13 @@ TEST_CASE("cuda R-KV matches the published reference (golden cases)", "[cuda][rk
     const StTensor& q = f.get("queries");
     const int Hq = int(q.shape[1]), W = int(q.shape[2]);
     TestCase<float> tc(B, H, Hq, S, D, W, k.to_f32(), q.to_f32());
-    cuda::RKVScoringConfig cfg;
+    RKVConfig cfg;
     cfg.budget = c.at("budget").get<int>();
     cfg.window = c.at("window").get<int>();
     cfg.kernel = c.at("kernel").get<int>();
     cfg.mix_lambda = c.at("mix_lambda").get<float>();
     cfg.threshold = c.at("threshold").get<float>();
-    cfg.faithful = true;  // the reference's column-0 fallback
+    cfg.redundancy = RedundancyMode::faithful;  // the reference's column-0 fallback
     const std::int64_t rows = std::int64_t(B) * H, n = S - W;
     const GpuScores g = gpu_scores(tc, cfg);
     const std::vector<float> ref_a = f.get("importance").to_f32();
@@ -420,19 +412,19 @@ TEST_CASE("cuda R-KV redundancy: sparing the last near-duplicate, column-0 fallb
   const int D = int(k.shape[3]);
   // The case has no queries: any window-1 query drives the importance, only R is compared.
   TestCase<float> tc(1, 1, 1, 6, D, 1, k.to_f32(), std::vector<float>(D, 0.5f));
-  cuda::RKVScoringConfig cfg;
+  RKVConfig cfg;
   cfg.budget = 4;
   cfg.window = 1;
   cfg.kernel = 1;
   cfg.threshold = c.at("threshold").get<float>();
-  cfg.faithful = true;
+  cfg.redundancy = RedundancyMode::faithful;
   const std::vector<float> ref = f.get("redundancy_full", {1, 1, 6}).to_f32();
   const GpuScores g = gpu_scores(tc, cfg);
   for (int j = 0; j < 6; ++j) {
     INFO("column " << j << ": " << g.redundancy[j] << " vs " << ref[j]);
     CHECK(within_score_tolerance(g.redundancy[j], ref[j]));
   }
-  cfg.faithful = false;  // the sound mode moves column 0 only
+  cfg.redundancy = RedundancyMode::sound;  // the sound mode moves column 0 only
   const GpuScores sound = gpu_scores(tc, cfg);
   CHECK(std::fabs(std::log(sound.redundancy[0] / sound.redundancy[1]) - std::log(ref[0] / ref[1])) >
         1e-3);
@@ -451,7 +443,9 @@ TEST_CASE("cuda R-KV selection: ties go to the lower index, NaN is rejected", "[
   r1[3] = std::numeric_limits<float>::infinity();
   DeviceBuffer<float> d_scores(scores);
   DeviceBuffer<std::int32_t> slots(B * H * budget);
-  cuda::select_topk_slots(d_scores.get(), nullptr, B, H, S, S, budget, W, slots.get(), nullptr);
+  const std::vector<std::int32_t> row_lengths(B, S);
+  cuda::select_topk_slots(d_scores.get(), row_lengths.data(), nullptr, B, H, S, budget, W,
+                          slots.get(), nullptr);
   const std::vector<std::int32_t> got = slots.download();
   CHECK(std::vector<std::int32_t>(got.begin(), got.begin() + budget) ==
         std::vector<std::int32_t>{0, 1, 2, 3, 4, 5, 18, 19});
@@ -460,7 +454,8 @@ TEST_CASE("cuda R-KV selection: ties go to the lower index, NaN is rejected", "[
 
   r1[5] = std::nanf("");
   d_scores.upload(scores);
-  cuda::select_topk_slots(d_scores.get(), nullptr, B, H, S, S, budget, W, slots.get(), nullptr);
+  cuda::select_topk_slots(d_scores.get(), row_lengths.data(), nullptr, B, H, S, budget, W,
+                          slots.get(), nullptr);
   std::vector<std::int32_t> lengths = {S};
   DeviceBuffer<float> kv(static_cast<std::size_t>(B) * H * S * 4);
   const KVCacheView view =
@@ -473,17 +468,29 @@ TEST_CASE("cuda R-KV rejects bad calls with messages naming the values", "[cuda]
   std::mt19937 rng(21);
   TestCase<float> tc(2, 2, 4, 64, 8, 8, make_keys(2, 2, 64, 8, 0.0f, 0.0f, rng),
                      make_queries(2, 4, 8, 8, rng));
-  cuda::RKVScoringConfig cfg;
+  RKVConfig cfg;
   cfg.budget = 32;
   DeviceBuffer<float> score(2 * 2 * 56);
   DeviceBuffer<std::int32_t> slots(2 * 2 * 32);
   const std::size_t bytes = cuda::rkv_workspace_bytes(tc.dev_kv(), tc.dev_q(), cfg);
   DeviceBuffer<char> ws(bytes);
-  SECTION("unequal sequence lengths") {
-    tc.dev_lengths[1] = 60;
+  SECTION("config fields the kernels do not implement") {
+    cfg.gqa = GqaReduce::mean;
     REQUIRE_THROWS_WITH(
         cuda::rkv_score(tc.dev_kv(), tc.dev_q(), cfg, {score.get()}, ws.get(), ws.size(), nullptr),
-        Catch::Matchers::Contains("lengths[1] = 60 != lengths[0] = 64"));
+        Catch::Matchers::Contains("RKVConfig.gqa = mean is not supported by the CUDA backend"));
+    cfg.gqa = GqaReduce::max;
+    cfg.sink = 2;
+    REQUIRE_THROWS_WITH(
+        cuda::rkv_select(tc.dev_kv(), tc.dev_q(), cfg, slots.get(), nullptr, ws.get(), ws.size(),
+                         nullptr),
+        Catch::Matchers::Contains("RKVConfig.sink = 2 is not supported by the CUDA backend"));
+  }
+  SECTION("a sequence no longer than the window cannot be scored") {
+    tc.dev_lengths[1] = 8;
+    REQUIRE_THROWS_WITH(
+        cuda::rkv_score(tc.dev_kv(), tc.dev_q(), cfg, {score.get()}, ws.get(), ws.size(), nullptr),
+        Catch::Matchers::Contains("lengths[1] (8) must exceed the window (8)"));
   }
   SECTION("workspace too small") {
     REQUIRE_THROWS_WITH(cuda::rkv_select(tc.dev_kv(), tc.dev_q(), cfg, slots.get(), nullptr,
@@ -513,7 +520,7 @@ TEST_CASE("cuda R-KV rejects bad calls with messages naming the values", "[cuda]
     cfg.kernel = 7;
     cfg.budget = 8;
     REQUIRE_THROWS_WITH(cfg.validate(),
-                        Catch::Matchers::Contains("budget (8) must exceed window (8)"));
+                        Catch::Matchers::Contains("budget (8) must exceed window + sink (8 + 0)"));
   }
   SECTION("null score output") {
     REQUIRE_THROWS_WITH(

@@ -96,8 +96,8 @@ struct Step {
     return v;
   }
   std::size_t rows() const { return std::size_t(s.B) * s.H; }
-  cuda::RKVScoringConfig config() const {
-    cuda::RKVScoringConfig cfg;
+  RKVConfig config() const {
+    RKVConfig cfg;
     cfg.budget = s.budget;
     cfg.window = s.W;
     return cfg;
@@ -108,7 +108,7 @@ template <class T>
 void check_select_step(bool pads, bool tensor_core, std::uint32_t seed) {
   Step<T> st(Shape{}, pads, seed);
   const Shape& s = st.s;
-  cuda::RKVScoringConfig cfg = st.config();
+  RKVConfig cfg = st.config();
   cfg.tensor_core_search = tensor_core;
   const std::size_t n = s.S - s.W, rows = st.rows();
   std::vector<KVCacheView> kvs = st.kvs();
@@ -160,7 +160,7 @@ TEST_CASE("cuda compact_device_rows_step equals compact_device_rows layer by lay
     INFO("pads " << pads);
     Step<bf16_t> a(Shape{}, pads, 7), b(Shape{}, pads, 7);  // two identical copies
     const Shape& s = a.s;
-    const cuda::RKVScoringConfig cfg = a.config();
+    const RKVConfig cfg = a.config();
     std::vector<KVCacheView> kvs = a.kvs();
     std::vector<TensorView> qs = a.qs();
     const std::size_t row_elems = a.rows() * s.budget;
@@ -215,7 +215,7 @@ TEST_CASE("cuda compact_device_rows_step equals compact_device_rows layer by lay
 TEST_CASE("cuda step calls refuse layers that do not agree", "[cuda][rkv][step][errors]") {
   Step<bf16_t> st(Shape{}, true, 9);
   const Shape& s = st.s;
-  const cuda::RKVScoringConfig cfg = st.config();
+  const RKVConfig cfg = st.config();
   std::vector<KVCacheView> kvs = st.kvs();
   std::vector<TensorView> qs = st.qs();
   DeviceBuffer<std::int32_t> slots(s.L * st.rows() * s.budget);
@@ -242,7 +242,7 @@ TEST_CASE("cuda step calls refuse layers that do not agree", "[cuda][rkv][step][
     std::vector<KVCacheView> bad = kvs;
     bad[2].lengths = shorter.data();
     REQUIRE_THROWS_WITH(cuda::rkv_step_workspace_bytes(bad.data(), qs.data(), s.L, cfg),
-                        Contains("(layer 2): length 299 != layer 0's 300"));
+                        Contains("(layer 2): lengths[0] = 299 != layer 0's 300"));
   }
   {
     std::vector<KVCacheView> bad = kvs;

@@ -1,5 +1,6 @@
 // kvsift::cuda SkipKV scoring (docs/algorithms.md §2.4) against the CPU SentenceScorer
-// (policy/skipkv/sentence_scorer.hpp) and the SkipKV reference (golden skipkv_pad, skipkv_sentences):
+// (policy/skipkv/sentence_scorer.hpp) and the SkipKV reference (golden skipkv_pad,
+// skipkv_sentences):
 //   - eq. 6 scores within |x − ref| <= 1e-6 + 1e-4·|ref| of the CPU and of the reference;
 //   - the penalty and pad pass bit-exact: the GPU's own R-KV score minus the λ's of the mapped
 //     ranges, subtracted in list order by a per-token host oracle, faithful pads exactly +100;
@@ -92,18 +93,8 @@ struct Case {
   bool is_pad(std::int64_t b, std::int64_t j) const { return !mask.empty() && !mask[b * S + j]; }
 };
 
-// The CPU scorer's config for a GPU config (the reference's settings are the same fields).
-SentenceScorerConfig cpu_config(const cuda::SkipKVScoringConfig& c) {
-  SentenceScorerConfig s;
-  s.budget = c.rkv.budget;
-  s.window = c.rkv.window;
-  s.kernel = c.rkv.kernel;
-  s.mix_lambda = c.rkv.mix_lambda;
-  s.threshold = c.rkv.threshold;
-  s.redundancy = c.rkv.faithful ? RedundancyMode::faithful : RedundancyMode::sound;
-  s.pad_mode = c.faithful_pads ? PadMode::faithful : PadMode::exclude;
-  return s;
-}
+// The CPU scorer takes the same config (config/sentence_scorer_config.hpp).
+SentenceScorerConfig cpu_config(const SentenceScorerConfig& c) { return c; }
 
 // Everything one GPU run produces. Outputs are poisoned (0xFF bytes: NaN scores, slot −1... all
 // bits set) before the run so an element the kernels forget shows up.
@@ -116,7 +107,7 @@ struct GpuRun {
 };
 
 template <class T>
-GpuRun run_gpu(Case<T>& c, const cuda::SkipKVScoringConfig& cfg,
+GpuRun run_gpu(Case<T>& c, const SentenceScorerConfig& cfg,
                const std::vector<std::vector<PenaltyRange>>& penalties) {
   const std::int64_t rows = c.B * c.H, n = std::max<std::int64_t>(c.S - c.W, 1);
   const KVCacheView kv = c.dev_kv();
@@ -126,7 +117,7 @@ GpuRun run_gpu(Case<T>& c, const cuda::SkipKVScoringConfig& cfg,
       cuda::upload_sentence_penalties(csr, pen_ws.get(), pen_ws.size(), nullptr);
   DeviceBuffer<char> ws(cuda::skipkv_workspace_bytes(kv, c.dev_q(), cfg));
   DeviceBuffer<float> score(rows * n), rkv(rows * n), sel_scores(rows * n);
-  DeviceBuffer<std::int32_t> slots(rows * cfg.rkv.budget);
+  DeviceBuffer<std::int32_t> slots(rows * cfg.budget);
   for (void* p : {static_cast<void*>(score.get()), static_cast<void*>(rkv.get()),
                   static_cast<void*>(sel_scores.get())})
     KVSIFT_CUDA_CHECK(cudaMemset(p, 0xFF, rows * n * sizeof(float)));
@@ -137,15 +128,15 @@ GpuRun run_gpu(Case<T>& c, const cuda::SkipKVScoringConfig& cfg,
     cuda::RKVScoreOutputs out;
     out.score = score.get();
     cuda::skipkv_score(kv, c.dev_q(), cfg, pen, out, ws.get(), ws.size(), nullptr);
-    DeviceBuffer<char> rkv_ws(cuda::rkv_workspace_bytes(kv, c.dev_q(), cfg.rkv));
+    DeviceBuffer<char> rkv_ws(cuda::rkv_workspace_bytes(kv, c.dev_q(), cfg.rkv_config()));
     cuda::RKVScoreOutputs plain;
     plain.score = rkv.get();
-    cuda::rkv_score(kv, c.dev_q(), cfg.rkv, plain, rkv_ws.get(), rkv_ws.size(), nullptr);
+    cuda::rkv_score(kv, c.dev_q(), cfg.rkv_config(), plain, rkv_ws.get(), rkv_ws.size(), nullptr);
     KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
   }
   r.compressed = cuda::skipkv_select(kv, c.dev_q(), cfg, pen, slots.get(), sel_scores.get(),
                                      ws.get(), ws.size(), nullptr);
-  r.plan = cuda::download_keep_plan(kv, slots.get(), cfg.rkv.budget, cfg.rkv.window, nullptr);
+  r.plan = cuda::download_keep_plan(kv, slots.get(), cfg.budget, cfg.window, nullptr);
   r.score = score.download();
   r.rkv = rkv.download();
   r.select_scores = sel_scores.download();
@@ -258,16 +249,17 @@ void check_compact(Case<T>& c, const KeepPlan& plan, bool faithful_pads, int bud
 
 // The full comparison of one case with the CPU SentenceScorer.
 template <class T>
-void check_case(Case<T>& c, const cuda::SkipKVScoringConfig& cfg,
+void check_case(Case<T>& c, const SentenceScorerConfig& cfg,
                 const std::vector<std::vector<PenaltyRange>>& penalties) {
-  const std::int64_t n = c.S - c.W, keep = cfg.rkv.budget - cfg.rkv.window;
+  const std::int64_t n = c.S - c.W, keep = cfg.budget - cfg.window;
   const SentenceScorerConfig ccfg = cpu_config(cfg);
   const GpuRun g = run_gpu(c, cfg, penalties);
 
   // Scores: the CPU reference, and the exact penalty/pad arithmetic on the GPU's R-KV score.
   const SentenceScores ref = cpu::sentence_scores(c.host_kv(), c.host_q(), ccfg, penalties);
   CHECK(count_off(g.score, ref.score, c.H, n, "score") == 0);
-  const std::vector<float> exact = penalty_oracle(c, g.rkv, penalties, cfg.faithful_pads);
+  const std::vector<float> exact =
+      penalty_oracle(c, g.rkv, penalties, (cfg.pad_mode == PadMode::faithful));
   std::int64_t inexact = 0;
   for (std::size_t i = 0; i < exact.size(); ++i)
     if (std::memcmp(&exact[i], &g.score[i], sizeof(float)) != 0 && inexact++ < 5)
@@ -275,7 +267,7 @@ void check_case(Case<T>& c, const cuda::SkipKVScoringConfig& cfg,
   CHECK(inexact == 0);
 
   // Selection.
-  REQUIRE(g.compressed == (c.S > cfg.rkv.budget));
+  REQUIRE(g.compressed == (c.S > cfg.budget));
   REQUIRE_NOTHROW(g.plan.validate());
   const KeepPlan cpu_plan = SentenceScorer(ccfg).select(c.host_kv(), c.host_q(), penalties);
   REQUIRE(g.plan.kept_lengths() == cpu_plan.kept_lengths());
@@ -289,12 +281,12 @@ void check_case(Case<T>& c, const cuda::SkipKVScoringConfig& cfg,
     CHECK(g.plan.slots() == rule.slots());
     CHECK(g.plan.indptr() == rule.indptr());
     // Against the CPU's own scores: differences only at the cut.
-    const std::int64_t swaps =
-        check_near_cut(g.plan, cpu_plan, ref.score, c.host_mask(), c.S, keep, !cfg.faithful_pads,
-                       [](float x, float cut) { return within_tolerance(x, cut); });
+    const std::int64_t swaps = check_near_cut(
+        g.plan, cpu_plan, ref.score, c.host_mask(), c.S, keep, !(cfg.pad_mode == PadMode::faithful),
+        [](float x, float cut) { return within_tolerance(x, cut); });
     UNSCOPED_INFO(swaps << " near-cut slots differ from the CPU plan");
   }
-  check_compact(c, g.plan, cfg.faithful_pads, cfg.rkv.budget);
+  check_compact(c, g.plan, (cfg.pad_mode == PadMode::faithful), cfg.budget);
 
   // Determinism: the scores of a second run are bit-identical.
   const GpuRun again = run_gpu(c, cfg, penalties);
@@ -370,11 +362,11 @@ void run_random(std::int64_t B, std::int64_t H, std::int64_t G, std::int64_t S, 
   }
   Case<T> c(B, H, H * G, S, D, W, make_keys(B, H, S, D, rng),
             normal_values(static_cast<std::size_t>(B * H * G * W * D), rng), mask);
-  cuda::SkipKVScoringConfig cfg;
-  cfg.rkv.budget = budget;
-  cfg.rkv.window = static_cast<int>(W);
-  cfg.rkv.faithful = faithful_redundancy;
-  cfg.faithful_pads = faithful_pads;
+  SentenceScorerConfig cfg;
+  cfg.budget = budget;
+  cfg.window = static_cast<int>(W);
+  cfg.redundancy = faithful_redundancy ? RedundancyMode::faithful : RedundancyMode::sound;
+  cfg.pad_mode = faithful_pads ? PadMode::faithful : PadMode::exclude;
   INFO("B=" << B << " H=" << H << " G=" << G << " S=" << S << " D=" << D << " W=" << W
             << " budget=" << budget << " pads_step=" << pads_step << " pads "
             << (faithful_pads ? "faithful" : "exclude") << " dtype "
@@ -416,15 +408,15 @@ struct Golden {
     return p;
   }
   // The reference's settings: the column-0 redundancy fallback and +100 pads.
-  cuda::SkipKVScoringConfig gpu_config() const {
-    cuda::SkipKVScoringConfig c;
-    c.rkv.budget = config.at("budget").get<int>();
-    c.rkv.window = config.at("window").get<int>();
-    c.rkv.kernel = config.at("kernel").get<int>();
-    c.rkv.mix_lambda = config.at("mix_lambda").get<float>();
-    c.rkv.threshold = config.at("threshold").get<float>();
-    c.rkv.faithful = true;
-    c.faithful_pads = true;
+  SentenceScorerConfig gpu_config() const {
+    SentenceScorerConfig c;
+    c.budget = config.at("budget").get<int>();
+    c.window = config.at("window").get<int>();
+    c.kernel = config.at("kernel").get<int>();
+    c.mix_lambda = config.at("mix_lambda").get<float>();
+    c.threshold = config.at("threshold").get<float>();
+    c.redundancy = RedundancyMode::faithful;
+    c.pad_mode = PadMode::faithful;
     return c;
   }
 };
@@ -462,8 +454,8 @@ std::vector<std::vector<PenaltyRange>> golden_penalties(const Golden& g,
 // golden/README.md: 1e-6 of the cut), the window after them, and the CPU SentenceScorer.
 void check_golden(Golden& g, const std::vector<std::vector<PenaltyRange>>& pen, GpuRun* out) {
   Case<float> c(g.B, g.H, g.Hq, g.S, g.D, g.W, g.k, g.q, g.mask);
-  const cuda::SkipKVScoringConfig cfg = g.gpu_config();
-  const std::int64_t n = g.S - g.W, keep = cfg.rkv.budget - g.W;
+  const SentenceScorerConfig cfg = g.gpu_config();
+  const std::int64_t n = g.S - g.W, keep = cfg.budget - g.W;
   const GpuRun r = run_gpu(c, cfg, pen);
   REQUIRE(r.compressed);
   const cpu::ScoreTensor ref =
@@ -475,7 +467,7 @@ void check_golden(Golden& g, const std::vector<std::vector<PenaltyRange>>& pen, 
   const std::vector<std::int64_t> ref_keep = g.file.get("keep_sorted", {g.B, g.H, keep}).to_i64();
   // The reference's kept set as a plan (its top-k, then the window).
   std::vector<std::int32_t> lengths(static_cast<std::size_t>(g.B), static_cast<std::int32_t>(g.S));
-  std::vector<std::int32_t> kept(static_cast<std::size_t>(g.B), cfg.rkv.budget);
+  std::vector<std::int32_t> kept(static_cast<std::size_t>(g.B), cfg.budget);
   KeepPlan ref_plan(g.B, g.H, g.S, lengths, kept, static_cast<std::int32_t>(g.W));
   for (std::int64_t r2 = 0; r2 < g.B * g.H; ++r2) {
     std::vector<std::int32_t> row(ref_keep.begin() + r2 * keep, ref_keep.begin() + (r2 + 1) * keep);
@@ -487,7 +479,7 @@ void check_golden(Golden& g, const std::vector<std::vector<PenaltyRange>>& pen, 
   for (std::int64_t b = 0; b < g.B; ++b)
     for (std::int64_t h = 0; h < g.H; ++h)
       for (std::int64_t w = 0; w < g.W; ++w) CHECK(r.plan.row(b, h)[keep + w] == n + w);
-  check_compact(c, r.plan, true, cfg.rkv.budget);
+  check_compact(c, r.plan, true, cfg.budget);
   *out = r;
 }
 
@@ -524,7 +516,7 @@ TEST_CASE("cuda SkipKV golden skipkv_sentences: the penalty and its eviction mat
   // Independent of the reference: each redundant sentence (more than one token) is gone whole in
   // every head.
   std::int64_t redundant_seen = 0;
-  const int budget = g.gpu_config().rkv.budget;
+  const int budget = g.gpu_config().budget;
   for (std::int64_t b = 0; b < g.B; ++b)
     for (const Sentence& s : trackers[b].sentences()) {
       if (!s.redundant() || s.end <= s.start) continue;
@@ -574,9 +566,9 @@ TEST_CASE("cuda SkipKV at or below the budget keeps everything, pads included", 
       for (std::int64_t j = 0; j < 20; ++j) mask[S + j] = 0;
       Case<bf16_t> c(2, 2, 4, S, 16, 8, make_keys(2, 2, S, 16, rng),
                      normal_values(2 * 4 * 8 * 16, rng), mask);
-      cuda::SkipKVScoringConfig cfg;
-      cfg.rkv.budget = 100;
-      cfg.faithful_pads = faithful;
+      SentenceScorerConfig cfg;
+      cfg.budget = 100;
+      cfg.pad_mode = faithful ? PadMode::faithful : PadMode::exclude;
       const GpuRun r = run_gpu(c, cfg, random_penalties(2, 2, S, 8, rng, false));
       CHECK_FALSE(r.compressed);
       CHECK(r.plan.keeps_everything());
@@ -591,8 +583,8 @@ TEST_CASE("cuda SkipKV rejects bad penalties and calls with messages naming the 
   std::mt19937 rng(21);
   Case<float> c(2, 2, 4, 64, 8, 8, make_keys(2, 2, 64, 8, rng), normal_values(2 * 4 * 8 * 8, rng),
                 {});
-  cuda::SkipKVScoringConfig cfg;
-  cfg.rkv.budget = 32;
+  SentenceScorerConfig cfg;
+  cfg.budget = 32;
   const KVCacheView kv = c.dev_kv();
   DeviceBuffer<float> score(2 * 2 * 56);
   DeviceBuffer<std::int32_t> slots(2 * 2 * 32);
@@ -654,7 +646,7 @@ TEST_CASE("cuda SkipKV rejects bad penalties and calls with messages naming the 
         cuda::skipkv_select(kv, c.dev_q(), cfg, {}, slots.get(), nullptr, ws.get(), 1000, nullptr),
         Catch::Matchers::Contains("skipkv_select: workspace of 1000 bytes is too small"));
   }
-  SECTION("null outputs, host cache, unequal lengths") {
+  SECTION("null outputs, host cache, a sequence no longer than the window, gqa mean") {
     REQUIRE_THROWS_WITH(
         cuda::skipkv_score(kv, c.dev_q(), cfg, {}, {}, ws.get(), ws.size(), nullptr),
         Catch::Matchers::Contains("out.score must be a device pointer"));
@@ -663,13 +655,18 @@ TEST_CASE("cuda SkipKV rejects bad penalties and calls with messages naming the 
         Catch::Matchers::Contains("slots must be a device pointer"));
     REQUIRE_THROWS_WITH(cuda::skipkv_workspace_bytes(c.host_kv(), c.dev_q(), cfg),
                         Catch::Matchers::Contains("the cache is in host memory"));
-    c.dev_lengths[1] = 60;
+    cfg.gqa = GqaReduce::mean;
+    REQUIRE_THROWS_WITH(
+        cuda::skipkv_score(kv, c.dev_q(), cfg, {}, out, ws.get(), ws.size(), nullptr),
+        Catch::Matchers::Contains("RKVConfig.gqa = mean is not supported by the CUDA backend"));
+    cfg.gqa = GqaReduce::max;
+    c.dev_lengths[1] = 8;
     REQUIRE_THROWS_WITH(
         cuda::skipkv_score(c.dev_kv(), c.dev_q(), cfg, {}, out, ws.get(), ws.size(), nullptr),
-        Catch::Matchers::Contains("lengths[1] = 60 != lengths[0] = 64"));
+        Catch::Matchers::Contains("lengths[1] (8) must exceed the window (8)"));
   }
   SECTION("bad config") {
-    cfg.rkv.budget = 8;
+    cfg.budget = 8;
     REQUIRE_THROWS_WITH(cfg.validate(),
                         Catch::Matchers::Contains("budget (8) must exceed window (8)"));
   }

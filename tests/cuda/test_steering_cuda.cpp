@@ -103,16 +103,23 @@ void check_dtype(bool strided) {
     CHECK(bad == 0);
   };
 
-  SECTION("controller overload") {
+  std::vector<std::uint8_t> gated(kBatch, 0);
+  std::vector<float> strength(kBatch, 0.0f);
+  for (int b = 0; b < kBatch; ++b) {
+    gated[b] = controller.gated(b) ? 1 : 0;
+    strength[b] = controller.strength(b);
+  }
+  const std::int64_t vsize = vec.hidden_size();
+  SECTION("gated rows and strengths from the controller") {
     DeviceBuffer<T> d_h(host);
-    REQUIRE(cuda::apply_steering(controller, 20, view_of(d_h.get(), Device::cuda), d_vec.get(),
-                                 nullptr) == 4);
+    REQUIRE(cuda::apply_steering(controller.config(), 20, view_of(d_h.get(), Device::cuda),
+                                 gated.data(), strength.data(), d_vec.get(), vsize, nullptr) == 4);
     KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
     compare(d_h.download(), "controller");
     // Another layer is left alone.
     DeviceBuffer<T> d_other(host);
-    REQUIRE(cuda::apply_steering(controller, 3, view_of(d_other.get(), Device::cuda), d_vec.get(),
-                                 nullptr) == 0);
+    REQUIRE(cuda::apply_steering(controller.config(), 3, view_of(d_other.get(), Device::cuda),
+                                 gated.data(), strength.data(), d_vec.get(), vsize, nullptr) == 0);
     KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
     const std::vector<T> untouched = d_other.download();
     for (std::size_t i = 0; i < host.size(); ++i)
@@ -197,10 +204,11 @@ TEST_CASE("cuda::apply_steering rejects bad arguments", "[cuda][steering]") {
       Catch::Matchers::Contains("seq = 0"));
   std::mt19937 rng(1);
   SteeringVector vec = make_vector(rng);  // kHidden values, hidden size here is 4
-  const SteeringController controller(SteeringConfig{}, vec, 3);
-  REQUIRE_THROWS_WITH(cuda::apply_steering(controller, 20, ok, d_v.get(), nullptr),
+  const std::uint8_t gates[3] = {1, 0, 1};
+  REQUIRE_THROWS_WITH(cuda::apply_steering(SteeringConfig{}, 20, ok, gates, alpha, d_v.get(),
+                                           vec.hidden_size(), nullptr),
                       Catch::Matchers::Contains("300 values, hidden size is 4"));
-  TensorView batch2 = TensorView::contiguous(d_h.get(), DType::f32, Device::cuda, {2, 1, 4});
-  REQUIRE_THROWS_WITH(cuda::apply_steering(controller, 20, batch2, d_v.get(), nullptr),
-                      Catch::Matchers::Contains("batch 2, the controller tracks 3"));
+  REQUIRE_THROWS_WITH(
+      cuda::apply_steering(SteeringConfig{}, 20, ok, nullptr, alpha, d_v.get(), 4, nullptr),
+      Catch::Matchers::Contains("gated and alpha (host, [batch]) must be given for batch 3"));
 }

@@ -18,6 +18,7 @@
 #include "golden_case.hpp"
 #include "kvsift/core/safetensors.hpp"
 #include "kvsift/core/segment_table.hpp"
+#include "kvsift/policy/baselines/rkv.hpp"
 
 using namespace kvsift;
 using tool::RKVRun;
@@ -229,14 +230,17 @@ TEST_CASE("tool score --device cuda names what the GPU R-KV does not support", "
     REQUIRE_THROWS_WITH(tool::run_rkv_cuda(c.kv(), q, cfg),
                         Catch::Matchers::Contains("got queries bf16 and keys f32"));
   }
-  SECTION("unequal lengths (demo path)") {
-    HostCase<float> b2("rkv_batch2.safetensors");
-    b2.lengths[1] = static_cast<std::int32_t>(b2.S - 3);
-    REQUIRE_THROWS_WITH(
-        tool::select_rkv_cuda(b2.kv(), b2.q(), b2.rkv_config(RedundancyMode::sound)),
-        Catch::Matchers::Contains("sequence 0 holds 200 tokens and sequence 1 "
-                                  "holds 197"));
-  }
+}
+
+TEST_CASE("tool select_rkv_cuda (demo path) plans a ragged batch as the CPU does", "[cuda][tool]") {
+  HostCase<float> b2("rkv_batch2.safetensors");
+  b2.lengths[1] = static_cast<std::int32_t>(b2.S - 3);
+  const RKVConfig rc = b2.rkv_config(RedundancyMode::sound);
+  const KeepPlan gpu = tool::select_rkv_cuda(b2.kv(), b2.q(), rc);
+  const RKVScores ref = cpu::rkv_scores(b2.kv(), b2.q(), rc);
+  const KeepPlan cpu_plan = cpu::plan_from_scores(b2.kv(), &ref.score, rc.selection());
+  CHECK(gpu.source_lengths() == cpu_plan.source_lengths());
+  CHECK(gpu.kept_lengths() == cpu_plan.kept_lengths());
 }
 
 namespace {

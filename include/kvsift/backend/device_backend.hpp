@@ -6,7 +6,10 @@
 //
 // Every call validates on the host before it enqueues anything on ctx.stream and carves its
 // scratch from ctx.workspace (sized by the matching *_workspace_bytes). Calls that return a
-// KeepPlan wait for the stream once, to download the kept slots.
+// KeepPlan wait for the stream once, to download the kept slots. Batches may be ragged (each
+// sequence its own kv.lengths[b], left pads through kv.valid_mask), as on the CPU: a sequence at
+// or below the budget keeps everything, the others are scored. Config fields the kernels do not
+// implement (R-KV sink > 0, gqa = mean) raise kvsift::Error naming the field.
 #pragma once
 
 #include <cstddef>
@@ -27,7 +30,8 @@ class DeviceBackend {
 
   // compact() on device views: moves kept rows in place; lengths (host) rewritten.
   virtual std::size_t compact_workspace_bytes(const KeepPlan& plan) const = 0;
-  virtual void compact(const KVCacheView& kv, const KeepPlan& plan, const ExecContext& ctx) const = 0;
+  virtual void compact(const KVCacheView& kv, const KeepPlan& plan,
+                       const ExecContext& ctx) const = 0;
 
   // R-KV (§1.3) on a device cache.
   //   kv       keys/values [batch, kv_heads, capacity, head_dim] device; lengths host
@@ -45,6 +49,11 @@ class DeviceBackend {
                                  const SentenceScorerConfig& cfg,
                                  const SentencePenalties& penalties,
                                  const ExecContext& ctx) const = 0;
+
+  // Copies `bytes` from device memory `src` to host memory `dst` on ctx.stream and waits for it
+  // (work enqueued earlier on the stream finishes first). ctx.workspace is not used.
+  virtual void copy_to_host(void* dst, const void* src, std::size_t bytes,
+                            const ExecContext& ctx) const = 0;
 };
 
 // The registered backend; throws kvsift::Error when kvsift::cuda is not linked.

@@ -17,6 +17,12 @@ struct RKVConfig {
   int sink = 0;             // first tokens always kept (R-KV passes 4 but ignores it)
   RedundancyMode redundancy = RedundancyMode::sound;  // faithful: the reference's column-0 quirk
   GqaReduce gqa = GqaReduce::max;
+  // CUDA-backend option (the CPU reference ignores it). true (default): find each row's last
+  // near-duplicate (§1.2 step 3) with bf16 tensor-core tiles and exact fp32 re-checks near the
+  // threshold: the same r_i as the fp32 search, several times faster (head_dim <= 128 and a
+  // multiple of 4; other head_dims use the fp32 search anyway). false: the fp32 tile search
+  // everywhere (the plain reference arithmetic, for cross-checks).
+  bool tensor_core_search = true;
 
   void validate() const {
     KVSIFT_CHECK(window >= 1, "RKVConfig: window must be >= 1, got ", window);

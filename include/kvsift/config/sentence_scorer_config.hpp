@@ -17,6 +17,8 @@ struct SentenceScorerConfig {
   RedundancyMode redundancy = RedundancyMode::sound;  // faithful: the reference's column-0 quirk
   GqaReduce gqa = GqaReduce::max;
   PadMode pad_mode = PadMode::exclude;
+  // CUDA-backend option, passed on to RKVConfig::tensor_core_search (see there).
+  bool tensor_core_search = true;
 
   void validate() const {
     KVSIFT_CHECK(window >= 1, "SentenceScorerConfig: window must be >= 1, got ", window);
@@ -39,6 +41,7 @@ struct SentenceScorerConfig {
     c.sink = 0;
     c.redundancy = redundancy;
     c.gqa = gqa;
+    c.tensor_core_search = tensor_core_search;
     return c;
   }
   TopKSelection selection() const { return {budget, window, 0}; }

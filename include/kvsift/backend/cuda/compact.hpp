@@ -1,5 +1,7 @@
 // kvsift::cuda::compact: applies a KeepPlan to a KV cache in device memory, in place, with no
-// staging copy of the cache. Same result as kvsift::compact on the host.
+// staging copy of the cache. Same result as kvsift::compact on the host. Batches may be ragged:
+// every row carries its own kept count (the plan's, or the kRowEnd that ends a device row), so
+// sequences of different lengths, and sequences that keep everything, compact side by side.
 #pragma once
 
 #include <cuda_runtime_api.h>

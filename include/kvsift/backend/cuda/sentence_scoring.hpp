@@ -1,5 +1,5 @@
-// kvsift::cuda SkipKV scoring and selection (docs/algorithms.md §2.4, SkipKV eq. 6 as implemented) on a
-// device KV cache:
+// kvsift::cuda SkipKV scoring and selection (docs/algorithms.md §2.4, SkipKV eq. 6 as implemented)
+// on a device KV cache:
 //   S_t = λ·a_t − (1−λ)·R_t − Σ_{redundant sentences i mapped over t} λ_i
 // The R-KV part λ·a − (1−λ)·R is rkv_score() itself (rkv_scoring.hpp), not re-implemented here;
 // this layer adds the sentence penalty, the pad handling and the §1.3 selection.
@@ -11,15 +11,16 @@
 // [lo, hi] ∩ [0, S − W); ranges overlapping one token subtract in CSR order, exactly the CPU's
 // float arithmetic.
 //
-// Pads (kv.valid_mask == 0), the two modes of policy/skipkv/sentence_scorer.hpp:
-//   faithful_pads = true   the SkipKV reference: a pad's score is replaced by exactly +100, so the
-//                          selection (run without the mask) keeps pads first, in every head the
-//                          same ones (ties break by lower index), and they eat budget;
-//   faithful_pads = false  the library default (PadMode::exclude): pads keep their computed score
-//                          and the selection never keeps them (run with the mask).
+// Pads (kv.valid_mask == 0), SentenceScorerConfig::pad_mode (config/sentence_scorer_config.hpp):
+//   PadMode::faithful  the SkipKV reference: a pad's score is replaced by exactly +100, so the
+//                      selection (run without the mask) keeps pads first, in every head the same
+//                      ones (ties break by lower index), and they eat budget;
+//   PadMode::exclude   the library default: pads keep their computed score and the selection
+//                      never keeps them (run with the mask).
 //
-// Same scope as rkv_scoring.hpp: equal sequence lengths across the batch (S = kv.lengths[0]),
-// queries in the keys' storage dtype, GQA max. Everything only enqueues on the given stream, except
+// Same scope as rkv_scoring.hpp: ragged batches (each sequence over its own S_b = kv.lengths[b],
+// per-token outputs pitched by S = max_b S_b), queries in the keys' storage dtype, GQA max (the
+// config's gqa = mean raises kvsift::Error). Everything only enqueues on the given stream, except
 // upload_sentence_penalties() (which copies from host memory, see there) and download_keep_plan().
 #pragma once
 
@@ -30,6 +31,7 @@
 #include <vector>
 
 #include "kvsift/backend/cuda/rkv_scoring.hpp"
+#include "kvsift/config/sentence_scorer_config.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/kv_cache_view.hpp"
 #include "kvsift/core/segment_table.hpp"
@@ -38,18 +40,9 @@
 namespace kvsift::cuda {
 
 // The score a pad gets in faithful mode; equals kvsift::kFaithfulPadScore of
-// policy/skipkv/sentence_scorer.hpp (not included here: that header pulls the Eigen CPU scorers into
-// nvcc), which the GPU test checks.
+// policy/skipkv/sentence_scorer.hpp (not included here: that header pulls the Eigen CPU scorers
+// into nvcc), which the GPU test checks.
 inline constexpr float kSkipKVPadScore = 100.0f;
-
-// SkipKV parameters: the R-KV ones (budget, window, kernel, mix_lambda, threshold, the redundancy
-// fallback `rkv.faithful`, tensor-core search) plus the pad mode. Defaults from docs/algorithms.md §4.
-struct SkipKVScoringConfig {
-  RKVScoringConfig rkv;
-  bool faithful_pads = false;  // true: PadMode::faithful (pads +100, kept); false: exclude
-
-  void validate() const { rkv.validate(); }
-};
 
 // The penalties as a host CSR over rows r = b * kv_heads + h: row r's ranges are
 // ranges[indptr[r] .. indptr[r + 1]), in the order SentencePenalties listed them.
@@ -86,33 +79,38 @@ SentencePenaltiesDevice upload_sentence_penalties(const SentencePenaltyCsr& csr,
                                                   std::size_t workspace_bytes, cudaStream_t stream);
 
 // Device scratch bytes skipkv_score() and skipkv_select() need: rkv_workspace_bytes() plus one
-// fp32 score buffer [batch, kv_heads, S − W] (the selection's scores when the caller keeps none).
+// fp32 score buffer [batch, kv_heads, S − W] (the selection's scores when the caller keeps none),
+// S = max_b S_b.
 //   kv       device cache, keys [batch, kv_heads, capacity, head_dim]
 //   queries  device [batch, q_heads, window, head_dim], the last W decode queries
 std::size_t skipkv_workspace_bytes(const KVCacheView& kv, const TensorView& queries,
-                                   const SkipKVScoringConfig& cfg);
+                                   const SentenceScorerConfig& cfg);
 
-// Validates on the host, then enqueues eq. 6 scores of every sequence on `stream`:
+// Validates on the host, then enqueues eq. 6 scores of every sequence on `stream`, each over its
+// own S_b tokens (row b fills its first S_b − W entries; S = max_b S_b is the pitch):
 //   out.score       [batch, kv_heads, S − W]  λ·a − (1−λ)·R − Σ λ_i; faithful pads exactly +100
 //   out.importance  [batch, kv_heads, S − W]  a, optional; out.redundancy [batch, kv_heads, S] R,
 //                   optional (both as rkv_score() writes them, without penalty or pad score)
 // `penalties` from upload_sentence_penalties() for this cache's (batch, kv_heads), or a default
-// one for none. Requires S > W. Throws kvsift::Error (nothing enqueued) for bad shapes, unequal
-// lengths, penalties for another shape, a null score output or a workspace that is too small.
-void skipkv_score(const KVCacheView& kv, const TensorView& queries, const SkipKVScoringConfig& cfg,
+// one for none. Requires S_b > W for every b. Throws kvsift::Error (nothing enqueued) for bad
+// shapes, an unsupported config, penalties for another shape, a null score output or a workspace
+// that is too small.
+void skipkv_score(const KVCacheView& kv, const TensorView& queries, const SentenceScorerConfig& cfg,
                   const SentencePenaltiesDevice& penalties, const RKVScoreOutputs& out,
                   void* workspace, std::size_t workspace_bytes, cudaStream_t stream);
 
-// Scores and selects (docs/algorithms.md §2.4 + §1.3): writes `slots` [batch, kv_heads, budget] int32
-// (device), rows ascending as rkv_select() writes them: the top (budget − W) candidates by eq. 6
-// score (ties: lower index), then the W window slots, then kUnusedSlot. Faithful pads compete
+// Scores and selects (docs/algorithms.md §2.4 + §1.3): writes `slots` [batch, kv_heads, budget]
+// int32 (device), rows ascending as rkv_select() writes them: the top (budget − W) candidates by
+// eq. 6 score (ties: lower index), then the W window slots, then kUnusedSlot. Faithful pads compete
 // with their +100 score (selection without the mask); in exclude mode pads are never kept and a
-// sequence keeps min(budget, real tokens). When S <= budget nothing is scored: rows are 0 .. S − 1
-// then kUnusedSlot, and the function returns false; otherwise true. `scores` (device [batch,
-// kv_heads, S − W] or nullptr) receives the eq. 6 scores when given. download_keep_plan()
+// sequence keeps min(budget, real tokens). A sequence with S_b <= budget is not scored: its rows
+// are 0 .. S_b − 1 then kUnusedSlot. Returns true when at least one sequence was scored, false
+// when all kept everything. `scores` (device [batch, kv_heads, S − W], S = max_b S_b, or
+// nullptr) receives the eq. 6 scores of the scored sequences when given. download_keep_plan()
 // (rkv_scoring.hpp) turns `slots` into the KeepPlan that compact() takes.
-bool skipkv_select(const KVCacheView& kv, const TensorView& queries, const SkipKVScoringConfig& cfg,
-                   const SentencePenaltiesDevice& penalties, std::int32_t* slots, float* scores,
-                   void* workspace, std::size_t workspace_bytes, cudaStream_t stream);
+bool skipkv_select(const KVCacheView& kv, const TensorView& queries,
+                   const SentenceScorerConfig& cfg, const SentencePenaltiesDevice& penalties,
+                   std::int32_t* slots, float* scores, void* workspace, std::size_t workspace_bytes,
+                   cudaStream_t stream);
 
 }  // namespace kvsift::cuda

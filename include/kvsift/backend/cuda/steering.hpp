@@ -1,5 +1,7 @@
 // kvsift::cuda::apply_steering: SkipKV's adaptive steering update h[b, last] += α_b · v on a
 // device hidden-state tensor (docs/algorithms.md §2.5), bit-exact with SteeringController::apply.
+// It takes plain data (strengths, gates, a device vector), not the policy-level controller, so
+// this backend layer never includes policy/; the caller asks its controller for the decision.
 //
 // The arithmetic is the CPU reference's: the stored value widened to fp32, α_b · v[k] rounded to
 // fp32, the sum rounded to fp32 (no fused multiply-add, which would round once and differ), then
@@ -13,8 +15,8 @@
 
 #include <cstdint>
 
+#include "kvsift/config/steering_config.hpp"
 #include "kvsift/core/tensor_view.hpp"
-#include "kvsift/policy/skipkv/steering.hpp"
 
 namespace kvsift::cuda {
 
@@ -35,11 +37,17 @@ inline constexpr int kSteeringRowsPerLaunch = 256;
 void apply_steering(const TensorView& hidden, const float* alpha, AlphaLocation alpha_location,
                     const float* vector, cudaStream_t stream);
 
-// The controller's decision for this step, run on the device: when `layer` is the steered one,
-// every gated row b gets strength(b) (host alphas, so nothing waits on the device). `vector` is a
-// device copy of controller.vector().values. Returns the number of rows steered, as
-// SteeringController::apply does.
-std::int64_t apply_steering(const SteeringController& controller, int layer,
-                            const TensorView& hidden, const float* vector, cudaStream_t stream);
+// One step's decision, made on the host (e.g. by SteeringController: gated(b), strength(b)):
+// when `layer` is cfg.layer, every row b with gated[b] != 0 gets hidden[b, last] += alpha[b] · v,
+// even at strength 0 (as SteeringController::apply does); other layers are left alone. Host
+// arrays, so nothing waits on the device.
+//   hidden       device [batch, seq, hidden_size], f32/f16/bf16, any strides
+//   gated        host [batch], 1 = this row is at a thought boundary inside <think>
+//   alpha        host [batch] fp32 strengths α_b
+//   vector       device [vector_size] fp32, the steering vector v; vector_size == hidden_size
+// Returns the number of rows steered. Throws kvsift::Error naming the bad argument.
+std::int64_t apply_steering(const SteeringConfig& cfg, int layer, const TensorView& hidden,
+                            const std::uint8_t* gated, const float* alpha, const float* vector,
+                            std::int64_t vector_size, cudaStream_t stream);
 
 }  // namespace kvsift::cuda

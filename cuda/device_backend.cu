@@ -1,0 +1,121 @@
+// kvsift::cuda as the DeviceBackend of backend/device_backend.hpp: the host-side glue that lets
+// policies, the C API and the tool reach the kernels without CUDA headers. Each selection is
+// workspace layout + score + select + download_keep_plan; nothing here allocates device memory.
+//
+// kvsift::cuda is a static library, so a consumer that never names a symbol of this file would
+// not link it and the registration below would never run. The anchor symbol fixes that: the
+// kvsift_cuda target's INTERFACE link options carry --undefined=kvsift_cuda_backend_anchor, which
+// makes every program linked against kvsift::cuda (in the build tree or through find_package)
+// pull this object file in.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+#include "kvsift/backend/cuda/check.hpp"
+#include "kvsift/backend/cuda/compact.hpp"
+#include "kvsift/backend/cuda/rkv_scoring.hpp"
+#include "kvsift/backend/cuda/sentence_scoring.hpp"
+#include "kvsift/backend/cuda/workspace.hpp"
+#include "kvsift/backend/device_backend.hpp"
+
+extern "C" {
+// Referenced by the link option --undefined=kvsift_cuda_backend_anchor (see the top comment).
+int kvsift_cuda_backend_anchor = 0;
+}
+
+namespace kvsift::cuda {
+namespace {
+
+cudaStream_t stream_of(const ExecContext& ctx) { return static_cast<cudaStream_t>(ctx.stream); }
+
+// Device slot rows [batch, kv_heads, budget] int32 that selection writes and the plan reads back.
+std::size_t slot_bytes(const KVCacheView& kv, int budget) {
+  return align_up(static_cast<std::size_t>(std::max<std::int64_t>(kv.batch() * kv.kv_heads(), 1)) *
+                  static_cast<std::size_t>(budget) * sizeof(std::int32_t));
+}
+
+bool any_over_budget(const KVCacheView& kv, int budget) {
+  for (std::int64_t b = 0; b < kv.batch(); ++b)
+    if (kv.length(b) > budget) return true;
+  return false;
+}
+
+// The backend's own layouts, carved from ctx.workspace in this order:
+//   rkv_select     [slot rows | rkv scratch]
+//   skipkv_select  [slot rows | penalty CSR | skipkv scratch]
+class CudaBackend final : public DeviceBackend {
+ public:
+  std::size_t compact_workspace_bytes(const KeepPlan& plan) const override {
+    return cuda::compact_workspace_bytes(plan);
+  }
+  void compact(const KVCacheView& kv, const KeepPlan& plan, const ExecContext& ctx) const override {
+    cuda::compact(kv, plan, ctx.workspace, ctx.workspace_bytes, stream_of(ctx));
+  }
+
+  std::size_t rkv_workspace_bytes(const KVCacheView& kv, const TensorView& queries,
+                                  const RKVConfig& cfg) const override {
+    return slot_bytes(kv, cfg.budget) + cuda::rkv_workspace_bytes(kv, queries, cfg);
+  }
+  KeepPlan rkv_select(const KVCacheView& kv, const TensorView& queries, const RKVConfig& cfg,
+                      const ExecContext& ctx) const override {
+    const char* op = "DeviceBackend::rkv_select";
+    const std::size_t need = rkv_workspace_bytes(kv, queries, cfg);       // validates everything
+    if (!any_over_budget(kv, cfg.budget)) return KeepPlan::keep_all(kv);  // §1.3: nothing moves
+    KVSIFT_CHECK(ctx.workspace != nullptr && ctx.workspace_bytes >= need, op, ": workspace of ",
+                 ctx.workspace_bytes, " bytes is too small (", need, " needed)");
+    const std::size_t slots_b = slot_bytes(kv, cfg.budget);
+    char* base = static_cast<char*>(ctx.workspace);
+    auto* slots = reinterpret_cast<std::int32_t*>(base);
+    cuda::rkv_select(kv, queries, cfg, slots, nullptr, base + slots_b,
+                     ctx.workspace_bytes - slots_b, stream_of(ctx));
+    return download_keep_plan(kv, slots, cfg.budget, cfg.window, stream_of(ctx));
+  }
+
+  std::size_t skipkv_workspace_bytes(const KVCacheView& kv, const TensorView& queries,
+                                     const SentenceScorerConfig& cfg,
+                                     const SentencePenalties& penalties) const override {
+    const SentencePenaltyCsr csr = build_penalty_csr(penalties, kv.batch(), kv.kv_heads());
+    return slot_bytes(kv, cfg.budget) + align_up(sentence_penalty_workspace_bytes(csr)) +
+           cuda::skipkv_workspace_bytes(kv, queries, cfg);
+  }
+  KeepPlan skipkv_select(const KVCacheView& kv, const TensorView& queries,
+                         const SentenceScorerConfig& cfg, const SentencePenalties& penalties,
+                         const ExecContext& ctx) const override {
+    const char* op = "DeviceBackend::skipkv_select";
+    const SentencePenaltyCsr csr = build_penalty_csr(penalties, kv.batch(), kv.kv_heads());
+    const std::size_t slots_b = slot_bytes(kv, cfg.budget);
+    const std::size_t pen_b = align_up(sentence_penalty_workspace_bytes(csr));
+    const std::size_t need = slots_b + pen_b + cuda::skipkv_workspace_bytes(kv, queries, cfg);
+    if (!any_over_budget(kv, cfg.budget)) return KeepPlan::keep_all(kv);  // §1.3: nothing moves
+    KVSIFT_CHECK(ctx.workspace != nullptr && ctx.workspace_bytes >= need, op, ": workspace of ",
+                 ctx.workspace_bytes, " bytes is too small (", need, " needed)");
+    char* base = static_cast<char*>(ctx.workspace);
+    auto* slots = reinterpret_cast<std::int32_t*>(base);
+    // `csr` outlives the copies: download_keep_plan() below waits for the stream.
+    const SentencePenaltiesDevice d_pen =
+        upload_sentence_penalties(csr, base + slots_b, pen_b, stream_of(ctx));
+    cuda::skipkv_select(kv, queries, cfg, d_pen, slots, nullptr, base + slots_b + pen_b,
+                        ctx.workspace_bytes - slots_b - pen_b, stream_of(ctx));
+    return download_keep_plan(kv, slots, cfg.budget, cfg.window, stream_of(ctx));
+  }
+
+  void copy_to_host(void* dst, const void* src, std::size_t bytes,
+                    const ExecContext& ctx) const override {
+    if (bytes == 0) return;
+    KVSIFT_CHECK(dst != nullptr && src != nullptr,
+                 "DeviceBackend::copy_to_host: null pointer (dst ", dst, ", src ", src, ") for ",
+                 bytes, " bytes");
+    KVSIFT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_of(ctx)));
+    KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream_of(ctx)));
+  }
+};
+
+const CudaBackend g_cuda_backend;
+
+// Static initialisation of this object file (linked thanks to the anchor): registers the backend.
+[[maybe_unused]] const bool g_registered = (register_device_backend(&g_cuda_backend), true);
+
+}  // namespace
+}  // namespace kvsift::cuda
