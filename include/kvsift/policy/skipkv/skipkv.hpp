@@ -167,7 +167,8 @@ class SkipKV final : public Policy {
     KVSIFT_CHECK(observed_tokens_ || !any_over_budget(kv),
                  "SkipKV needs observe() with the step's token ids (Observation layer -1: "
                  "token_ids [batch, n], last_hidden [batch, n, hidden]) every step, prompt "
-                 "included; layer ", in.layer, " is over budget but no token was ever observed");
+                 "included; layer ",
+                 in.layer, " is over budget but no token was ever observed");
     KVSIFT_CHECK(kv.batch() == batch(), "SkipKV::select: cache batch (", kv.batch(),
                  ") != ", cfg_.batch > 0 ? "config batch (" : "sequences observed (", batch(), ")");
     frozen_ = true;  // the range maps are sized now
@@ -195,10 +196,10 @@ class SkipKV final : public Policy {
       for (std::int64_t h = 0; h < heads; ++h)
         penalties[b * heads + h] = st.table.penalty_ranges(0, b, h, t.sentences());
     }
-    KeepPlan plan = kv.device() == Device::cpu || !any_over_budget(kv)
-                        ? scorer_.select(kv, in.window_queries, penalties)
-                        : device_backend().skipkv_select(kv, in.window_queries, cfg_.scorer,
-                                                         penalties, ctx);
+    KeepPlan plan =
+        kv.device() == Device::cpu || !any_over_budget(kv)
+            ? scorer_.select(kv, in.window_queries, penalties)
+            : device_backend().skipkv_select(kv, in.window_queries, cfg_.scorer, penalties, ctx);
     // §2.3 after eviction, recorded now on the contract that the host applies the plan.
     st.table.apply_plan(0, plan);
     for (std::int64_t b = 0; b < batch(); ++b) {
@@ -350,7 +351,7 @@ class SkipKV final : public Policy {
   std::int64_t kv_heads_ = 0;
   bool pending_trigger_ = false;
   bool observed_tokens_ = false;  // some observe() gave tokens: select() may run over budget
-  bool frozen_ = false;  // batch fixed: a select() has run
+  bool frozen_ = false;           // batch fixed: a select() has run
   // Auto-sizing (batch = 0) stops here, so a stray sequence index cannot allocate without bound.
   static constexpr std::int64_t kMaxAutoBatch = 1 << 16;
   std::int64_t triggers_ = 0;
