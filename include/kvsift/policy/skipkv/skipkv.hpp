@@ -21,7 +21,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <optional>
+#include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -238,6 +240,24 @@ class SkipKV final : public Policy {
   bool has_steering_vector() const { return steer_.has_value(); }
 
   // ---- inspection --------------------------------------------------------------------------
+
+  // "redundant sentences": marked of closed, over all sequences; "alpha (N_o) per sequence":
+  // steering_strength(b) and the check sentences it was computed from.
+  std::vector<std::pair<std::string, std::string>> summary() const override {
+    std::int64_t marked = 0, closed = 0;
+    std::string alphas;
+    for (std::int64_t b = 0; b < batch(); ++b) {
+      marked += trackers_[b].redundant_count();
+      closed += trackers_[b].num_sentences();
+      char buf[48];
+      std::snprintf(buf, sizeof buf, "%.2f (%lld)", steering_strength(b),
+                    static_cast<long long>(checks_at_trigger_[b]));
+      alphas += (alphas.empty() ? "" : ", ") + std::string(buf);
+    }
+    return {{"redundant sentences",
+             batch() ? std::to_string(marked) + " of " + std::to_string(closed) : "-"},
+            {"alpha (N_o) per sequence", alphas.empty() ? "-" : alphas}};
+  }
 
   const SentenceTracker& tracker(std::int64_t seq) const {
     check_seq(seq, "tracker");
