@@ -23,6 +23,7 @@
 
 #include "catch.hpp"
 #include "kvsift/backend/cpu/rkv_scores.hpp"
+#include "kvsift/backend/cpu/select_topk.hpp"
 #include "kvsift/config/rkv_config.hpp"
 #include "kvsift/core/compact.hpp"
 #include "kvsift/policy/registry.hpp"
@@ -156,6 +157,11 @@ void check_rkv_top_scores(const KVCacheView& kv, const TensorView& q, const Keep
   cfg.kernel = 3;
   cfg.sink = 2;  // loop_config's
   const RKVScores s = cpu::rkv_scores(kv, q, cfg);
+  // The plan is exactly the CPU reference's selection over these scores...
+  const KeepPlan direct = cpu::plan_from_scores(kv, &s.score, cfg.selection());
+  CHECK(direct.slots() == plan.slots());
+  CHECK(direct.kept_lengths() == plan.kept_lengths());
+  // ...and keeps the best scores (checked without the selection code).
   for (int b = 0; b < kBatch; ++b) {
     if (plan.kept_length(b) == plan.source_length(b)) continue;
     for (int h = 0; h < kKvHeads; ++h) {
