@@ -363,3 +363,21 @@ TEST_CASE("H2O detects a plan that was never applied", "[decode_loop][errors][h2
   REQUIRE_THROWS_WITH(p->select({0, e.view(0), e.queries(0)}),
                       Contains("accumulator observed 24") && Contains("not applied"));
 }
+
+TEST_CASE("cache-owning methods reject mis-shaped tensors, naming them", "[decode_loop][errors]") {
+  for (const MethodInfo& m : registered_methods()) {
+    if (!m.owns_cache) continue;
+    INFO("method " << m.name);
+    std::unique_ptr<CacheOwningPolicy> p = make_cache_owning_policy(m.name, m.example_config);
+    const std::int64_t batch = p->batch();
+    std::vector<float> k(static_cast<std::size_t>(batch * 2 * 1 * 3), 0.5f);
+    const TensorView bad =
+        TensorView::contiguous(k.data(), DType::f32, Device::cpu, {batch, 2, 1, 3});
+    REQUIRE_THROWS_WITH(p->append(0, bad, bad), Contains("head_dim") && Contains("3]"));
+    std::vector<float> out(static_cast<std::size_t>(batch * 3), 0.0f);
+    REQUIRE_THROWS_WITH(
+        p->attention(0, bad,
+                     TensorView::contiguous(out.data(), DType::f32, Device::cpu, {batch, 1, 1, 3})),
+        Contains("out must be"));
+  }
+}
