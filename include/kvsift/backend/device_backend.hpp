@@ -51,7 +51,9 @@ class DeviceBackend {
                                  const ExecContext& ctx) const = 0;
 
   // Copies `bytes` from device memory `src` to host memory `dst` on ctx.stream and waits for it
-  // (work enqueued earlier on the stream finishes first). ctx.workspace is not used.
+  // (work enqueued earlier on the stream finishes first), so the host may read `dst` on return.
+  // The generic op behind the methods whose device path stages their inputs to the host and runs
+  // the CPU reference (policy/device_staging.hpp). ctx.workspace is not used.
   virtual void copy_to_host(void* dst, const void* src, std::size_t bytes,
                             const ExecContext& ctx) const = 0;
 };
