@@ -93,7 +93,11 @@ KVSIFT_C_EXPORT kvsift_status kvsift_method_needs(int32_t i, uint32_t* out_needs
 /* ---------------------------------------------------------------------------------------------
  * Tensors and cache views (non-owning descriptions of the caller's memory)
  * ------------------------------------------------------------------------------------------- */
-typedef enum kvsift_dtype { KVSIFT_DTYPE_F32 = 0, KVSIFT_DTYPE_F16 = 1, KVSIFT_DTYPE_BF16 = 2 } kvsift_dtype;
+typedef enum kvsift_dtype {
+  KVSIFT_DTYPE_F32 = 0,
+  KVSIFT_DTYPE_F16 = 1,
+  KVSIFT_DTYPE_BF16 = 2
+} kvsift_dtype;
 typedef enum kvsift_device { KVSIFT_DEVICE_CPU = 0, KVSIFT_DEVICE_CUDA = 1 } kvsift_device;
 
 /* A strided view of up to 4 dimensions. rank 0 (with data NULL) means "not given" for the
@@ -127,10 +131,10 @@ KVSIFT_C_EXPORT kvsift_status kvsift_tensor_contiguous(kvsift_tensor* t, void* d
  * struct and fill what kvsift_policy_needs asks for; a method that needs a field it never got
  * refuses to select. */
 typedef struct kvsift_observation {
-  int32_t layer;          /* the layer of the per-layer fields, or -1 for the step-level part */
-  int32_t reserved;       /* set to 0 */
-  kvsift_cache_view kv;   /* per layer: the cache after this step's append (keys.rank 0: none) */
-  kvsift_tensor queries;  /* [batch, q_heads, n, head_dim] this step's n queries (post-RoPE) */
+  int32_t layer;             /* the layer of the per-layer fields, or -1 for the step-level part */
+  int32_t reserved;          /* set to 0 */
+  kvsift_cache_view kv;      /* per layer: the cache after this step's append (keys.rank 0: none) */
+  kvsift_tensor queries;     /* [batch, q_heads, n, head_dim] this step's n queries (post-RoPE) */
   const int32_t* token_ids;  /* [batch, n] host; the tokens appended this step; NULL: none */
   int64_t num_tokens;        /* n */
   const int32_t* pad_counts; /* [batch] host, left pads among those n tokens; NULL: none */
@@ -222,8 +226,7 @@ KVSIFT_C_EXPORT kvsift_status kvsift_compact_workspace_bytes(const kvsift_cache_
 /* The plan must have been made for this cache at its current lengths. Device views: enqueued
  * on `stream` with `workspace`; lengths (host) are rewritten when the call returns. */
 KVSIFT_C_EXPORT kvsift_status kvsift_compact(const kvsift_cache_view* kv, const kvsift_plan* plan,
-                                             void* workspace, size_t workspace_bytes,
-                                             void* stream);
+                                             void* workspace, size_t workspace_bytes, void* stream);
 
 #ifdef __cplusplus
 } /* extern "C" */
