@@ -16,6 +16,7 @@ cmake -S "$KVSIFT_ROOT/tests/consumer" -B "$BUILD_DIR/consumer" -DCMAKE_BUILD_TY
   -DCMAKE_PREFIX_PATH="$BUILD_DIR/install" >/dev/null
 cmake --build "$BUILD_DIR/consumer" -j "$JOBS" >/dev/null
 "$BUILD_DIR/consumer/kvsift_consumer"
+"$BUILD_DIR/consumer/kvsift_consumer_c"
 
 echo "== benchmark smoke run"
 for b in "$BUILD_DIR"/bench/bench_*; do
