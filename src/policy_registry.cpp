@@ -1,73 +1,138 @@
-// make_policy / policy_names: the baselines and SkipKV by name, mapped from the shared
-// PolicyOptions.
+// The registry table (policy/registry.hpp): one line per method. A method's line names it, says
+// what it observes, and points at its factory: the config read strictly from JSON by its field
+// list (config_fields.hpp), validated, then the policy built from it.
+#include "kvsift/policy/registry.hpp"
+
 #include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "config_fields.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/policy/baselines/full_kv.hpp"
 #include "kvsift/policy/baselines/h2o.hpp"
-#include "kvsift/policy/registry.hpp"
 #include "kvsift/policy/baselines/rkv.hpp"
-#include "kvsift/policy/skipkv/skipkv.hpp"
 #include "kvsift/policy/baselines/snapkv.hpp"
 #include "kvsift/policy/baselines/streaming_llm.hpp"
+#include "kvsift/policy/skipkv/skipkv.hpp"
+#include "kvsift/policy/thinkv/thinkv_policy.hpp"
 
 namespace kvsift {
 
-std::vector<std::string> policy_names() {
-  return {"fullkv", "streaming", "h2o", "snapkv", "rkv", "skipkv"};
+namespace {
+
+// Policy P built from Config C read by field list F. The method name (for errors) is a template
+// argument so that each line gives a plain function pointer.
+template <const char* Name, class P, class C, class F>
+std::unique_ptr<Policy> create(std::string_view json) {
+  return std::make_unique<P>(detail::read_config<C>(Name, json, F{}));
+}
+template <const char* Name>
+std::unique_ptr<Policy> create_fullkv(std::string_view json) {
+  detail::read_config<detail::EmptyConfig>(Name, json, detail::EmptyFields{});
+  return std::make_unique<FullKV>();
+}
+template <const char* Name, class P, class C, class F>
+std::unique_ptr<CacheOwningPolicy> create_owning(std::string_view json) {
+  return std::make_unique<P>(detail::read_config<C>(Name, json, F{}));
+}
+template <class C, class F>
+std::string defaults() {
+  return detail::write_defaults<C>(F{});
 }
 
-std::unique_ptr<Policy> make_policy(std::string_view name, const PolicyOptions& o) {
-  if (name == "fullkv") return std::make_unique<FullKV>();
-  if (name == "streaming") {
-    StreamingLLMConfig c;
-    c.budget = o.budget;
-    c.sink = o.sink;
-    c.buffer = o.buffer;
-    return std::make_unique<StreamingLLM>(c);
-  }
-  if (name == "h2o") {
-    H2OConfig c;  // recent = budget / 2, H2O's default
-    c.budget = o.budget;
-    c.buffer = o.buffer;
-    return std::make_unique<H2O>(c);
-  }
-  if (name == "snapkv") {
-    SnapKVConfig c;  // pooling, reduction and GQA stay SnapKV's (avg, sum, mean)
-    c.budget = o.budget;
-    c.window = o.window;
-    c.kernel = o.kernel;
-    c.buffer = o.buffer;
-    return std::make_unique<SnapKV>(c);
-  }
-  if (name == "rkv") {
-    RKVConfig c;  // options.sink is StreamingLLM's; R-KV keeps no sinks by default
-    c.budget = o.budget;
-    c.window = o.window;
-    c.buffer = o.buffer;
-    c.kernel = o.kernel;
-    c.mix_lambda = o.mix_lambda;
-    c.threshold = o.threshold;
-    return std::make_unique<RKV>(c);
-  }
-  if (name == "skipkv") {
-    SkipKVConfig c;  // R1-Distill-Qwen ids, τ 0.95, steering defaults (docs/algorithms.md §4)
-    c.batch = 0;     // a host creating it by name may not know the batch yet: sized by observe()
-    c.budget = o.budget;
-    c.window = o.window;
-    c.buffer = o.buffer;
-    c.kernel = o.kernel;
-    c.mix_lambda = o.mix_lambda;
-    c.threshold = o.threshold;
-    c.hidden_size = o.hidden_size;
-    return std::make_unique<SkipKV>(c);
-  }
+// SkipKV created by name: the batch is usually unknown until the first observation.
+SkipKVConfig skipkv_defaults() {
+  SkipKVConfig c;
+  c.batch = 0;
+  return c;
+}
+template <const char* Name>
+std::unique_ptr<Policy> create_skipkv(std::string_view json) {
+  return std::make_unique<SkipKV>(
+      detail::read_config<SkipKVConfig>(Name, json, detail::SkipKVFields{}, skipkv_defaults()));
+}
+std::string skipkv_default_json() {
+  return detail::write_defaults<SkipKVConfig>(detail::SkipKVFields{}, skipkv_defaults());
+}
+
+constexpr char kFullKV[] = "fullkv", kStreaming[] = "streaming", kH2O[] = "h2o",
+               kSnapKV[] = "snapkv", kRKV[] = "rkv", kSkipKV[] = "skipkv", kThinKV[] = "thinkv";
+using detail::H2OFields, detail::RKVFields, detail::SnapKVFields, detail::StreamingFields,
+    detail::ThinKVFields, detail::EmptyConfig, detail::EmptyFields;
+
+// A ThinKV config that validates: its thresholds and calibrated layers have no defaults.
+constexpr std::string_view kThinKVExample =
+    R"({"num_layers": 2, "kv_heads": 2, "q_heads": 4, "head_dim": 16, "budget": 64,)"
+    R"( "theta1": 0.3, "theta2": 0.6, "calibrated_layers": [0]})";
+
+}  // namespace
+
+const std::vector<MethodInfo>& registered_methods() {
+  static const std::vector<MethodInfo> table = {
+      // name, family, summary, needs, owns_cache, create, create_cache_owning, defaults, example
+      {kFullKV, "baseline", "keeps every token (the memory and recall reference)", kNeedsNothing,
+       false, create_fullkv<kFullKV>, nullptr, defaults<EmptyConfig, EmptyFields>, "{}"},
+      {kStreaming, "baseline", "StreamingLLM: attention sinks plus the most recent tokens",
+       kNeedsNothing, false, create<kStreaming, StreamingLLM, StreamingLLMConfig, StreamingFields>,
+       nullptr, defaults<StreamingLLMConfig, StreamingFields>, "{}"},
+      {kH2O, "baseline", "H2O: heavy hitters by attention accumulated over the decode steps",
+       kNeedsQueries, false, create<kH2O, H2O, H2OConfig, H2OFields>, nullptr,
+       defaults<H2OConfig, H2OFields>, "{}"},
+      {kSnapKV, "baseline", "SnapKV: observation-window attention, pooled", kNeedsNothing, false,
+       create<kSnapKV, SnapKV, SnapKVConfig, SnapKVFields>, nullptr,
+       defaults<SnapKVConfig, SnapKVFields>, "{}"},
+      {kRKV, "baseline", "R-KV: window importance minus key redundancy", kNeedsNothing, false,
+       create<kRKV, RKV, RKVConfig, RKVFields>, nullptr, defaults<RKVConfig, RKVFields>, "{}"},
+      {kSkipKV, "skipkv", "SkipKV: R-KV score minus redundant-sentence penalties, steering",
+       kNeedsTokens | kNeedsHidden, false, create_skipkv<kSkipKV>, nullptr, skipkv_default_json,
+       "{}"},
+      {kThinKV, "thinkv", "ThinKV: thought-typed quantization and segment eviction (owns its cache)",
+       kNeedsAppend | kNeedsQueries, true, nullptr,
+       create_owning<kThinKV, ThinKVPolicy, ThinKVPolicyConfig, ThinKVFields>,
+       defaults<ThinKVPolicyConfig, ThinKVFields>, kThinKVExample},
+  };
+  return table;
+}
+
+std::vector<std::string> policy_names() {
+  std::vector<std::string> names;
+  for (const MethodInfo& m : registered_methods()) names.emplace_back(m.name);
+  return names;
+}
+
+const MethodInfo& method_info(std::string_view name) {
+  for (const MethodInfo& m : registered_methods())
+    if (m.name == name) return m;
   std::string known;
   for (const std::string& n : policy_names()) known += (known.empty() ? "" : ", ") + n;
   KVSIFT_FAIL("unknown policy '", std::string(name), "' (known: ", known, ")");
+}
+
+std::string filter_config(std::string_view name, std::string_view json_config) {
+  const MethodInfo& m = method_info(name);
+  const nlohmann::json given = detail::parse_config_object(name, json_config);
+  const nlohmann::json valid = nlohmann::json::parse(m.default_config());
+  nlohmann::json kept = nlohmann::json::object();
+  for (auto it = given.begin(); it != given.end(); ++it)
+    if (valid.contains(it.key())) kept[it.key()] = it.value();
+  return kept.dump();
+}
+
+std::unique_ptr<Policy> make_policy(std::string_view name, std::string_view json_config) {
+  const MethodInfo& m = method_info(name);
+  KVSIFT_CHECK(!m.owns_cache, "make_policy: '", std::string(name),
+               "' owns its KV cache; build it with make_cache_owning_policy()");
+  return m.create(json_config);
+}
+
+std::unique_ptr<CacheOwningPolicy> make_cache_owning_policy(std::string_view name,
+                                                            std::string_view json_config) {
+  const MethodInfo& m = method_info(name);
+  KVSIFT_CHECK(m.owns_cache, "make_cache_owning_policy: '", std::string(name),
+               "' plans over the engine's cache; build it with make_policy()");
+  return m.create_cache_owning(json_config);
 }
 
 }  // namespace kvsift

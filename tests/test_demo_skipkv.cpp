@@ -144,7 +144,7 @@ TEST_CASE("the SkipKV adapter marks exactly the sentences an independent PSS rec
 
     const auto emb = sentence_embeddings(cfg.generator, plans);
     const SyntheticDecode decode(cfg.generator, plans);  // for the planted relation only
-    const float tau = skipkv.config().tracker_config().tau;
+    const float tau = skipkv.config().sentences.tau;
     std::int64_t marks = 0, planted_pairs = 0;
     for (int b = 0; b < 2; ++b) {
       const SentencePlan& p = plans[b];
@@ -252,10 +252,10 @@ TEST_CASE("the SkipKV adapter rejects a hidden width other than the generator's"
           "[demo][skipkv][errors]") {
   SkipKVConfig c;
   c.batch = 0;
-  c.budget = 64;
-  c.window = 4;
+  c.scorer.budget = 64;
+  c.scorer.window = 4;
   c.buffer = 16;
-  c.hidden_size = 7;
+  c.sentences.hidden_size = 7;
   SkipKVPolicy adapter(std::make_unique<SkipKV>(c));
   const GeneratorConfig g = tiny_generator(1);
   SyntheticDecode decode(g, {synthetic_sentence_plan(10, 1), synthetic_sentence_plan(10, 2)});

@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "catch.hpp"
 #include "kvsift/core/compact.hpp"
 #include "kvsift/policy/baselines/full_kv.hpp"
@@ -56,14 +58,19 @@ Scenario random_scenario(std::mt19937& rng) {
   return s;
 }
 
-PolicyOptions options_for(const Scenario& s) {
-  PolicyOptions o;
-  o.budget = s.budget;
-  o.window = s.window;
-  o.buffer = 16;
-  o.kernel = 3;
-  o.sink = 2;
-  return o;
+// The scenario's knobs as each method's JSON config (sinks only for StreamingLLM).
+std::string config_for(const std::string& name, const Scenario& s) {
+  nlohmann::json j = {{"budget", s.budget}, {"window", s.window}, {"buffer", 16}, {"kernel", 3}};
+  if (name == "streaming") j["sink"] = 2;
+  return filter_config(name, j.dump());
+}
+
+// The methods that plan over the engine's cache (cache-owning ones have no select()).
+std::vector<std::string> planning_methods() {
+  std::vector<std::string> names;
+  for (const MethodInfo& m : registered_methods())
+    if (!m.owns_cache) names.emplace_back(m.name);
+  return names;
 }
 
 // Runs one policy on one scenario and checks every plan property, then compaction.
@@ -76,10 +83,14 @@ void check_policy(const std::string& name, const Scenario& s, std::mt19937& rng)
   if (!s.pads.empty()) c.left_pad(s.pads);
   OwnedTensor q(s.dtype, s.batch, s.kv_heads * s.group, s.window, s.dim);
   q.randomize(rng);
-  std::unique_ptr<Policy> p = make_policy(name, options_for(s));
+  std::unique_ptr<Policy> p = make_policy(name, config_for(name, s));
   REQUIRE(p->name() == name);
   StepInputs in{0, c.view(), q.view()};
-  if (auto* h2o = dynamic_cast<H2O*>(p.get())) h2o->observe_step(in);
+  Observation layer_obs;
+  layer_obs.layer = 0;
+  layer_obs.kv = in.kv;
+  layer_obs.queries = in.window_queries;
+  p->observe(layer_obs);  // H2O accumulates; the others ignore it
   if (auto* skipkv = dynamic_cast<SkipKV*>(p.get())) {
     // SkipKV must have observed every cached position: the pads, then the real tokens (id 0, no
     // delimiter: one open sentence, so no penalty and R-KV's plan properties must hold).
@@ -142,20 +153,17 @@ TEST_CASE("every policy plans valid, budget-sized, window-keeping, compactable p
   std::mt19937 rng(2024);
   for (int trial = 0; trial < 25; ++trial) {
     const Scenario s = random_scenario(rng);
-    for (const std::string& name : policy_names()) check_policy(name, s, rng);
+    for (const std::string& name : planning_methods()) check_policy(name, s, rng);
   }
 }
 
 TEST_CASE("should_compress fires at budget + buffer", "[policies]") {
   std::mt19937 rng(4);
   RandomCache c(DType::f32, 2, 1, 64, 8, rng);
-  PolicyOptions o;
-  o.budget = 40;
-  o.buffer = 16;
-  o.window = 8;
-  for (const std::string& name : policy_names()) {
+  for (const std::string& name : planning_methods()) {
     INFO(name);
-    std::unique_ptr<Policy> p = make_policy(name, o);
+    std::unique_ptr<Policy> p =
+        make_policy(name, filter_config(name, R"({"budget": 40, "buffer": 16, "window": 8})"));
     c.lengths = {55, 30};
     CHECK_FALSE(p->should_compress(c.view()));
     c.lengths = {30, 56};
@@ -250,38 +258,31 @@ TEST_CASE("H2O last-query mode keeps one set for all heads", "[policies][h2o]") 
 }
 
 TEST_CASE("configs reject bad values with messages naming them", "[policies][errors]") {
-  PolicyOptions o;
-  o.budget = 8;
-  o.window = 8;
-  REQUIRE_THROWS_WITH(make_policy("rkv", o), Contains("budget (8)") && Contains("window"));
-  o.budget = 64;
-  o.kernel = 6;
-  REQUIRE_THROWS_WITH(make_policy("rkv", o), Contains("kernel") && Contains("6"));
-  REQUIRE_THROWS_WITH(make_policy("snapkv", o), Contains("kernel") && Contains("6"));
-  o.kernel = 7;
-  o.buffer = 4;
-  REQUIRE_THROWS_WITH(make_policy("rkv", o), Contains("buffer (4)") && Contains("window (8)"));
-  o.buffer = 128;
-  o.mix_lambda = 1.5f;
-  REQUIRE_THROWS_WITH(make_policy("rkv", o), Contains("mix_lambda") && Contains("1.5"));
-  o.mix_lambda = 0.1f;
-  o.sink = 64;
-  REQUIRE_THROWS_WITH(make_policy("streaming", o),
+  REQUIRE_THROWS_WITH(make_policy("rkv", R"({"budget": 8, "window": 8})"),
+                      Contains("budget (8)") && Contains("window"));
+  REQUIRE_THROWS_WITH(make_policy("rkv", R"({"budget": 64, "kernel": 6})"),
+                      Contains("kernel") && Contains("6"));
+  REQUIRE_THROWS_WITH(make_policy("snapkv", R"({"budget": 64, "kernel": 6})"),
+                      Contains("kernel") && Contains("6"));
+  REQUIRE_THROWS_WITH(make_policy("rkv", R"({"budget": 64, "buffer": 4})"),
+                      Contains("buffer (4)") && Contains("window (8)"));
+  REQUIRE_THROWS_WITH(make_policy("rkv", R"({"mix_lambda": 1.5})"),
+                      Contains("mix_lambda") && Contains("1.5"));
+  REQUIRE_THROWS_WITH(make_policy("streaming", R"({"budget": 64, "sink": 64})"),
                       Contains("budget (64)") && Contains("sink (64)"));
   H2OConfig h;
   h.budget = 16;
   h.recent = 16;
   REQUIRE_THROWS_WITH(H2O(h), Contains("recent (16)"));
-  REQUIRE_THROWS_WITH(make_policy("quest", o), Contains("'quest'") && Contains("rkv") &&
-                                                   Contains("fullkv") && Contains("h2o") &&
-                                                   Contains("skipkv"));
+  REQUIRE_THROWS_WITH(make_policy("quest"), Contains("'quest'") && Contains("rkv") &&
+                                                Contains("fullkv") && Contains("h2o") &&
+                                                Contains("skipkv"));
 }
 
 TEST_CASE("policies reject mismatched shapes and NaN inputs", "[policies][errors]") {
   std::mt19937 rng(21);
   RandomCache c(DType::f32, 1, 2, 40, 8, rng);
-  PolicyOptions o;
-  o.budget = 24;
+  const std::string o = R"({"budget": 24, "window": 8})";
   for (const std::string& name : {"rkv", "snapkv"}) {
     INFO(name);
     std::unique_ptr<Policy> p = make_policy(name, o);
@@ -309,29 +310,25 @@ TEST_CASE("policies reject mismatched shapes and NaN inputs", "[policies][errors
                       Contains("window (8)") && Contains("(6)"));
 }
 
-TEST_CASE("make_policy(\"skipkv\") maps the shared options onto SkipKVConfig",
-          "[policies][skipkv]") {
-  PolicyOptions o;
-  o.budget = 48;
-  o.window = 6;
-  o.buffer = 20;
-  o.kernel = 5;
-  o.mix_lambda = 0.3f;
-  o.threshold = 0.7f;
-  o.hidden_size = 12;
-  std::unique_ptr<Policy> p = make_policy("skipkv", o);
+TEST_CASE("make_policy(\"skipkv\") reads SkipKVConfig from JSON", "[policies][skipkv]") {
+  std::unique_ptr<Policy> p = make_policy(
+      "skipkv", R"({"budget": 48, "window": 6, "buffer": 20, "kernel": 5, "mix_lambda": 0.3,
+                    "threshold": 0.7, "hidden_size": 12, "steering": {"alpha0": 1.0}})");
   auto* skipkv = dynamic_cast<SkipKV*>(p.get());
   REQUIRE(skipkv != nullptr);
   const SkipKVConfig& c = skipkv->config();
-  CHECK(c.budget == 48);
-  CHECK(c.window == 6);
+  CHECK(c.scorer.budget == 48);
+  CHECK(c.scorer.window == 6);
   CHECK(c.buffer == 20);
-  CHECK(c.kernel == 5);
-  CHECK(c.mix_lambda == 0.3f);
-  CHECK(c.threshold == 0.7f);
-  CHECK(c.hidden_size == 12);
-  CHECK(c.batch == 0);  // sized by the sequences observed
-  CHECK(c.tau == 0.95f);
+  CHECK(c.scorer.kernel == 5);
+  CHECK(c.scorer.mix_lambda == 0.3f);
+  CHECK(c.scorer.threshold == 0.7f);
+  CHECK(c.sentences.hidden_size == 12);
+  CHECK(c.steering.alpha0 == 1.0f);
+  CHECK(c.steering.gamma == 0.02f);  // untouched default
+  CHECK(c.batch == 0);               // sized by the sequences observed
+  CHECK(c.sentences.tau == 0.95f);
+  CHECK(p->needs() == (kNeedsTokens | kNeedsHidden));
   // Sized from what it observes: sequence 2 makes a batch of 3; hidden states are [1, 12].
   REQUIRE(skipkv->batch() == 0);
   std::vector<float> hidden(12, 0.5f);
@@ -341,14 +338,14 @@ TEST_CASE("make_policy(\"skipkv\") maps the shared options onto SkipKVConfig",
   CHECK(skipkv->batch() == 3);
   CHECK(skipkv->tracker(2).position() == 1);
   // The default width (0) is segmentation only: hidden states are refused.
-  std::unique_ptr<Policy> plain = make_policy("skipkv", PolicyOptions{});
+  std::unique_ptr<Policy> plain = make_policy("skipkv");
+  CHECK(plain->needs() == kNeedsTokens);
   REQUIRE_THROWS_WITH(
       dynamic_cast<SkipKV&>(*plain).observe(
           0, &token, 1, TensorView::contiguous(hidden.data(), DType::f32, Device::cpu, {1, 12})),
       Contains("hidden"));
-  o.hidden_size = -3;
-  REQUIRE_THROWS_WITH(make_policy("skipkv", o), Contains("hidden_size (-3)"));
-  o.hidden_size = 0;
-  o.buffer = 4;
-  REQUIRE_THROWS_WITH(make_policy("skipkv", o), Contains("buffer (4)") && Contains("window (6)"));
+  REQUIRE_THROWS_WITH(make_policy("skipkv", R"({"hidden_size": -3})"),
+                      Contains("hidden_size (-3)"));
+  REQUIRE_THROWS_WITH(make_policy("skipkv", R"({"window": 6, "buffer": 4})"),
+                      Contains("buffer (4)") && Contains("window (6)"));
 }

@@ -33,7 +33,7 @@ class SkipKVPolicy final : public DemoPolicy {
  public:
   explicit SkipKVPolicy(std::unique_ptr<SkipKV> skipkv) : skipkv_(std::move(skipkv)) {
     KVSIFT_CHECK(skipkv_ != nullptr, "SkipKVPolicy: null policy");
-    const auto& delimiters = skipkv_->config().tokens.delimiters;
+    const auto& delimiters = skipkv_->config().sentences.tokens.delimiters;
     KVSIFT_CHECK(!delimiters.empty(), "SkipKVPolicy: SkipKV has no delimiter ids");
     synthetic_delimiter_ = delimiters.front();
   }
@@ -42,7 +42,7 @@ class SkipKVPolicy final : public DemoPolicy {
 
   void observe(const DecodeStep& step, const std::vector<DemoLayerCache>& caches) override {
     (void)caches;
-    const std::int64_t width = skipkv_->config().hidden_size;
+    const std::int64_t width = skipkv_->config().sentences.hidden_size;
     KVSIFT_CHECK(width == 0 || width == step.head_dim, "SkipKVPolicy: SkipKV hidden_size (", width,
                  ") must be 0 or the generator's hidden width head_dim (", step.head_dim, ")");
     for (int b = 0; b < step.batch; ++b) {

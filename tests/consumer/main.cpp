@@ -15,10 +15,7 @@ int main() {
                                      B, H, C, D, lengths.data());
   in.window_queries =
       kvsift::TensorView::contiguous(q.data(), kvsift::DType::f32, kvsift::Device::cpu, {B, Hq, W, D});
-  kvsift::PolicyOptions options;
-  options.budget = 32;
-  options.window = W;
-  auto policy = kvsift::make_policy("rkv", options);
+  auto policy = kvsift::make_policy("rkv", R"({"budget": 32, "window": 8})");  // window: W
   const kvsift::KeepPlan plan = policy->select(in);
   kvsift::compact(in.kv, plan);
   if (lengths[0] != 32) {

@@ -29,6 +29,12 @@ class DeviceBackend {
   virtual std::size_t compact_workspace_bytes(const KeepPlan& plan) const = 0;
   virtual void compact(const KVCacheView& kv, const KeepPlan& plan, const ExecContext& ctx) const = 0;
 
+  // Copies `bytes` from device memory `src` to host memory `dst` on ctx.stream and waits for the
+  // stream, so the host may read `dst` on return. The generic op behind the methods whose device
+  // path stages their inputs to the host and runs the CPU reference (policy/device_staging.hpp).
+  virtual void copy_to_host(void* dst, const void* src, std::size_t bytes,
+                            const ExecContext& ctx) const = 0;
+
   // R-KV (§1.3) on a device cache.
   //   kv       keys/values [batch, kv_heads, capacity, head_dim] device; lengths host
   //   queries  [batch, q_heads, window, head_dim] device

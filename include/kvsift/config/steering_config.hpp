@@ -2,6 +2,7 @@
 // the CUDA update.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>

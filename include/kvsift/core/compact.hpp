@@ -1,10 +1,15 @@
-// compact(): applies a KeepPlan to a host-memory cache in place. Kept rows move to the front of
-// each (sequence, head) in slot order; lengths and the padding mask are rewritten to match.
-// For a cache in device memory use kvsift::cuda::compact (backend/cuda/compact.hpp).
+// compact(): applies a KeepPlan to a cache in place. Kept rows move to the front of each
+// (sequence, head) in slot order; lengths and the padding mask are rewritten to match.
+//   compact(kv, plan)       host memory only;
+//   compact(kv, plan, ctx)  by the view's device: host memory here, device memory through the
+//                           registered CUDA backend on ctx.stream with ctx.workspace (size it with
+//                           compact_workspace_bytes(plan)).
 #pragma once
 
 #include <cstring>
 
+#include "kvsift/backend/device_backend.hpp"
+#include "kvsift/core/exec_context.hpp"
 #include "kvsift/core/keep_plan.hpp"
 #include "kvsift/core/kv_cache_view.hpp"
 
@@ -46,7 +51,7 @@ inline void compact_rows(const TensorView& t, std::int64_t b, std::int64_t h,
 inline void compact(const KVCacheView& kv, const KeepPlan& plan) {
   kv.validate();
   KVSIFT_CHECK(kv.device() == Device::cpu,
-               "compact: the cache is in device memory; use kvsift::cuda::compact");
+               "compact: the cache is in device memory; call compact(kv, plan, ctx)");
   plan.validate();
   plan.check_matches(kv);
   detail::check_plan_pads_agree(kv, plan);
@@ -63,6 +68,18 @@ inline void compact(const KVCacheView& kv, const KeepPlan& plan) {
     }
     kv.lengths[b] = plan.kept_length(b);
   }
+}
+
+// Dispatches by kv.device(): host views as compact(kv, plan), device views to the CUDA backend
+// (which validates on the host before it enqueues anything).
+inline void compact(const KVCacheView& kv, const KeepPlan& plan, const ExecContext& ctx) {
+  if (kv.device() == Device::cpu) return compact(kv, plan);
+  device_backend().compact(kv, plan, ctx);
+}
+
+// Device scratch compact(kv, plan, ctx) needs: 0 for host views.
+inline std::size_t compact_workspace_bytes(const KVCacheView& kv, const KeepPlan& plan) {
+  return kv.device() == Device::cpu ? 0 : device_backend().compact_workspace_bytes(plan);
 }
 
 }  // namespace kvsift

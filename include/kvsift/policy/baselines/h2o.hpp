@@ -2,13 +2,22 @@
 // its group's query heads give each token over the decode steps; a compression keeps the top
 // budget − recent tokens by that sum plus the `recent` most recent tokens.
 //
-// H2O is stateful. Per decode step and layer, after the step's key/value is appended:
-//   h2o.observe_step({layer, kv, step_queries});   // step_queries [batch, q_heads, 1, head_dim]
-//   if (h2o.should_compress(kv)) { auto plan = h2o.select({layer, kv, q}); compact(kv, plan); }
+// H2O is stateful (needs() == kNeedsQueries in accumulated mode). Per decode step and layer, after
+// the step's key/value is appended:
+//   h2o.observe(obs);          // obs.layer, obs.kv, obs.queries [batch, q_heads, n, head_dim]
+//   if (h2o.should_compress(kv)) { auto plan = h2o.select({layer, kv, q}, ctx); compact(kv, plan, ctx); }
+// (observe_step(StepInputs) is the same with in.window_queries as the step's queries.)
 // select() moves each layer's accumulator along with the plan, so the plan must be applied
-// (compact, or the engine's own remapping) before the next observe_step of that layer.
+// (compact, or the engine's own remapping) before the next observation of that layer; a cache
+// whose lengths disagree with what the accumulator observed raises kvsift::Error, and so does a
+// select() over budget for a layer that was never observed (it would silently keep only the
+// most recent tokens, i.e. behave like StreamingLLM).
 // SkipKV's variant (mode last_query_shared) keeps no state: at select() it scores with the last
 // row of in.window_queries, heads averaged, one kept set for all heads.
+//
+// Device views: staged to the host in this version (policy/device_staging.hpp): observe() and
+// select() copy the cache and queries they read to host memory and run the CPU reference, so the
+// plans are those of the same cache in host memory.
 #pragma once
 
 #include <algorithm>
@@ -21,28 +30,11 @@
 #include "kvsift/backend/cpu/select_topk.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/policy/budget_trigger.hpp"
+#include "kvsift/policy/device_staging.hpp"
 #include "kvsift/policy/policy.hpp"
-#include "kvsift/config/options.hpp"
+#include "kvsift/config/h2o_config.hpp"
 
 namespace kvsift {
-
-struct H2OConfig {
-  int budget = 1024;
-  int recent = -1;  // most recent tokens always kept; -1: budget / 2 (H2O's default)
-  int buffer = 128;
-  H2OMode mode = H2OMode::accumulated;
-
-  int recent_tokens() const { return recent < 0 ? budget / 2 : recent; }
-  void validate() const {
-    KVSIFT_CHECK(budget >= 2, "H2OConfig: budget must be >= 2, got ", budget);
-    KVSIFT_CHECK(recent >= -1, "H2OConfig: recent must be >= 0 (or -1 for budget / 2), got ",
-                 recent);
-    KVSIFT_CHECK(recent_tokens() >= 1 && recent_tokens() < budget, "H2OConfig: recent (",
-                 recent_tokens(), ") must be in [1, budget = ", budget, ")");
-    KVSIFT_CHECK(buffer >= 1, "H2OConfig: buffer must be >= 1, got ", buffer);
-  }
-  TopKSelection selection() const { return {budget, recent_tokens(), 0}; }
-};
 
 class H2O final : public Policy {
  public:
@@ -55,34 +47,71 @@ class H2O final : public Policy {
     return reaches_budget_plus_buffer(kv, cfg_.budget, cfg_.buffer);
   }
 
+  unsigned needs() const override {
+    return cfg_.mode == H2OMode::accumulated ? kNeedsQueries : kNeedsNothing;
+  }
+
+  // Per-layer observations (obs.layer >= 0 with obs.queries) feed that layer's accumulator;
+  // step-level ones (layer -1) carry nothing H2O reads.
+  void observe(const Observation& obs) override {
+    if (obs.layer < 0 || cfg_.mode != H2OMode::accumulated) return;
+    KVSIFT_CHECK(obs.queries.data != nullptr, "H2O::observe: layer ", obs.layer,
+                 " observation has no queries; H2O needs the step's queries [batch, q_heads, n, "
+                 "head_dim] of every layer");
+    observe_step({obs.layer, obs.kv, obs.queries});
+  }
+
   // Adds the attention of in.window_queries ([batch, q_heads, steps, head_dim], the last `steps`
   // queries, their keys already cached) to the accumulator of in.layer. No-op in
-  // last_query_shared mode.
+  // last_query_shared mode. Since the layer's last observation the cache may have grown by at
+  // most `steps` tokens (observe every step) and never shrunk except by a plan from select().
   void observe_step(const StepInputs& in) {
     if (cfg_.mode != H2OMode::accumulated) return;
     in.kv.validate();
+    if (in.kv.device() != Device::cpu) {
+      HostStaging staging(ExecContext{});
+      observe_step({in.layer, staging.cache(in.kv), staging.tensor(in.window_queries)});
+      return;
+    }
+    const bool fresh = accumulator(in.layer) == nullptr;
     cpu::ScoreTensor& acc = accumulator_for(in.layer, in.kv);
-    for (std::int64_t b = 0; b < in.kv.batch(); ++b)
-      KVSIFT_CHECK(in.kv.length(b) >= acc.count(b), "H2O::observe_step: layer ", in.layer,
+    const std::int64_t steps = in.window_queries.rank == 4 ? in.window_queries.shape[2] : 0;
+    for (std::int64_t b = 0; b < in.kv.batch(); ++b) {
+      KVSIFT_CHECK(in.kv.length(b) >= acc.count(b), "H2O::observe: layer ", in.layer,
                    " sequence ", b, " holds ", in.kv.length(b), " tokens but its accumulator ",
                    acc.count(b), " (was the cache changed without a plan from select?)");
+      KVSIFT_CHECK(fresh || in.kv.length(b) <= acc.count(b) + steps, "H2O::observe: layer ",
+                   in.layer, " sequence ", b, " holds ", in.kv.length(b),
+                   " tokens but its accumulator expects at most ", acc.count(b), " + ", steps,
+                   " (a plan from select() not applied, or a decode step not observed)");
+    }
     cpu::accumulate_attention(in.kv, in.window_queries, acc);
   }
 
   using Policy::select;
   KeepPlan select(const StepInputs& in, const ExecContext& ctx) override {
-    (void)ctx;
     in.kv.validate();
+    if (in.kv.device() != Device::cpu) {
+      HostStaging staging(ctx);
+      StepInputs host{in.layer, staging.cache(in.kv), staging.tensor(in.window_queries)};
+      return select(host, ExecContext{});
+    }
     const std::vector<std::uint8_t> over = cpu::sequences_over_budget(in.kv, cfg_.budget);
     if (std::find(over.begin(), over.end(), 1) == over.end()) return KeepPlan::keep_all(in.kv);
     if (cfg_.mode == H2OMode::last_query_shared) {
       const cpu::ScoreTensor s = cpu::last_query_attention(in.kv, in.window_queries, over.data());
       return cpu::plan_from_scores(in.kv, &s, cfg_.selection());
     }
+    KVSIFT_CHECK(accumulator(in.layer) != nullptr,
+                 "H2O needs observe() with the step's queries every decode step (Observation "
+                 "{layer, kv, queries [batch, q_heads, n, head_dim]}); layer ",
+                 in.layer, " is over budget but was never observed, so its plan would keep only "
+                 "the most recent tokens");
     cpu::ScoreTensor& acc = accumulator_for(in.layer, in.kv);
-    // Tokens never observed (e.g. the prompt) have accumulated nothing.
     for (std::int64_t b = 0; b < in.kv.batch(); ++b)
-      if (acc.count(b) < in.kv.length(b)) acc.set_count(b, in.kv.length(b));
+      KVSIFT_CHECK(acc.count(b) == in.kv.length(b), "H2O::select: layer ", in.layer, " sequence ",
+                   b, " holds ", in.kv.length(b), " tokens but its accumulator observed ",
+                   acc.count(b), " (a plan from select() not applied, or a step not observed)");
     KeepPlan plan = cpu::plan_from_scores(in.kv, &acc, cfg_.selection());
     follow_plan(plan, acc);
     return plan;

@@ -5,7 +5,9 @@
 // Decode: call select() for every layer when should_compress() (resident length reaches
 // budget + buffer). Prefill: a prompt longer than the budget is compressed by calling select()
 // directly after the prompt's KV is written, with the prompt's last W queries; select() compresses
-// every sequence over the budget whatever the trigger says.
+// every sequence over the budget whatever the trigger says. Needs no observations.
+// Device views: select() runs the CUDA backend (device_backend().rkv_select) on ctx.stream with
+// ctx.workspace, sized by workspace_bytes().
 #pragma once
 
 #include <algorithm>
@@ -13,53 +15,15 @@
 #include <string_view>
 #include <vector>
 
-#include "kvsift/backend/cpu/key_redundancy.hpp"
-#include "kvsift/backend/cpu/score_tensor.hpp"
+#include "kvsift/backend/cpu/rkv_scores.hpp"
 #include "kvsift/backend/cpu/select_topk.hpp"
-#include "kvsift/backend/cpu/window_importance.hpp"
+#include "kvsift/backend/device_backend.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/policy/budget_trigger.hpp"
 #include "kvsift/policy/policy.hpp"
 #include "kvsift/config/rkv_config.hpp"
 
 namespace kvsift {
-
-// Every intermediate of the R-KV score, [batch, kv_heads, capacity] each.
-struct RKVScores {
-  cpu::ScoreTensor importance;       // a, count S_b − W
-  cpu::ScoreTensor redundancy_full;  // R over all S_b tokens, count S_b
-  cpu::ScoreTensor redundancy;       // R without the window, count S_b − W
-  cpu::ScoreTensor score;            // λ·a − (1−λ)·R, count S_b − W
-};
-
-namespace cpu {
-
-// Scores of the sequences marked in `active` ([batch] or nullptr: all).
-//   kv.keys  [batch, kv_heads, capacity, head_dim]
-//   queries  [batch, q_heads, window, head_dim]
-inline RKVScores rkv_scores(const KVCacheView& kv, const TensorView& queries, const RKVConfig& cfg,
-                            const std::uint8_t* active = nullptr) {
-  cfg.validate();
-  RKVScores s;
-  s.importance = window_importance(kv, queries, cfg.importance_config(), active);
-  s.redundancy_full = redundancy_full(kv, cfg.redundancy_config(), active);
-  s.redundancy = slice_window(s.redundancy_full, cfg.window);
-  s.score = ScoreTensor(kv.batch(), kv.kv_heads(), kv.capacity());
-  for (std::int64_t b = 0; b < kv.batch(); ++b) {
-    const std::int32_t n = s.importance.count(b);
-    for (std::int64_t h = 0; h < kv.kv_heads(); ++h) {
-      const float* a = s.importance.row(b, h);
-      const float* r = s.redundancy.row(b, h);
-      float* out = s.score.row(b, h);
-      for (std::int32_t j = 0; j < n; ++j)
-        out[j] = cfg.mix_lambda * a[j] - (1.0f - cfg.mix_lambda) * r[j];
-    }
-    s.score.set_count(b, n);
-  }
-  return s;
-}
-
-}  // namespace cpu
 
 class RKV final : public Policy {
  public:
@@ -74,8 +38,14 @@ class RKV final : public Policy {
 
   // Scores and plans the sequences over budget; the others keep everything.
   using Policy::select;
+  std::size_t workspace_bytes(const StepInputs& in) const override {
+    if (in.kv.device() == Device::cpu) return 0;
+    return device_backend().rkv_workspace_bytes(in.kv, in.window_queries, cfg_);
+  }
+
   KeepPlan select(const StepInputs& in, const ExecContext& ctx) override {
-    (void)ctx;
+    if (in.kv.device() != Device::cpu)
+      return device_backend().rkv_select(in.kv, in.window_queries, cfg_, ctx);
     return cpu::select_scored_over_budget(in.kv, cfg_.selection(), [&](const std::uint8_t* over) {
       return cpu::rkv_scores(in.kv, in.window_queries, cfg_, over).score;
     });

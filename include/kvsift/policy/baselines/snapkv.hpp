@@ -1,7 +1,9 @@
 // SnapKV (docs/algorithms.md §1.4): the window importance a of §1.1 alone, with SnapKV's own defaults
 // (window 32, kernel 5, average pooling, attention summed over the window). For grouped-query
 // attention the group's logits are averaged (our choice: SnapKV itself is multi-head only).
-// Same trigger and prefill use as R-KV (see rkv.hpp).
+// Same trigger and prefill use as R-KV (see rkv.hpp). Needs no observations.
+// Device views: staged to the host in this version (policy/device_staging.hpp): select() copies
+// the cache and window queries to host memory and runs the CPU reference, same plans as on host.
 #pragma once
 
 #include <algorithm>
@@ -11,36 +13,13 @@
 
 #include "kvsift/backend/cpu/select_topk.hpp"
 #include "kvsift/backend/cpu/window_importance.hpp"
+#include "kvsift/config/snapkv_config.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/policy/budget_trigger.hpp"
+#include "kvsift/policy/device_staging.hpp"
 #include "kvsift/policy/policy.hpp"
 
 namespace kvsift {
-
-struct SnapKVConfig {
-  int budget = 1024;
-  int window = 32;  // SnapKV's observation window
-  int buffer = 128;
-  int kernel = 5;  // SnapKV's pooling kernel
-  Pooling pooling = Pooling::avg;
-  WindowReduce reduction = WindowReduce::sum;
-  GqaReduce gqa = GqaReduce::mean;
-  int sink = 0;
-
-  void validate() const {
-    KVSIFT_CHECK(window >= 1, "SnapKVConfig: window must be >= 1, got ", window);
-    KVSIFT_CHECK(sink >= 0, "SnapKVConfig: sink must be >= 0, got ", sink);
-    KVSIFT_CHECK(budget > window + sink, "SnapKVConfig: budget (", budget,
-                 ") must exceed window + sink (", window, " + ", sink, ")");
-    KVSIFT_CHECK(buffer >= window, "SnapKVConfig: buffer (", buffer, ") must be >= window (",
-                 window, ")");
-    importance_config().validate();
-  }
-  WindowImportanceConfig importance_config() const {
-    return {window, kernel, gqa, pooling, reduction};
-  }
-  TopKSelection selection() const { return {budget, window, sink}; }
-};
 
 class SnapKV final : public Policy {
  public:
@@ -56,7 +35,11 @@ class SnapKV final : public Policy {
   // Scores and plans the sequences over budget; the others keep everything.
   using Policy::select;
   KeepPlan select(const StepInputs& in, const ExecContext& ctx) override {
-    (void)ctx;
+    if (in.kv.device() != Device::cpu) {
+      HostStaging staging(ctx);
+      return select({in.layer, staging.cache(in.kv), staging.tensor(in.window_queries)},
+                    ExecContext{});
+    }
     return cpu::select_scored_over_budget(in.kv, cfg_.selection(), [&](const std::uint8_t* over) {
       return cpu::window_importance(in.kv, in.window_queries, cfg_.importance_config(), over);
     });

@@ -1,6 +1,8 @@
 // SkipKV: the whole pipeline of docs/algorithms.md §2 as one object a host drives per step.
-//   observe(seq, tokens, hidden)  every appended token (prompt and decode) of every sequence:
-//                                 sentences, check labels, embeddings (§2.1), steering gate (§2.5)
+//   observe(Observation)          step level (layer -1): token_ids [batch, n], pad_counts, and
+//                                 last_hidden [batch, n, hidden] of every step (prompt and decode)
+//   observe(seq, tokens, hidden)  the same for one sequence: sentences, check labels,
+//                                 embeddings (§2.1), steering gate (§2.5)
 //   should_compress(lengths)      the decode trigger: a sequence reaches budget + buffer (§1.3)
 //   select(StepInputs)            per layer: eq. 6 scores with the sentence penalty, top-k plan,
 //                                 range bookkeeping before and after eviction (§2.2-2.4)
@@ -24,11 +26,14 @@
 #include <utility>
 #include <vector>
 
+#include "kvsift/backend/device_backend.hpp"
+#include "kvsift/config/skipkv_config.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/keep_plan.hpp"
 #include "kvsift/core/segment_table.hpp"
 #include "kvsift/core/step_inputs.hpp"
 #include "kvsift/policy/budget_trigger.hpp"
+#include "kvsift/policy/device_staging.hpp"
 #include "kvsift/policy/policy.hpp"
 #include "kvsift/policy/skipkv/sentence_scorer.hpp"
 #include "kvsift/policy/skipkv/sentence_tracker.hpp"
@@ -36,63 +41,12 @@
 
 namespace kvsift {
 
-struct SkipKVConfig {
-  // What the pipeline tracks.
-  // Sequences (one SentenceTracker each). 0: as many as observe() / add_padding() name before
-  // the first select() (for hosts that create the policy by name, before the batch is known).
-  std::int64_t batch = 1;
-  std::int64_t layers = 0;    // decoder layers; 0: any layer index >= 0 is accepted
-  std::int64_t kv_heads = 0;  // KV heads per layer; 0: taken from the first cache seen
-  // Eviction (docs/algorithms.md §4 defaults).
-  int budget = 1024;        // tokens per (sequence, KV head) after a compression
-  int window = 8;           // observation window W, always kept
-  int buffer = 128;         // decode steps between compressions (>= window)
-  int kernel = 7;           // max-pooling kernel of the importance (odd)
-  float mix_lambda = 0.1f;  // λ of λ·a − (1−λ)·R
-  float threshold = 0.5f;   // key-redundancy cosine threshold
-  RedundancyMode redundancy = RedundancyMode::sound;
-  GqaReduce gqa = GqaReduce::max;
-  PadMode pad_mode = PadMode::exclude;  // faithful: pads +100, force-kept (the reference)
-  // Sentences (§2.1-2.2).
-  SentenceTokens tokens = SentenceTokens::r1_qwen();  // delimiter and keyword ids
-  std::int64_t hidden_size = 0;  // final-norm last-layer width; 0: no embeddings, no marks
-  float tau = 0.95f;             // PSS threshold τ
-  // Steering (§2.5): α0, γ, the steered layer and the gate's token ids.
-  SteeringConfig steering;
-
-  void validate() const {
-    KVSIFT_CHECK(batch >= 0,
-                 "SkipKVConfig: batch must be >= 0 (0: from the sequences observed), got ", batch);
-    KVSIFT_CHECK(layers >= 0, "SkipKVConfig: layers must be >= 0 (0: any), got ", layers);
-    KVSIFT_CHECK(kv_heads >= 0, "SkipKVConfig: kv_heads must be >= 0 (0: from the cache), got ",
-                 kv_heads);
-    KVSIFT_CHECK(buffer >= window, "SkipKVConfig: buffer (", buffer, ") must be >= window (",
-                 window, ")");
-    scorer_config().validate();
-    tracker_config().validate();
-    steering.validate();
-  }
-  SentenceScorerConfig scorer_config() const {
-    SentenceScorerConfig c;
-    c.budget = budget;
-    c.window = window;
-    c.kernel = kernel;
-    c.mix_lambda = mix_lambda;
-    c.threshold = threshold;
-    c.redundancy = redundancy;
-    c.gqa = gqa;
-    c.pad_mode = pad_mode;
-    return c;
-  }
-  SentenceTrackerConfig tracker_config() const { return {tokens, hidden_size, tau}; }
-};
-
 class SkipKV final : public Policy {
  public:
   // Without a steering vector: steering_strength() is still reported, apply_steering() does
   // nothing.
-  explicit SkipKV(const SkipKVConfig& cfg) : cfg_(validated(cfg)), scorer_(cfg_.scorer_config()) {
-    trackers_.assign(static_cast<std::size_t>(cfg_.batch), SentenceTracker(cfg_.tracker_config()));
+  explicit SkipKV(const SkipKVConfig& cfg) : cfg_(validated(cfg)), scorer_(cfg_.scorer) {
+    trackers_.assign(static_cast<std::size_t>(cfg_.batch), SentenceTracker(cfg_.sentences));
     checks_at_trigger_.assign(static_cast<std::size_t>(cfg_.batch), 0);
   }
   // The controller tracks a fixed batch, so here cfg.batch must be > 0.
@@ -107,6 +61,56 @@ class SkipKV final : public Policy {
   const SentenceScorer& scorer() const { return scorer_; }
 
   // ---- every step --------------------------------------------------------------------------
+
+  unsigned needs() const override {
+    return kNeedsTokens | (cfg_.sentences.hidden_size > 0 ? kNeedsHidden : kNeedsNothing);
+  }
+
+  // The step-level observation (obs.layer == -1; per-layer ones carry nothing SkipKV reads):
+  //   obs.token_ids    [batch, n] host, n = obs.num_tokens
+  //   obs.pad_counts   [batch] host or nullptr: left pads among the first observation's n tokens
+  //                    (ignored on later observations)
+  //   obs.last_hidden  [batch, n, hidden_size] (hidden_size > 0), host or device
+  //   obs.kv           optional: gives the batch when there are no hidden states and the config's
+  //                    batch is 0
+  // For every sequence b: add_padding(b, pad_counts[b]) on its first observation, then
+  // observe(b, its tokens after the pads, their hidden rows).
+  void observe(const Observation& obs) override {
+    if (obs.layer >= 0) return;
+    KVSIFT_CHECK(obs.num_tokens >= 0 && (obs.num_tokens == 0 || obs.token_ids != nullptr),
+                 "SkipKV::observe: token_ids must hold [batch, num_tokens = ", obs.num_tokens,
+                 "] ids");
+    if (obs.num_tokens == 0) return;
+    const bool with_hidden = cfg_.sentences.hidden_size > 0;
+    KVSIFT_CHECK(!with_hidden || (obs.last_hidden.data != nullptr && obs.last_hidden.rank == 3 &&
+                                  obs.last_hidden.shape[1] == obs.num_tokens),
+                 "SkipKV::observe: last_hidden must be [batch, num_tokens = ", obs.num_tokens,
+                 ", hidden_size = ", cfg_.sentences.hidden_size, "], got ",
+                 obs.last_hidden.shape_string(), " (hidden_size > 0 needs hidden states)");
+    const std::int64_t rows = with_hidden ? obs.last_hidden.shape[0] : observation_batch(obs);
+    HostStaging staging(ExecContext{});
+    const TensorView hidden = with_hidden ? staging.tensor(obs.last_hidden) : TensorView{};
+    const std::int64_t n = obs.num_tokens;
+    for (std::int64_t b = 0; b < rows; ++b) {
+      // Pads lead a sequence: pad_counts counts only on its first observation (an engine may
+      // pass the same array every step).
+      const bool first = b >= batch() || trackers_[b].position() == 0;
+      const std::int64_t pads = first && obs.pad_counts != nullptr ? obs.pad_counts[b] : 0;
+      KVSIFT_CHECK(pads >= 0 && pads <= n, "SkipKV::observe: pad_counts[", b, "] = ", pads,
+                   " outside [0, num_tokens = ", n, "]");
+      if (pads > 0) add_padding(b, pads);
+      const std::int32_t* tokens = obs.token_ids + b * n + pads;
+      if (with_hidden) {
+        TensorView row = batch_row(hidden, b);
+        row.data = static_cast<char*>(row.data) +
+                   static_cast<std::size_t>(pads * row.stride[0]) * dtype_size(row.dtype);
+        row.shape[0] = n - pads;
+        observe(b, tokens, n - pads, row);
+      } else {
+        observe(b, tokens, n - pads);
+      }
+    }
+  }
 
   // Left padding of sequence `seq` (its pad count), before any of its tokens is observed.
   void add_padding(std::int64_t seq, std::int64_t pads) {
@@ -137,14 +141,14 @@ class SkipKV final : public Policy {
     KVSIFT_CHECK(n >= 0 && (n == 0 || lengths != nullptr),
                  "SkipKV::should_compress: bad lengths (n = ", n, ")");
     for (std::int64_t b = 0; b < n; ++b)
-      if (lengths[b] >= cfg_.budget + cfg_.buffer) return true;
+      if (lengths[b] >= cfg_.scorer.budget + cfg_.buffer) return true;
     return false;
   }
   bool should_compress(const std::vector<std::int32_t>& lengths) const {
     return should_compress(lengths.data(), static_cast<std::int64_t>(lengths.size()));
   }
   bool should_compress(const KVCacheView& kv) const override {
-    return reaches_budget_plus_buffer(kv, cfg_.budget, cfg_.buffer);
+    return reaches_budget_plus_buffer(kv, cfg_.scorer.budget, cfg_.buffer);
   }
 
   // ---- per layer ---------------------------------------------------------------------------
@@ -158,9 +162,12 @@ class SkipKV final : public Policy {
   //   in.window_queries  [batch, q_heads, window, head_dim]
   using Policy::select;
   KeepPlan select(const StepInputs& in, const ExecContext& ctx) override {
-    (void)ctx;
     const KVCacheView& kv = in.kv;
     kv.validate();
+    KVSIFT_CHECK(observed_tokens_ || !any_over_budget(kv),
+                 "SkipKV needs observe() with the step's token ids (Observation layer -1: "
+                 "token_ids [batch, n], last_hidden [batch, n, hidden]) every step, prompt "
+                 "included; layer ", in.layer, " is over budget but no token was ever observed");
     KVSIFT_CHECK(kv.batch() == batch(), "SkipKV::select: cache batch (", kv.batch(),
                  ") != ", cfg_.batch > 0 ? "config batch (" : "sequences observed (", batch(), ")");
     frozen_ = true;  // the range maps are sized now
@@ -171,7 +178,12 @@ class SkipKV final : public Policy {
                  " cache has ", kv.kv_heads(), " kv heads, expected ", kv_heads_);
     kv_heads_ = kv.kv_heads();
     LayerState& st = layer_state(in.layer);
-    check_lengths(in.layer, kv, st);
+    if (kv.device() == Device::cpu) {
+      check_lengths(in.layer, kv, st);
+    } else {
+      HostStaging staging(ctx);  // the pad mask, for the first plan's pad check
+      check_lengths(in.layer, st.planned ? kv : staging.lengths_and_mask(kv), st);
+    }
     if (pending_trigger_) begin_trigger();
 
     const std::int64_t heads = kv.kv_heads();
@@ -183,7 +195,10 @@ class SkipKV final : public Policy {
       for (std::int64_t h = 0; h < heads; ++h)
         penalties[b * heads + h] = st.table.penalty_ranges(0, b, h, t.sentences());
     }
-    KeepPlan plan = scorer_.select(kv, in.window_queries, penalties);
+    KeepPlan plan = kv.device() == Device::cpu || !any_over_budget(kv)
+                        ? scorer_.select(kv, in.window_queries, penalties)
+                        : device_backend().skipkv_select(kv, in.window_queries, cfg_.scorer,
+                                                         penalties, ctx);
     // §2.3 after eviction, recorded now on the contract that the host applies the plan.
     st.table.apply_plan(0, plan);
     for (std::int64_t b = 0; b < batch(); ++b) {
@@ -192,6 +207,18 @@ class SkipKV final : public Policy {
     }
     st.planned = true;
     return plan;
+  }
+
+  // Device scratch for select() on device views: an upper bound, sized as if every closed
+  // sentence of every sequence were a penalty range in every head (the marks are made in select()).
+  std::size_t workspace_bytes(const StepInputs& in) const override {
+    if (in.kv.device() == Device::cpu) return 0;
+    const std::int64_t heads = in.kv.kv_heads();
+    SentencePenalties bound(static_cast<std::size_t>(in.kv.batch() * heads));
+    for (std::int64_t b = 0; b < in.kv.batch() && b < batch(); ++b)
+      for (std::int64_t h = 0; h < heads; ++h)
+        bound[b * heads + h].assign(trackers_[b].sentences().size(), PenaltyRange{0, 0, 1.0f});
+    return device_backend().skipkv_workspace_bytes(in.kv, in.window_queries, cfg_.scorer, bound);
   }
 
   // ---- steering ----------------------------------------------------------------------------
@@ -243,7 +270,7 @@ class SkipKV final : public Policy {
   }
   SentenceTracker& tracker_mut(std::int64_t seq, const char* fn) {
     if (cfg_.batch == 0 && !frozen_ && seq >= batch() && seq < kMaxAutoBatch) {
-      trackers_.resize(static_cast<std::size_t>(seq + 1), SentenceTracker(cfg_.tracker_config()));
+      trackers_.resize(static_cast<std::size_t>(seq + 1), SentenceTracker(cfg_.sentences));
       checks_at_trigger_.resize(static_cast<std::size_t>(seq + 1), 0);
     }
     check_seq(seq, fn);
@@ -252,7 +279,19 @@ class SkipKV final : public Policy {
 
   void after_observe(std::int64_t seq, const std::int32_t* tokens, std::int64_t n) {
     if (steer_) steer_->observe(seq, tokens, n);
-    if (n > 0) pending_trigger_ = true;
+    if (n > 0) pending_trigger_ = observed_tokens_ = true;
+  }
+
+  bool any_over_budget(const KVCacheView& kv) const {
+    for (std::int64_t b = 0; b < kv.batch(); ++b)
+      if (kv.length(b) > cfg_.scorer.budget) return true;
+    return false;
+  }
+
+  // Rows of a step observation without hidden states: the batch already known, else 1.
+  std::int64_t observation_batch(const Observation& obs) const {
+    if (obs.kv.keys.data != nullptr) return obs.kv.batch();
+    return cfg_.batch > 0 ? cfg_.batch : std::max<std::int64_t>(batch(), 1);
   }
 
   // Once per trigger, for every sequence: §2.2 marks, then N_o for §2.5.
@@ -310,6 +349,7 @@ class SkipKV final : public Policy {
   std::vector<std::optional<LayerState>> layers_;  // [layers seen]
   std::int64_t kv_heads_ = 0;
   bool pending_trigger_ = false;
+  bool observed_tokens_ = false;  // some observe() gave tokens: select() may run over budget
   bool frozen_ = false;  // batch fixed: a select() has run
   // Auto-sizing (batch = 0) stops here, so a stray sequence index cannot allocate without bound.
   static constexpr std::int64_t kMaxAutoBatch = 1 << 16;

@@ -1,0 +1,156 @@
+// Every method config's fields, listed once for JSON reading and writing (config_json.hpp).
+// JSON keys are the C++ field names; an embedded config's fields appear flat (SkipKV's "budget"
+// is its scorer.budget) except steering, a nested object.
+#pragma once
+
+#include "config_json.hpp"
+#include "kvsift/config/h2o_config.hpp"
+#include "kvsift/config/options.hpp"
+#include "kvsift/config/rkv_config.hpp"
+#include "kvsift/config/skipkv_config.hpp"
+#include "kvsift/config/snapkv_config.hpp"
+#include "kvsift/config/streaming_llm_config.hpp"
+#include "kvsift/policy/thinkv/thinkv_policy.hpp"
+
+namespace kvsift::detail {
+
+inline const EnumNames<GqaReduce> kGqaNames{{"max", GqaReduce::max}, {"mean", GqaReduce::mean}};
+inline const EnumNames<Pooling> kPoolingNames{{"max", Pooling::max}, {"avg", Pooling::avg}};
+inline const EnumNames<WindowReduce> kReduceNames{{"mean", WindowReduce::mean},
+                                                  {"sum", WindowReduce::sum}};
+inline const EnumNames<RedundancyMode> kRedundancyNames{{"sound", RedundancyMode::sound},
+                                                        {"faithful", RedundancyMode::faithful}};
+inline const EnumNames<PadMode> kPadNames{{"exclude", PadMode::exclude},
+                                          {"faithful", PadMode::faithful}};
+inline const EnumNames<H2OMode> kH2ONames{{"accumulated", H2OMode::accumulated},
+                                          {"last_query_shared", H2OMode::last_query_shared}};
+inline const EnumNames<BlockFormat> kBlockNames{{"f32", BlockFormat::f32},
+                                                {"nvfp4", BlockFormat::nvfp4},
+                                                {"fp8", BlockFormat::fp8},
+                                                {"ternary", BlockFormat::ternary}};
+
+struct EmptyConfig {
+  void validate() const {}
+};
+struct EmptyFields {
+  template <class V>
+  void operator()(V&, EmptyConfig&) const {}
+};
+
+struct StreamingFields {
+  template <class V>
+  void operator()(V& v, StreamingLLMConfig& c) const {
+    v("budget", c.budget);
+    v("sink", c.sink);
+    v("buffer", c.buffer);
+  }
+};
+
+struct H2OFields {
+  template <class V>
+  void operator()(V& v, H2OConfig& c) const {
+    v("budget", c.budget);
+    v("recent", c.recent);
+    v("buffer", c.buffer);
+    v("mode", c.mode, kH2ONames);
+  }
+};
+
+struct SnapKVFields {
+  template <class V>
+  void operator()(V& v, SnapKVConfig& c) const {
+    v("budget", c.budget);
+    v("window", c.window);
+    v("buffer", c.buffer);
+    v("kernel", c.kernel);
+    v("pooling", c.pooling, kPoolingNames);
+    v("reduction", c.reduction, kReduceNames);
+    v("gqa", c.gqa, kGqaNames);
+    v("sink", c.sink);
+  }
+};
+
+struct RKVFields {
+  template <class V>
+  void operator()(V& v, RKVConfig& c) const {
+    v("budget", c.budget);
+    v("window", c.window);
+    v("buffer", c.buffer);
+    v("kernel", c.kernel);
+    v("mix_lambda", c.mix_lambda);
+    v("threshold", c.threshold);
+    v("sink", c.sink);
+    v("redundancy", c.redundancy, kRedundancyNames);
+    v("gqa", c.gqa, kGqaNames);
+  }
+};
+
+struct ScorerFields {
+  template <class V>
+  void operator()(V& v, SentenceScorerConfig& c) const {
+    v("budget", c.budget);
+    v("window", c.window);
+    v("kernel", c.kernel);
+    v("mix_lambda", c.mix_lambda);
+    v("threshold", c.threshold);
+    v("redundancy", c.redundancy, kRedundancyNames);
+    v("gqa", c.gqa, kGqaNames);
+    v("pad_mode", c.pad_mode, kPadNames);
+  }
+};
+
+struct SteeringFields {
+  template <class V>
+  void operator()(V& v, SteeringConfig& c) const {
+    v("layer", c.layer);
+    v("alpha0", c.alpha0);
+    v("gamma", c.gamma);
+    v("think_start", c.think_start);
+    v("think_end", c.think_end);
+    v("boundary", c.boundary);
+  }
+};
+
+struct SkipKVFields {
+  template <class V>
+  void operator()(V& v, SkipKVConfig& c) const {
+    v("batch", c.batch);
+    v("layers", c.layers);
+    v("kv_heads", c.kv_heads);
+    ScorerFields{}(v, c.scorer);
+    v("buffer", c.buffer);
+    v("delimiters", c.sentences.tokens.delimiters);
+    v("keywords", c.sentences.tokens.keywords);
+    v("hidden_size", c.sentences.hidden_size);
+    v("tau", c.sentences.tau);
+    v.object("steering", c.steering, SteeringFields{});
+  }
+};
+
+struct ThinKVFields {
+  template <class V>
+  void operator()(V& v, ThinKVPolicyConfig& c) const {
+    ThinKVConfig& p = c.pipeline;
+    v("batch", c.batch);
+    v("num_layers", p.num_layers);
+    v("kv_heads", p.kv_heads);
+    v("q_heads", p.q_heads);
+    v("head_dim", p.head_dim);
+    v("budget", p.budget);
+    v("refresh", p.refresh);
+    v("theta1", p.theta1);
+    v("theta2", p.theta2);
+    v("calibrated_layers", p.calibrated_layers);
+    v("schedule", p.schedule);
+    v("evict_prompt", p.evict_prompt);
+    v("kmeans_iterations", p.kmeans_iterations);
+    v("block_size", p.block_size);
+    v("pool_blocks", p.pool_blocks);
+    v("reasoning", p.reasoning, kBlockNames);
+    v("execution", p.execution, kBlockNames);
+    v("transition", p.transition, kBlockNames);
+    v("global_factors", p.global_factors);
+  }
+};
+
+}  // namespace kvsift::detail
