@@ -10,6 +10,7 @@
  *     kvsift_policy_select(policy, l, &cache[l], &window_queries[l], ws, ws_bytes, stream, &plan);
  *     kvsift_compact(&cache[l], plan, ws, ws_bytes, stream);   (or the engine remaps its pages)
  *     kvsift_plan_destroy(plan);
+ * Methods that own their KV storage (ThinKV) have their own handle: kvsift_owning_policy_*.
  *
  * Conventions
  * - Every function that can fail returns a kvsift_status; KVSIFT_OK is 0. On failure
@@ -21,7 +22,8 @@
  *   (a cudaStream_t passed as void*; NULL is the default stream).
  * - Tensors are described, never copied: kvsift_tensor is a non-owning strided view; the
  *   caller keeps the memory alive for the duration of each call.
- * - Handles (kvsift_policy, kvsift_plan) are not thread-safe: use one from one thread at a time.
+ * - Handles (kvsift_policy, kvsift_plan, kvsift_owning_policy) are not thread-safe: use each
+ *   from one thread at a time. Different handles may be used from different threads.
  */
 #ifndef KVSIFT_C_KVSIFT_H_
 #define KVSIFT_C_KVSIFT_H_
@@ -49,7 +51,9 @@ extern "C" {
 typedef enum kvsift_status {
   KVSIFT_OK = 0,
   KVSIFT_ERROR_INVALID_ARGUMENT = 1, /* bad shape, config, JSON, pointer, enum or plan */
-  KVSIFT_ERROR_UNSUPPORTED = 2,      /* a valid request this method or build does not serve */
+  KVSIFT_ERROR_UNSUPPORTED = 2,      /* a valid request this method does not serve (a cache-
+                                        owning method through kvsift_policy_create, device
+                                        memory to a cache-owning method) */
   KVSIFT_ERROR_NO_CUDA = 3,          /* device memory, but no CUDA backend or no device */
   KVSIFT_ERROR_OUT_OF_MEMORY = 4,    /* a host allocation failed */
   KVSIFT_ERROR_INTERNAL = 5          /* anything else (a bug: please report the message) */
