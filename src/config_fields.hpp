@@ -10,7 +10,7 @@
 #include "kvsift/config/skipkv_config.hpp"
 #include "kvsift/config/snapkv_config.hpp"
 #include "kvsift/config/streaming_llm_config.hpp"
-#include "kvsift/policy/thinkv/thinkv_policy.hpp"
+#include "kvsift/config/thinkv_config.hpp"
 
 namespace kvsift::detail {
 

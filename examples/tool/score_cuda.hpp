@@ -1,8 +1,10 @@
-// The tool's CUDA path for R-KV (`kvsift score --policy rkv --device cuda`, `kvsift demo --device
-// cuda`): upload a host cache and its window queries, run kvsift::cuda::rkv_score / rkv_select and
-// kvsift::cuda::compact, download what the CPU path would have written. The library never
-// allocates; the tool, playing the engine, owns the device buffers here. Performance is not the
-// point (one upload per call, synchronous): agreement with the CPU reference is.
+// The tool's CUDA score runs (`kvsift score --policy rkv|skipkv --device cuda`): upload a host
+// cache and its window queries, run kvsift::cuda::rkv_score / rkv_select (or the SkipKV scorer)
+// and kvsift::cuda::compact, download every score tensor the CPU path would have written. Plans
+// alone need none of this: a policy's select() on device views reaches the CUDA backend itself
+// (demo_cuda.hpp); these runs exist for the intermediate scores the golden cases compare. The
+// library never allocates; the tool, playing the engine, owns the device buffers here. Performance
+// is not the point (one upload per call, synchronous): agreement with the CPU reference is.
 //
 // Only for builds with the CUDA backend (KVSIFT_WITH_CUDA); include it under that macro.
 #pragma once
@@ -232,28 +234,6 @@ inline RKVRun run_skipkv_cuda(const KVCacheView& kv, const TensorView& queries,
                           workspace.get(), workspace.size(), stream);
   finish_cuda_run(run, dev, out, c.rkv.budget, c.rkv.window, stream);
   return run;
-}
-
-// `kvsift demo --device cuda`: R-KV's plan for one layer, selected on the GPU. Sequences at or
-// under the budget keep everything (rkv_select's no-op, as RKV::select on the CPU).
-//   kv       contiguous host [batch, kv_heads, capacity, head_dim], equal lengths
-//   queries  contiguous host [batch, q_heads, W, head_dim] in the keys' dtype
-inline KeepPlan select_rkv_cuda(const KVCacheView& kv, const TensorView& queries,
-                                const RKVConfig& cfg) {
-  kv.validate();
-  KVSIFT_CHECK(queries.shape[2] == cfg.window, "--device cuda: window (", cfg.window,
-               ") must equal the queries' W (", queries.shape[2], ")");
-  const cuda::RKVScoringConfig c = cuda_rkv_config(cfg, kv, queries);
-  DeviceRKVInputs dev(kv, queries);
-  DeviceBytes slots(static_cast<std::size_t>(kv.batch() * kv.kv_heads()) * c.budget *
-                    sizeof(std::int32_t));
-  DeviceBytes workspace(cuda::rkv_workspace_bytes(dev.kv, dev.q, c));
-  cuda::rkv_select(dev.kv, dev.q, c, slots.get<std::int32_t>(), nullptr, workspace.get(),
-                   workspace.size(), nullptr);
-  KeepPlan plan =
-      cuda::download_keep_plan(dev.kv, slots.get<std::int32_t>(), c.budget, c.window, nullptr);
-  plan.validate();
-  return plan;
 }
 
 }  // namespace kvsift::tool

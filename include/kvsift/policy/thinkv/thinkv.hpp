@@ -1,11 +1,12 @@
-// ThinKV: the whole pipeline of docs/algorithms.md §3 for one sequence, driven step by step by a host
-// (the engine). It wires together
+// ThinKV: the whole pipeline of docs/algorithms.md §3 for one sequence, driven step by step by a
+// host (the engine). It wires together
 //  - the thought classifier (§3.1): per-step attention sparsity of the calibrated layers L*, one
 //    R/E/T label per τ = 128-step refresh interval (policy/thinkv/thought_classifier.hpp);
 //  - Think Before you Quantize (§3.2): each layer's ThoughtBlockTable stores a token at the
 //    precision of its thought type (R4 E4 T2 by default; paged/block_codec.hpp);
 //  - Think Before you Evict (§3.3): the SegmentEvictor's Rule 1 / Rule 2 demotions, each applied
-//    per (layer, KV head) by k-means on the segment's resident keys (policy/thinkv/segment_evictor.hpp);
+//    per (layer, KV head) by k-means on the segment's resident keys
+//    (policy/thinkv/segment_evictor.hpp);
 //  - Continuous Thinking (§3.4): eviction only sets bits in the table; nothing is gathered.
 //
 // One ThinKV object serves one sequence and owns one ThoughtBlockTable per layer (each with its
@@ -29,52 +30,15 @@
 #include <optional>
 #include <vector>
 
+#include "kvsift/backend/cpu/kmeans_select.hpp"
+#include "kvsift/config/thinkv_config.hpp"
+#include "kvsift/config/thought_type.hpp"
 #include "kvsift/paged/block_codec.hpp"
 #include "kvsift/paged/thought_block_table.hpp"
-#include "kvsift/backend/cpu/kmeans_select.hpp"
 #include "kvsift/policy/thinkv/segment_evictor.hpp"
 #include "kvsift/policy/thinkv/thought_classifier.hpp"
-#include "kvsift/config/thought_type.hpp"
 
 namespace kvsift {
-
-struct ThinKVConfig {
-  // Model geometry. Defaults: DeepSeek-R1-Distill-Qwen-7B (28 layers, 28 query heads, 4 KV heads).
-  int num_layers = 28;
-  int kv_heads = 4;
-  int q_heads = 28;    // a multiple of kv_heads (grouped-query attention)
-  int head_dim = 128;  // a multiple of 16 (quantization groups, §3.2)
-
-  int budget = 1024;  // k: tokens per (layer, KV head), prompt included, above which Rule 2 runs
-  int refresh = 128;  // τ: decode steps per thought label = tokens per segment (§4)
-
-  // Thresholds θ1 < θ2 and the calibrated layers L*: model-specific, no defaults. Run
-  // `kvsift calibrate` and copy its output here (docs/thinkv.md §3).
-  float theta1 = std::numeric_limits<float>::quiet_NaN();
-  float theta2 = std::numeric_limits<float>::quiet_NaN();
-  std::vector<int> calibrated_layers;  // L*, each in [0, num_layers)
-
-  std::vector<int> schedule{64, 32, 16, 8, 4};  // R: tokens kept after the n-th demotion (§4)
-  bool evict_prompt = false;                    // the prompt (segment 0) is protected (§3.3)
-  int kmeans_iterations = 10;                   // Lloyd iterations at most (§3.3)
-
-  // Continuous Thinking block table (§3.4) and TBQ precision per type (§3.2, default R4 E4 T2).
-  int block_size = 32;     // slots per block: a multiple of 16 in [16, 256]
-  int pool_blocks = 1024;  // blocks per layer's pool
-  BlockFormat reasoning = BlockFormat::nvfp4;
-  BlockFormat execution = BlockFormat::nvfp4;
-  BlockFormat transition = BlockFormat::ternary;
-  // NVFP4 global factor g per (layer, KV head): empty = 1 everywhere, else [num_layers, kv_heads].
-  std::vector<float> global_factors;
-
-  // Throws kvsift::Error naming the field and its value.
-  void validate() const;
-
-  // The pieces' own configs, derived from this one.
-  ThoughtClassifierConfig classifier_config() const;
-  SegmentEvictorConfig evictor_config() const;
-  ThoughtBlockTableConfig table_config(int layer) const;
-};
 
 class ThinKV {
  public:

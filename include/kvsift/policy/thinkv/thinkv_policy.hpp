@@ -10,22 +10,12 @@
 #include <string_view>
 #include <vector>
 
+#include "kvsift/config/thinkv_config.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/policy/cache_owning_policy.hpp"
 #include "kvsift/policy/thinkv/thinkv.hpp"
 
 namespace kvsift {
-
-// ThinKV's registry config: the pipeline's config plus the batch it serves.
-struct ThinKVPolicyConfig {
-  std::int64_t batch = 1;  // sequences, one ThinKV pipeline each
-  ThinKVConfig pipeline;
-
-  void validate() const {
-    KVSIFT_CHECK(batch >= 1, "ThinKVPolicyConfig: batch must be >= 1, got ", batch);
-    pipeline.validate();
-  }
-};
 
 class ThinKVPolicy final : public CacheOwningPolicy {
  public:

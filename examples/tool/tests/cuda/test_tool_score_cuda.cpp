@@ -13,11 +13,12 @@
 #include <string>
 #include <vector>
 
-#include "../../examples/tool/score_cuda.hpp"
 #include "catch.hpp"
+#include "demo_cuda.hpp"
 #include "golden_case.hpp"
 #include "kvsift/core/safetensors.hpp"
 #include "kvsift/core/segment_table.hpp"
+#include "score_cuda.hpp"
 
 using namespace kvsift;
 using tool::RKVRun;
@@ -229,14 +230,6 @@ TEST_CASE("tool score --device cuda names what the GPU R-KV does not support", "
     REQUIRE_THROWS_WITH(tool::run_rkv_cuda(c.kv(), q, cfg),
                         Catch::Matchers::Contains("got queries bf16 and keys f32"));
   }
-  SECTION("unequal lengths (demo path)") {
-    HostCase<float> b2("rkv_batch2.safetensors");
-    b2.lengths[1] = static_cast<std::int32_t>(b2.S - 3);
-    REQUIRE_THROWS_WITH(
-        tool::select_rkv_cuda(b2.kv(), b2.q(), b2.rkv_config(RedundancyMode::sound)),
-        Catch::Matchers::Contains("sequence 0 holds 200 tokens and sequence 1 "
-                                  "holds 197"));
-  }
 }
 
 namespace {
@@ -333,7 +326,8 @@ TEST_CASE("demo --device cuda: R-KV's GPU plan for a cache with spare capacity e
   const KVCacheView kv = make_kv_cache_view(keys.data(), values.data(), DType::bf16, Device::cpu,
                                             c.B, c.H, capacity, c.D, lengths.data());
   const RKVConfig cfg = c.rkv_config(RedundancyMode::sound);
-  const KeepPlan gpu = tool::select_rkv_cuda(kv, c.q(), cfg);
+  RKV gpu_policy(cfg);  // selects on device views (demo_cuda.hpp), through the CUDA backend
+  const KeepPlan gpu = demo::select_on_device(gpu_policy, StepInputs{0, kv, c.q()});
   RKV cpu_policy(cfg);
   const KeepPlan cpu = cpu_policy.select(StepInputs{0, kv, c.q()});
   REQUIRE(gpu.kept_lengths() == cpu.kept_lengths());
