@@ -23,6 +23,7 @@
 
 #include "catch.hpp"
 #include "kvsift/backend/cpu/rkv_scores.hpp"
+#include "kvsift/backend/cpu/select_topk.hpp"
 #include "kvsift/config/rkv_config.hpp"
 #include "kvsift/core/compact.hpp"
 #include "kvsift/policy/registry.hpp"
@@ -156,6 +157,11 @@ void check_rkv_top_scores(const KVCacheView& kv, const TensorView& q, const Keep
   cfg.kernel = 3;
   cfg.sink = 2;  // loop_config's
   const RKVScores s = cpu::rkv_scores(kv, q, cfg);
+  // The plan is exactly the CPU reference's selection over these scores...
+  const KeepPlan direct = cpu::plan_from_scores(kv, &s.score, cfg.selection());
+  CHECK(direct.slots() == plan.slots());
+  CHECK(direct.kept_lengths() == plan.kept_lengths());
+  // ...and keeps the best scores (checked without the selection code).
   for (int b = 0; b < kBatch; ++b) {
     if (plan.kept_length(b) == plan.source_length(b)) continue;
     for (int h = 0; h < kKvHeads; ++h) {
@@ -356,4 +362,22 @@ TEST_CASE("H2O detects a plan that was never applied", "[decode_loop][errors][h2
   // And select() on the stale cache says the same.
   REQUIRE_THROWS_WITH(p->select({0, e.view(0), e.queries(0)}),
                       Contains("accumulator observed 24") && Contains("not applied"));
+}
+
+TEST_CASE("cache-owning methods reject mis-shaped tensors, naming them", "[decode_loop][errors]") {
+  for (const MethodInfo& m : registered_methods()) {
+    if (!m.owns_cache) continue;
+    INFO("method " << m.name);
+    std::unique_ptr<CacheOwningPolicy> p = make_cache_owning_policy(m.name, m.example_config);
+    const std::int64_t batch = p->batch();
+    std::vector<float> k(static_cast<std::size_t>(batch * 2 * 1 * 3), 0.5f);
+    const TensorView bad =
+        TensorView::contiguous(k.data(), DType::f32, Device::cpu, {batch, 2, 1, 3});
+    REQUIRE_THROWS_WITH(p->append(0, bad, bad), Contains("head_dim") && Contains("3]"));
+    std::vector<float> out(static_cast<std::size_t>(batch * 3), 0.0f);
+    REQUIRE_THROWS_WITH(
+        p->attention(0, bad,
+                     TensorView::contiguous(out.data(), DType::f32, Device::cpu, {batch, 1, 1, 3})),
+        Contains("out must be"));
+  }
 }

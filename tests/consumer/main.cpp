@@ -11,10 +11,10 @@ int main() {
   for (std::size_t i = 0; i < q.size(); ++i) q[i] = float((i * 104729) % 97) / 97.0f;
   std::vector<std::int32_t> lengths = {C};
   kvsift::StepInputs in;
-  in.kv = kvsift::make_kv_cache_view(k.data(), v.data(), kvsift::DType::f32, kvsift::Device::cpu,
-                                     B, H, C, D, lengths.data());
-  in.window_queries =
-      kvsift::TensorView::contiguous(q.data(), kvsift::DType::f32, kvsift::Device::cpu, {B, Hq, W, D});
+  in.kv = kvsift::make_kv_cache_view(k.data(), v.data(), kvsift::DType::f32, kvsift::Device::cpu, B,
+                                     H, C, D, lengths.data());
+  in.window_queries = kvsift::TensorView::contiguous(q.data(), kvsift::DType::f32,
+                                                     kvsift::Device::cpu, {B, Hq, W, D});
   auto policy = kvsift::make_policy("rkv", R"({"budget": 32, "window": 8})");  // window: W
   const kvsift::KeepPlan plan = policy->select(in);
   kvsift::compact(in.kv, plan);
