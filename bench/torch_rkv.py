@@ -3,8 +3,10 @@
 
 The PyTorch side restates docs/algorithms.md §1.1-§1.3 the way the R-KV reference code computes it: the
 full S x S cosine matrix of the keys, softmaxes, topk and a gather for the compaction. The kvsift
-side is the CUDA backend behind bench/capi (libkvsift_capi.so, loaded through ctypes) running on
-the same tensors and the same stream.
+side is the "rkv" policy of the C API (libkvsift_c, through the ctypes declarations in
+bench/kvsift_c.py) on the CUDA backend, running on the same tensors and the same stream, as an
+engine calls it: kvsift_policy_select (which downloads the plan: one stream wait) then
+kvsift_compact, once per layer.
 
 Shapes are R1-Llama-8B attention: 32 query / 8 KV heads, head_dim 128, bf16. A step runs at the
 decode trigger, S = budget + buffer tokens (§1.3), with the W = 8 observation-window queries.
@@ -18,138 +20,38 @@ Before timing, a small case and one full-size case check that both sides keep th
 (differences allowed only for near-ties at the cut) and that kvsift's in-place compaction equals a
 gather of the kept rows.
 
-  python3 bench/torch_rkv.py --lib build/bench/capi/libkvsift_capi.so --out $OUT/rkv_bench.md
+  python3 bench/torch_rkv.py --lib build/src/c_api/libkvsift_c.so --out $OUT/rkv_bench.md
   python3 bench/torch_rkv.py --self-test [--lib ...]   # pure-logic checks, no torch or GPU needed
 """
 
 import argparse
 import ctypes
 import math
+import os
 import statistics
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import kvsift_c  # noqa: E402  (the C API's ctypes declarations, beside this file)
 
 # R1-Llama-8B attention.
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 BF16_BYTES = 2
-CAPI_BF16 = 2  # kvsift::DType::bf16, KVSIFT_CAPI_BF16 in bench/capi/kvsift_capi.h
 POOL_TARGET_BYTES = 512 << 20  # input pool per config: ~10x an H200's L2 cache
 POOL_MIN, POOL_MAX = 4, 32
-# A whole step runs as one kvsift call over all layers (kvsift_rkv_layers_step) while layers * batch
-# stays at or below this many sequences; larger batches are compressed layer by layer (one call
-# each), which is how an engine would bound the step's workspace.
-ONE_CALL_MAX_SEQUENCES = 256
 
 
 # ---------------------------------------------------------------------------------------------
-# kvsift through ctypes (bench/capi/kvsift_capi.h)
+# kvsift through its C API (bench/kvsift_c.py)
 # ---------------------------------------------------------------------------------------------
-class KvsiftError(RuntimeError):
-    pass
+KvsiftError = kvsift_c.KvsiftError
 
 
-class Kvsift:
-    """The C API of libkvsift_capi.so; pointers are plain integers (torch data_ptr(), streams)."""
-
-    def __init__(self, path):
-        self.lib = ctypes.CDLL(path)
-        c = ctypes
-        self.lib.kvsift_capi_last_error.restype = c.c_char_p
-        self.lib.kvsift_capi_last_error.argtypes = []
-        self.lib.kvsift_rkv_workspace_bytes.restype = c.c_int
-        self.lib.kvsift_rkv_workspace_bytes.argtypes = [
-            c.c_int, c.c_int, c.c_int, c.c_int, c.c_int64, c.c_int, c.c_int32, c.c_int, c.c_int,
-            c.POINTER(c.c_size_t)]
-        step_args = [
-            c.c_int,                    # dtype
-            c.c_void_p, c.c_void_p,     # keys, values  device [B, Hkv, C, D]
-            c.c_void_p,                 # queries       device [B, Hq, W, D]
-            c.c_int, c.c_int, c.c_int,  # batch, kv_heads, q_heads
-            c.c_int64, c.c_int,         # capacity, head_dim
-            c.POINTER(c.c_int32),       # lengths       host [B]
-            c.c_int, c.c_int,           # budget, window
-            c.c_float, c.c_float,       # mix_lambda, threshold
-            c.c_void_p,                 # slots_out     device [B, Hkv, budget] int32 or NULL
-            c.c_void_p, c.c_size_t,     # workspace, workspace_bytes
-            c.c_void_p,                 # cudaStream_t
-            c.POINTER(c.c_int)]         # compressed (out)
-        for name in ("kvsift_rkv_select", "kvsift_rkv_step"):
-            fn = getattr(self.lib, name)
-            fn.restype = c.c_int
-            fn.argtypes = step_args
-        self.lib.kvsift_rkv_layers_workspace_bytes.restype = c.c_int
-        self.lib.kvsift_rkv_layers_workspace_bytes.argtypes = [
-            c.c_int, c.c_int, c.c_int, c.c_int, c.c_int, c.c_int64, c.c_int, c.c_int32, c.c_int,
-            c.c_int, c.POINTER(c.c_size_t)]
-        self.lib.kvsift_rkv_layers_step.restype = c.c_int
-        self.lib.kvsift_rkv_layers_step.argtypes = [
-            c.c_int, c.c_int,                             # dtype, n_layers
-            c.POINTER(c.c_void_p), c.POINTER(c.c_void_p),  # keys[l], values[l]  host arrays
-            c.POINTER(c.c_void_p),                        # queries[l]
-            c.c_int, c.c_int, c.c_int, c.c_int64, c.c_int,  # batch, Hkv, Hq, capacity, head_dim
-            c.POINTER(c.c_int32),                         # lengths host [B]
-            c.c_int, c.c_int, c.c_float, c.c_float,       # budget, window, mix_lambda, threshold
-            c.c_void_p, c.c_size_t, c.c_void_p,           # workspace, bytes, stream
-            c.POINTER(c.c_int)]                           # compressed (out)
-
-    def _check(self, rc, what):
-        if rc != 0:
-            msg = self.lib.kvsift_capi_last_error().decode(errors="replace")
-            raise KvsiftError("%s failed (code %d): %s" % (what, rc, msg))
-
-    def workspace_bytes(self, batch, capacity, length, budget, window, dtype=CAPI_BF16,
-                        kv_heads=KV_HEADS, q_heads=Q_HEADS, head_dim=HEAD_DIM):
-        out = ctypes.c_size_t(0)
-        rc = self.lib.kvsift_rkv_workspace_bytes(dtype, batch, kv_heads, q_heads, capacity,
-                                                 head_dim, length, budget, window,
-                                                 ctypes.byref(out))
-        self._check(rc, "kvsift_rkv_workspace_bytes")
-        return out.value
-
-    def _call(self, name, k, v, q, shape, lengths, budget, window, lam, threshold, slots,
-              workspace, workspace_bytes, stream, dtype=CAPI_BF16):
-        """shape = (batch, kv_heads, q_heads, capacity, head_dim); lengths a ctypes int32 array."""
-        batch, kv_heads, q_heads, capacity, head_dim = shape
-        compressed = ctypes.c_int(-1)
-        rc = getattr(self.lib, name)(dtype, k, v, q, batch, kv_heads, q_heads, capacity, head_dim,
-                                     lengths, budget, window, lam, threshold, slots, workspace,
-                                     workspace_bytes, stream, ctypes.byref(compressed))
-        self._check(rc, name)
-        return compressed.value == 1
-
-    def step(self, *args, **kw):
-        return self._call("kvsift_rkv_step", *args, **kw)
-
-    def layers_workspace_bytes(self, n_layers, batch, capacity, length, budget, window):
-        out = ctypes.c_size_t(0)
-        rc = self.lib.kvsift_rkv_layers_workspace_bytes(CAPI_BF16, n_layers, batch, KV_HEADS,
-                                                        Q_HEADS, capacity, HEAD_DIM, length,
-                                                        budget, window, ctypes.byref(out))
-        self._check(rc, "kvsift_rkv_layers_workspace_bytes")
-        return out.value
-
-    @staticmethod
-    def pointer_arrays(layers):
-        """The (keys, values, queries) host pointer arrays of a list of (k, v, q) tensors."""
-        n = len(layers)
-        arr = lambda xs: (ctypes.c_void_p * n)(*xs)
-        return n, arr([k.data_ptr() for k, _, _ in layers]), arr(
-            [v.data_ptr() for _, v, _ in layers]), arr([q.data_ptr() for _, _, q in layers])
-
-    def layers_step(self, arrays, shape, lengths, budget, window, lam, threshold, workspace,
-                    workspace_bytes, stream):
-        """All layers in one call; `arrays` from pointer_arrays()."""
-        batch, kv_heads, q_heads, capacity, head_dim = shape
-        n, keys, values, queries = arrays
-        compressed = ctypes.c_int(-1)
-        rc = self.lib.kvsift_rkv_layers_step(CAPI_BF16, n, keys, values, queries,
-                                             batch, kv_heads, q_heads, capacity, head_dim, lengths,
-                                             budget, window, lam, threshold, workspace,
-                                             workspace_bytes, stream, ctypes.byref(compressed))
-        self._check(rc, "kvsift_rkv_layers_step")
-        return compressed.value == 1
-
-    def select(self, *args, **kw):
-        return self._call("kvsift_rkv_select", *args, **kw)
+def rkv_config(budget, window, buffer, mix_lambda, threshold):
+    """The "rkv" policy's JSON config (fields of kvsift::RKVConfig; the rest at their §4
+    defaults)."""
+    return {"budget": budget, "window": window, "buffer": buffer, "mix_lambda": mix_lambda,
+            "threshold": threshold}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,7 +149,7 @@ def parse_int_list(text):
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--lib", help="path to libkvsift_capi.so")
+    p.add_argument("--lib", help="path to libkvsift_c.so (the C API, built with CUDA)")
     p.add_argument("--out", help="write the markdown table here")
     p.add_argument("--batches", type=parse_int_list, default=[1, 8, 32, 64])
     p.add_argument("--budgets", type=parse_int_list, default=[1024, 2048])
@@ -366,106 +268,52 @@ def copy_bandwidth(reps, warmup):
 
 
 class KvsiftRunner:
-    """Calls kvsift on torch tensors, on torch's current stream, with one shared workspace."""
+    """One layer's R-KV step through the C API on torch tensors, on torch's current stream, with
+    one workspace shared by select and compact (they run one after the other)."""
 
-    def __init__(self, lib, batch, seq, budget, window, mix_lambda, threshold):
+    def __init__(self, lib, batch, seq, budget, window, buffer, mix_lambda, threshold):
         import torch
 
-        self.lib, self.batch, self.seq = lib, batch, seq
-        self.budget, self.window, self.lam, self.thr = budget, window, mix_lambda, threshold
-        self.shape = (batch, KV_HEADS, Q_HEADS, seq, HEAD_DIM)
-        self.ws_bytes = lib.workspace_bytes(batch, seq, seq, budget, window)
-        self.ws = torch.empty(max(self.ws_bytes, 1), dtype=torch.uint8, device="cuda")
-        self.slots = torch.empty(batch, KV_HEADS, budget, dtype=torch.int32, device="cuda")
+        self.lib, self.batch, self.seq, self.budget = lib, batch, seq, budget
+        self.policy = lib.policy("rkv", rkv_config(budget, window, buffer, mix_lambda, threshold))
         self.lengths = (ctypes.c_int32 * batch)()
+        # Sizing reads shapes only: a view over placeholder tensors of the real shapes.
+        k = torch.empty(batch, KV_HEADS, seq, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+        q = torch.empty(batch, Q_HEADS, window, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+        kv, qt = self._views(k, k, q)
+        self.ws_bytes = self.policy.workspace_bytes(0, kv, qt)
+        self.ws = torch.empty(max(self.ws_bytes, 1), dtype=torch.uint8, device="cuda")
+        # compact's scratch depends on the plan; every plan of these shapes keeps `budget` slots
+        # per row, so one plan sizes it for all.
+        torch.nn.init.normal_(k)
+        torch.nn.init.normal_(q)
+        plan = self.select(k, k, q)
+        self.ws_bytes = max(self.ws_bytes, lib.compact_workspace_bytes(self._views(k, k, q)[0],
+                                                                        plan))
+        self.ws = torch.empty(max(self.ws_bytes, 1), dtype=torch.uint8, device="cuda")
 
-    def _run(self, fn, k, v, q, slots):
-        import torch
-
+    def _views(self, k, v, q):
         for i in range(self.batch):  # compact() shortened them on the last call
             self.lengths[i] = self.seq
-        stream = torch.cuda.current_stream().cuda_stream
-        return fn(k.data_ptr(), v.data_ptr(), q.data_ptr(), self.shape, self.lengths, self.budget,
-                  self.window, self.lam, self.thr, slots, self.ws.data_ptr(), self.ws_bytes,
-                  stream)
-
-    def step(self, k, v, q, keep_slots=False):
-        return self._run(self.lib.step, k, v, q, self.slots.data_ptr() if keep_slots else None)
+        return self.lib.cache_view(k, v, self.lengths), self.lib.tensor_of(q)
 
     def select(self, k, v, q):
-        return self._run(self.lib.select, k, v, q, self.slots.data_ptr())
-
-
-class KvsiftLayersRunner:
-    """All layers of a step in one kvsift call, on torch's current stream."""
-
-    def __init__(self, lib, n_layers, batch, seq, budget, window, mix_lambda, threshold):
+        """The plan of one layer (score + select on the device, then the plan download)."""
         import torch
 
-        self.lib, self.batch, self.seq = lib, batch, seq
-        self.budget, self.window, self.lam, self.thr = budget, window, mix_lambda, threshold
-        self.shape = (batch, KV_HEADS, Q_HEADS, seq, HEAD_DIM)
-        self.ws_bytes = lib.layers_workspace_bytes(n_layers, batch, seq, seq, budget, window)
-        self.ws = torch.empty(max(self.ws_bytes, 1), dtype=torch.uint8, device="cuda")
-        self.lengths = (ctypes.c_int32 * batch)()
+        kv, qt = self._views(k, v, q)
+        return self.policy.select(0, kv, qt, self.ws.data_ptr(), self.ws_bytes,
+                                  torch.cuda.current_stream().cuda_stream)
 
-    def run(self, arrays):
-        """One step over the layers behind `arrays` (Kvsift.pointer_arrays, built beforehand so
-        that timing sees kvsift's own host work only)."""
+    def step(self, k, v, q):
+        """select, then compact in place; returns the plan."""
         import torch
 
-        for i in range(self.batch):
-            self.lengths[i] = self.seq
-        return self.lib.layers_step(arrays, self.shape, self.lengths, self.budget, self.window,
-                                    self.lam, self.thr, self.ws.data_ptr(), self.ws_bytes,
-                                    torch.cuda.current_stream().cuda_stream)
-
-    def step(self, layers):
-        """layers: a list of (k, v, q) tensors, one per layer."""
-        return self.run(Kvsift.pointer_arrays(layers))
-
-    def graph_ms(self, arrays, reps, warmup):
-        """Median ms of replaying one captured step (an engine's CUDA graph): the same layer
-        buffers every replay. None (with the reason printed) when capture fails."""
-        import torch
-
-        try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # first call outside capture (the kernels' attributes)
-                self.run(arrays)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self.run(arrays)
-        except Exception as e:  # report, do not hide: the eager column still stands
-            print("CUDA graph capture failed: %s" % e, flush=True)
-            return None
-        return event_times(lambda r: graph.replay(), reps, warmup)
-
-
-def check_layers_parity(lib, batch, budget, n_layers, args, gen):
-    """The one-call step equals kvsift's per-layer step on every layer, bit for bit."""
-    import torch
-
-    seq = budget + args.buffer
-    layers = [make_inputs(batch, seq, args.window, keys, gen)
-              for keys in ("random", "clustered") * (n_layers // 2)]
-    copies = [(k.clone(), v.clone(), q) for k, v, q in layers]
-    runner = KvsiftLayersRunner(lib, len(layers), batch, seq, budget, args.window,
-                                args.mix_lambda, args.threshold)
-    one = KvsiftRunner(lib, batch, seq, budget, args.window, args.mix_lambda, args.threshold)
-    ran = runner.step(layers)
-    for k, v, q in copies:
-        one.step(k, v, q)
-    torch.cuda.synchronize()
-    same = all(torch.equal(a[0][:, :, :budget], b[0][:, :, :budget]) and
-               torch.equal(a[1][:, :, :budget], b[1][:, :, :budget])
-               for a, b in zip(layers, copies))
-    ok = ran and same and list(runner.lengths) == [budget] * batch
-    print("parity one-call step, %d layers, batch %d budget %d: %s" % (
-        len(layers), batch, budget, "identical to per-layer calls" if ok else "DIFFERS"))
-    return ok
+        kv, qt = self._views(k, v, q)
+        stream = torch.cuda.current_stream().cuda_stream
+        plan = self.policy.select(0, kv, qt, self.ws.data_ptr(), self.ws_bytes, stream)
+        self.lib.compact(kv, plan, self.ws.data_ptr(), self.ws_bytes, stream)
+        return plan
 
 
 def check_parity(lib, batch, budget, args, gen):
@@ -479,16 +327,18 @@ def check_parity(lib, batch, budget, args, gen):
         k0, v0 = k.clone(), v.clone()
         _, _, keep, scores = rkv_step_torch(k0, v0, q, budget, args.window, args.mix_lambda,
                                             args.threshold)
-        runner = KvsiftRunner(lib, batch, seq, budget, args.window, args.mix_lambda, args.threshold)
-        compressed = runner.step(k, v, q, keep_slots=True)
+        runner = KvsiftRunner(lib, batch, seq, budget, args.window, args.buffer, args.mix_lambda,
+                              args.threshold)
+        plan = runner.step(k, v, q)
         torch.cuda.synchronize()
-        slots = runner.slots.long()
+        compressed = plan.kept_lengths() == [budget] * batch
+        slots = torch.tensor(plan.slots(), dtype=torch.int64, device="cuda")
         idx = slots.unsqueeze(-1).expand(-1, -1, -1, HEAD_DIM)
         compact_ok = (compressed and list(runner.lengths) == [budget] * batch
                       and torch.equal(k[:, :, :budget], k0.gather(2, idx))
                       and torch.equal(v[:, :, :budget], v0.gather(2, idx)))
         rows = lambda t: t.reshape(-1, t.shape[-1]).tolist()
-        cmp = compare_kept_sets(rows(runner.slots), rows(keep), rows(scores),
+        cmp = compare_kept_sets(rows(slots), rows(keep), rows(scores),
                                 budget - args.window, rel_tol=1e-4)
         print("parity batch %d budget %d S %d %s keys: %d rows, %d differ (%d tokens, near-cut "
               "ties), %d hard mismatches; compaction %s" % (
@@ -520,33 +370,23 @@ def bench_config(lib, batch, budget, args, bandwidth, gen):
     import torch
 
     seq = budget + args.buffer
-    one_call = batch * args.layers <= ONE_CALL_MAX_SEQUENCES
     n_sets = pool_size(input_set_bytes(batch, seq, args.window))
-    if one_call:  # a one-call step needs a distinct input set per layer
-        n_sets = max(n_sets, args.layers)
     pool = [make_inputs(batch, seq, args.window, args.keys, gen) for _ in range(n_sets)]
-    runner = KvsiftRunner(lib, batch, seq, budget, args.window, args.mix_lambda, args.threshold)
+    runner = KvsiftRunner(lib, batch, seq, budget, args.window, args.buffer, args.mix_lambda,
+                          args.threshold)
     torch.cuda.synchronize()
 
     kv_ms = event_times(lambda r: runner.step(*pool[r % n_sets]), args.reps, args.warmup)
     sel_ms = event_times(lambda r: runner.select(*pool[r % n_sets]), args.reps, args.warmup)
 
-    graph_ms = None
-    if one_call:  # one decode step's compression of every layer, each on its own inputs
-        layers_runner = KvsiftLayersRunner(lib, args.layers, batch, seq, budget, args.window,
-                                           args.mix_lambda, args.threshold)
-        arrays = [Kvsift.pointer_arrays([pool[(r * args.layers + l) % n_sets]
-                                         for l in range(args.layers)])
-                  for r in range(args.warmup + args.reps)]
-        step_ms = event_times(lambda r: layers_runner.run(arrays[r]), args.reps, args.warmup)
-        graph_ms = layers_runner.graph_ms(arrays[0], args.reps, args.warmup)
-        del layers_runner
-    else:
-        def whole_step(r):
-            for layer in range(args.layers):
-                runner.step(*pool[(r * args.layers + layer) % n_sets])
+    def whole_step(r):  # one decode step's compression of every layer, each on its own inputs
+        for layer in range(args.layers):
+            runner.step(*pool[(r * args.layers + layer) % n_sets])
 
-        step_ms = event_times(whole_step, args.reps, args.warmup)
+    step_ms = event_times(whole_step, args.reps, args.warmup)
+    # select waits for the stream to download the plan, so a step cannot be captured as a CUDA
+    # graph through this API: the graph column stays n/a.
+    graph_ms = None
     torch_ms = None
     if not args.skip_torch:
         def torch_layer(r):
@@ -559,7 +399,7 @@ def bench_config(lib, batch, budget, args, bandwidth, gen):
     floor_ms = layer_floor_bytes(batch, budget, args.buffer, args.window) / bandwidth * 1e3
     row = dict(batch=batch, budget=budget, seq=seq, kv_ms=kv_ms, sel_ms=sel_ms, step_ms=step_ms,
                floor_ms=floor_ms, torch_ms=torch_ms, pool=n_sets, graph_ms=graph_ms,
-               step_mode="1 call" if one_call else "%d calls" % args.layers)
+               step_mode="%d calls" % args.layers)
     print("batch %3d budget %4d: kvsift %.3f ms/layer (score+select %.3f), %d layers %.3f ms "
           "(%s; graph replay %s), floor %.4f ms (%.1fx), PyTorch %s, pool %d sets" % (
               batch, budget, kv_ms, sel_ms, args.layers, step_ms, row["step_mode"],
@@ -581,13 +421,15 @@ def main(argv):
     # fp32 math throughout (docs/algorithms.md preamble): no TF32 in the reference's matmuls.
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    lib = Kvsift(args.lib)
+    lib = kvsift_c.Library(args.lib)
+    if not lib.cuda_available():
+        print("%s has no usable CUDA backend (built without CUDA, or no device)" % args.lib)
+        return 77
     gen = torch.Generator(device="cuda")
     gen.manual_seed(args.seed)
 
     # A small case and the smallest benchmark case; both run even when the first fails.
-    parity_ok = all([check_parity(lib, 2, 256, args, gen), check_parity(lib, 1, 1024, args, gen),
-                     check_layers_parity(lib, 2, 256, 4, args, gen)])
+    parity_ok = all([check_parity(lib, 2, 256, args, gen), check_parity(lib, 1, 1024, args, gen)])
     bandwidth = copy_bandwidth(args.reps, args.warmup)
     name = torch.cuda.get_device_name()
     header = [
@@ -598,9 +440,10 @@ def main(argv):
             Q_HEADS, KV_HEADS, HEAD_DIM, args.buffer, args.window, args.keys, args.reps,
             args.warmup, POOL_TARGET_BYTES >> 20),
         "device-to-device copy bandwidth %.0f GB/s (read + write); %d-layer step: one "
-        "kvsift_rkv_layers_step call over all layers while layers x batch <= %d, else one call "
-        "per layer back to back" % (bandwidth * 1e-9, args.layers, ONE_CALL_MAX_SEQUENCES),
-        "kvsift ms/layer: score + select (tensor-core redundancy search) + compaction from device slot rows, no host round trip",
+        "select + compact per layer back to back" % (bandwidth * 1e-9, args.layers),
+        "kvsift %s through its C API (libkvsift_c, policy \"rkv\"): ms/layer = "
+        "kvsift_policy_select (score + select, plan downloaded: one stream wait) + kvsift_compact"
+        % lib.version(),
         "parity vs PyTorch before timing: %s" % ("PASS" if parity_ok else "FAILED"),
     ]
     print("\n".join(header), flush=True)
@@ -664,50 +507,85 @@ def self_test(lib_path):
            "argument lists")
 
     if lib_path:
-        lib = Kvsift(lib_path)
-        ws = lib.workspace_bytes(64, 1152, 1152, 1024, 8)
-        # At least the tensor-core search's bf16 unit keys [B, Hkv, S, D] and the slot rows
-        # [B, Hkv, budget] int32, and no fp32 copy of the keys (UnitKeys divides on the fly).
-        ws_bf16 = 64 * 8 * 1152 * 128 * 2 + 64 * 8 * 1024 * 4
-        expect(ws_bf16 <= ws < ws_bf16 + 64 * 8 * 1152 * 128 * 2, "workspace: bf16 unit keys")
-
-        def error_of(fn):
-            try:
-                fn()
-            except KvsiftError as e:
-                return str(e)
-            return ""
-
-        msg = error_of(lambda: lib.workspace_bytes(1, 1152, 1152, 1024, 8, dtype=7))
-        expect("code 1" in msg and "dtype code" in msg and "got 7" in msg, "bad dtype: " + msg)
-        msg = error_of(lambda: lib.workspace_bytes(1, 1152, 1152, 8, 8))
-        expect("budget (8) must exceed window + sink (8 + 0)" in msg, "budget <= window: " + msg)
-        lengths = (ctypes.c_int32 * 2)(1152, 2000)
-        fake = 0x1000  # never dereferenced: validation fails first
-        shape = (2, KV_HEADS, Q_HEADS, 1152, HEAD_DIM)
-        msg = error_of(lambda: lib.step(fake, fake, fake, shape, lengths, 1024, 8, 0.1, 0.5, None,
-                                        fake, 1 << 40, None))
-        expect("lengths[1] = 2000 is outside [0, capacity = 1152]" in msg,
-               "length beyond capacity: " + msg)
-        lengths[1] = 1152
-        msg = error_of(lambda: lib.step(fake, fake, fake, shape, lengths, 1024, 8, 0.1, 0.5, None,
-                                        fake, 100, None))
-        expect("workspace of 100 bytes is too small" in msg, "small workspace: " + msg)
-        msg = error_of(lambda: lib.select(fake, fake, fake, shape, lengths, 1024, 8, 0.1, 0.5,
-                                          None, fake, 1 << 40, None))
-        expect("slots_out" in msg, "select needs slots: " + msg)
-        msg = error_of(lambda: lib.step(fake, fake, fake, shape, lengths, 1024, 8, 1.5, 0.5, None,
-                                        fake, 1 << 40, None))
-        expect("mix_lambda" in msg and "1.5" in msg, "bad lambda: " + msg)
-        expect(list(lengths) == [1152, 1152], "failed calls leave lengths alone")
-        ws32 = lib.layers_workspace_bytes(32, 1, 1152, 1152, 1024, 8)
-        expect(ws32 >= 32 * 8 * 1152 * 128 * 2, "one-call step workspace holds every layer's keys")
-        msg = error_of(lambda: lib.layers_workspace_bytes(0, 1, 1152, 1152, 1024, 8))
-        expect("n_layers must be >= 1, got 0" in msg, "no layers: " + msg)
-        msg = error_of(lambda: lib.layers_workspace_bytes(129, 1, 1152, 1152, 1024, 8))
-        expect("n_layers (129) must be in [1, 128]" in msg, "too many layers: " + msg)
+        self_test_library(kvsift_c.Library(lib_path), expect)
     print("%d failure(s)" % len(failures))
     return 1 if failures else 0
+
+
+def self_test_library(lib, expect):
+    """The ctypes declarations against a built libkvsift_c, on host memory (no GPU needed): a
+    hand-computed plan and the C API's argument checks as this script meets them."""
+
+    def error_of(fn):
+        try:
+            fn()
+        except KvsiftError as e:
+            return str(e)
+        return ""
+
+    methods = lib.methods()
+    names = [m["name"] for m in methods]
+    expect("rkv" in names and "streaming" in names, "registry lists rkv and streaming: %s" % names)
+    rkv = methods[names.index("rkv")]
+    expect(rkv["default_config"]["budget"] == 1024 and not rkv["owns_cache"],
+           "rkv defaults: %s" % rkv["default_config"])
+    # StreamingLLM by hand (§1.4): budget 6, sink 2; 10 tokens keep 0, 1, 6..9 in every head.
+    b, h, c, d = 1, 2, 12, 4
+    keys = (ctypes.c_float * (b * h * c * d))(*range(b * h * c * d))
+    values = (ctypes.c_float * (b * h * c * d))()
+    lengths = (ctypes.c_int32 * b)(10)
+    shape = (b, h, c, d)
+    kv = lib.cache_view(lib.tensor(ctypes.addressof(keys), kvsift_c.DTYPE_F32,
+                                   kvsift_c.DEVICE_CPU, shape),
+                        lib.tensor(ctypes.addressof(values), kvsift_c.DTYPE_F32,
+                                   kvsift_c.DEVICE_CPU, shape), lengths)
+    policy = lib.policy("streaming", {"budget": 6, "sink": 2, "buffer": 1})
+    expect(policy.should_compress(kv), "streaming triggers at 10 >= 6 + 1")
+    plan = policy.select(0, kv)
+    expect(plan.shape() == (1, 2, 12, 6) and plan.kept_lengths() == [6], "plan shape")
+    expect(plan.slots() == [[[0, 1, 6, 7, 8, 9]] * 2], "plan slots: %s" % plan.slots())
+    lib.compact(kv, plan)
+    expect(list(lengths) == [6] and keys[2 * d] == 6 * d and keys[c * d + 5 * d] == (c + 9) * d,
+           "compact moved rows 6 and 9 forward")
+
+    msg = error_of(lambda: lib.policy("rkv", {"budget": 8, "window": 8}))
+    expect("code 1" in msg and "budget (8)" in msg, "budget <= window: " + msg)
+    msg = error_of(lambda: lib.policy("rkv", {"mix_lambda": 1.5}))
+    expect("mix_lambda" in msg and "1.5" in msg, "bad lambda: " + msg)
+    msg = error_of(lambda: lib.policy("no_such_method"))
+    expect("no_such_method" in msg, "unknown method: " + msg)
+    msg = error_of(lambda: lib.tensor(ctypes.addressof(keys), 7, kvsift_c.DEVICE_CPU, shape))
+    expect("code 1" in msg and "dtype" in msg and "got 7" in msg, "bad dtype: " + msg)
+    # A method that owns its cache (ThinKV, the registry's example: 1 sequence, 2 layers, 2 KV
+    # heads, head_dim 16): a 5-token prompt per layer; fp16 K + V of it = 2*2*2*5*16*2 bytes.
+    thinkv = methods[names.index("thinkv")]
+    expect(thinkv["owns_cache"], "thinkv owns its cache")
+    owner = lib.owning_policy("thinkv", thinkv["example_config"])
+    prompt = (ctypes.c_float * (2 * 5 * 16))(*[(i % 7) / 7.0 - 0.5 for i in range(160)])
+    pk = lib.tensor(ctypes.addressof(prompt), kvsift_c.DTYPE_F32, kvsift_c.DEVICE_CPU,
+                    (1, 2, 5, 16))
+    for layer in range(2):
+        owner.prefill(layer, pk, pk)
+    expect(owner.batch() == 1 and owner.memory()[1] == 2 * 2 * 2 * 5 * 16 * 2,
+           "thinkv prefill memory: %s" % (owner.memory(),))
+    expect(owner.resident_positions(0, 0, 0) == [0, 1, 2, 3, 4], "thinkv resident positions")
+    msg = error_of(lambda: lib.policy("thinkv", thinkv["example_config"]))
+    expect("code 2" in msg and "kvsift_owning_policy_create" in msg, "thinkv as a Policy: " + msg)
+
+    lengths[0] = 13
+    msg = error_of(lambda: policy.should_compress(kv))
+    expect("lengths[0] = 13" in msg, "length beyond capacity: " + msg)
+    lengths[0] = 10
+    if not lib.cuda_available():
+        gpu = lib.cache_view(lib.tensor(0x1000, kvsift_c.DTYPE_BF16, kvsift_c.DEVICE_CUDA, shape),
+                             lib.tensor(0x1000, kvsift_c.DTYPE_BF16, kvsift_c.DEVICE_CUDA, shape),
+                             lengths)
+        e = None
+        try:
+            policy.select(0, gpu)
+        except KvsiftError as err:
+            e = err
+        expect(e is not None and e.code == kvsift_c.NO_CUDA, "device view without CUDA: %s" % e)
 
 
 if __name__ == "__main__":

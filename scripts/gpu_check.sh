@@ -63,9 +63,9 @@ for b in "$BUILD"/bench/gpu_bench_*; do
   timeout 150 "$b" >>"$OUT/gpu_benchmarks.txt" 2>&1
   echo "$(basename "$b") exit=$?"
 done
-if python3 -c "import torch" 2>/dev/null && [ -f "$BUILD/bench/capi/libkvsift_capi.so" ]; then
+if python3 -c "import torch" 2>/dev/null && [ -f "$BUILD/src/c_api/libkvsift_c.so" ]; then
   echo "== PyTorch side by side"
-  timeout 240 python3 "$ROOT/bench/torch_rkv.py" --lib "$BUILD/bench/capi/libkvsift_capi.so" \
+  timeout 240 python3 "$ROOT/bench/torch_rkv.py" --lib "$BUILD/src/c_api/libkvsift_c.so" \
     --out "$OUT/rkv_vs_torch.md" >"$OUT/rkv_vs_torch.log" 2>&1
   echo "torch_rkv exit=$?"
   tail -25 "$OUT/rkv_vs_torch.log"

@@ -19,6 +19,7 @@ cmake --build "$BUILD_DIR/consumer" -j "$JOBS" >/dev/null
 if [ -x "$BUILD_DIR/consumer/kvsift_consumer_cuda" ]; then
   "$BUILD_DIR/consumer/kvsift_consumer_cuda"
 fi
+"$BUILD_DIR/consumer/kvsift_consumer_c"
 
 echo "== benchmark smoke run"
 for b in "$BUILD_DIR"/bench/bench_*; do
