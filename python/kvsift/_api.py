@@ -75,16 +75,16 @@ class CacheView:
             raise error("keys are on %s but values on %s" % (_device_str(dk), _device_str(dv)))
         self.keys, self.values, self.valid_mask = keys, values, valid_mask
         self.device = dk
-        self.lengths = host_int32(lengths, "lengths")
-        if len(getattr(keys, "shape", ())) >= 1 and tuple(self.lengths.shape) != (keys.shape[0],):
-            raise error("lengths: shape %s, expected [batch = %d]"
-                        % (tuple(self.lengths.shape), keys.shape[0]))
         if valid_mask is not None and device_of(valid_mask) != dk:
             raise error("valid_mask is on %s but keys on %s"
                         % (_device_str(device_of(valid_mask)), _device_str(dk)))
         view = _capi.CacheView()
         view.keys = describe(keys, "keys", ranks=(4,))
         view.values = describe(values, "values", ranks=(4,))
+        self.lengths = host_int32(lengths, "lengths")
+        if tuple(self.lengths.shape) != (keys.shape[0],):
+            raise error("lengths: shape %s, expected [batch = %d]"
+                        % (tuple(self.lengths.shape), keys.shape[0]))
         view.lengths = ctypes.cast(self.lengths.ctypes.data, ctypes.POINTER(ctypes.c_int32))
         view.valid_mask = None if valid_mask is None else _byte_mask(valid_mask, "valid_mask")
         self.c_view = view
