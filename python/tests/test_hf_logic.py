@@ -189,3 +189,34 @@ def test_close_restores_the_model():
     cache.close()
     assert "forward" not in m.model.__dict__
     assert all("forward" not in layer.self_attn.__dict__ for layer in m.model.layers)
+
+
+class KeepEverything:
+    """A policy stand-in that compresses every step with fullkv's keep-everything plans: the
+    compaction and the cache's own mask run, the slots stay the same."""
+
+    def __init__(self, inner):
+        self.inner, self.full = inner, kvsift.make_policy("fullkv")
+        self.needs = inner.needs
+
+    def should_compress(self, kv):
+        return True
+
+    def select(self, kv, window_queries=None, layer=0):
+        plan = self.full.select(kv)
+        assert plan.keeps_everything
+        return plan
+
+    def observe(self, **kw):
+        return self.inner.observe(**kw)
+
+
+def test_keep_everything_plans_through_the_compressed_path_are_token_identical():
+    m = model(8)
+    ids, mask = prompts(3, 18, pads=(0, 6, 11), seed=5)
+    ref = md.greedy(m, ids, mask, md.DynamicLikeCache(), 30)
+    with hf.KVSiftCache(m, "rkv", budget=64, window=4, buffer=8) as cache:
+        cache.policy = KeepEverything(cache.policy)
+        out = md.greedy(m, ids, mask, cache, 30)
+        assert cache.compressions == 30 and cache._compressed
+    assert torch.equal(out, ref)
