@@ -525,8 +525,12 @@ def self_test_library(lib, expect):
             return str(e)
         return ""
 
-    names = [m[0] for m in lib.methods()]
+    methods = lib.methods()
+    names = [m["name"] for m in methods]
     expect("rkv" in names and "streaming" in names, "registry lists rkv and streaming: %s" % names)
+    rkv = methods[names.index("rkv")]
+    expect(rkv["default_config"]["budget"] == 1024 and not rkv["owns_cache"],
+           "rkv defaults: %s" % rkv["default_config"])
     # StreamingLLM by hand (§1.4): budget 6, sink 2; 10 tokens keep 0, 1, 6..9 in every head.
     b, h, c, d = 1, 2, 12, 4
     keys = (ctypes.c_float * (b * h * c * d))(*range(b * h * c * d))
@@ -554,6 +558,22 @@ def self_test_library(lib, expect):
     expect("no_such_method" in msg, "unknown method: " + msg)
     msg = error_of(lambda: lib.tensor(ctypes.addressof(keys), 7, kvsift_c.DEVICE_CPU, shape))
     expect("code 1" in msg and "dtype" in msg and "got 7" in msg, "bad dtype: " + msg)
+    # A method that owns its cache (ThinKV, the registry's example: 1 sequence, 2 layers, 2 KV
+    # heads, head_dim 16): a 5-token prompt per layer; fp16 K + V of it = 2*2*2*5*16*2 bytes.
+    thinkv = methods[names.index("thinkv")]
+    expect(thinkv["owns_cache"], "thinkv owns its cache")
+    owner = lib.owning_policy("thinkv", thinkv["example_config"])
+    prompt = (ctypes.c_float * (2 * 5 * 16))(*[(i % 7) / 7.0 - 0.5 for i in range(160)])
+    pk = lib.tensor(ctypes.addressof(prompt), kvsift_c.DTYPE_F32, kvsift_c.DEVICE_CPU,
+                    (1, 2, 5, 16))
+    for layer in range(2):
+        owner.prefill(layer, pk, pk)
+    expect(owner.batch() == 1 and owner.memory()[1] == 2 * 2 * 2 * 5 * 16 * 2,
+           "thinkv prefill memory: %s" % (owner.memory(),))
+    expect(owner.resident_positions(0, 0, 0) == [0, 1, 2, 3, 4], "thinkv resident positions")
+    msg = error_of(lambda: lib.policy("thinkv", thinkv["example_config"]))
+    expect("code 2" in msg and "kvsift_owning_policy_create" in msg, "thinkv as a Policy: " + msg)
+
     lengths[0] = 13
     msg = error_of(lambda: policy.should_compress(kv))
     expect("lengths[0] = 13" in msg, "length beyond capacity: " + msg)

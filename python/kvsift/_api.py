@@ -11,7 +11,8 @@ from . import _capi
 from ._capi import KvsiftError
 from ._tensors import describe, device_of, error, host_int32, is_numpy, is_torch
 
-MethodInfo = collections.namedtuple("MethodInfo", "name family summary needs")
+MethodInfo = collections.namedtuple(
+    "MethodInfo", "name family summary needs owns_cache default_config example_config")
 
 _lock = threading.Lock()
 _library = None
@@ -37,8 +38,9 @@ def cuda_available():
 
 
 def policies():
-    """Every registered method, in registry order, as MethodInfo(name, family, summary, needs)."""
-    return [MethodInfo(*m) for m in library().methods()]
+    """Every registered method, in registry order, as MethodInfo(name, family, summary, needs,
+    owns_cache, default_config, example_config) (the configs as dicts)."""
+    return [MethodInfo(**{f: m[f] for f in MethodInfo._fields}) for m in library().methods()]
 
 
 def _byte_mask(mask, what):

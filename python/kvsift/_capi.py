@@ -68,7 +68,7 @@ def _declare(lib):
     c = ctypes
     P = c.POINTER
     status = c.c_int
-    policy_p, plan_p = c.c_void_p, c.c_void_p
+    policy_p, plan_p, owning_p = c.c_void_p, c.c_void_p, c.c_void_p
     protos = {
         "kvsift_last_error": (c.c_char_p, []),
         "kvsift_status_name": (c.c_char_p, [c.c_int32]),
@@ -80,6 +80,9 @@ def _declare(lib):
         "kvsift_method_family": (c.c_char_p, [c.c_int32]),
         "kvsift_method_summary": (c.c_char_p, [c.c_int32]),
         "kvsift_method_needs": (status, [c.c_int32, P(c.c_uint32)]),
+        "kvsift_method_owns_cache": (status, [c.c_int32, P(c.c_int)]),
+        "kvsift_method_default_config": (c.c_char_p, [c.c_int32]),
+        "kvsift_method_example_config": (c.c_char_p, [c.c_int32]),
         "kvsift_tensor_contiguous": (status, [P(Tensor), c.c_void_p, c.c_int32, c.c_int32,
                                               c.c_int32, P(c.c_int64)]),
         "kvsift_policy_create": (status, [c.c_char_p, c.c_char_p, P(policy_p)]),
@@ -101,6 +104,20 @@ def _declare(lib):
         "kvsift_plan_slots": (status, [plan_p, P(c.c_int32), c.c_int64]),
         "kvsift_compact_workspace_bytes": (status, [P(CacheView), plan_p, P(c.c_size_t)]),
         "kvsift_compact": (status, [P(CacheView), plan_p, c.c_void_p, c.c_size_t, c.c_void_p]),
+        "kvsift_owning_policy_create": (status, [c.c_char_p, c.c_char_p, P(owning_p)]),
+        "kvsift_owning_policy_destroy": (None, [owning_p]),
+        "kvsift_owning_policy_needs": (status, [owning_p, P(c.c_uint32)]),
+        "kvsift_owning_policy_batch": (status, [owning_p, P(c.c_int64)]),
+        "kvsift_owning_policy_prefill": (status, [owning_p, c.c_int32, P(Tensor), P(Tensor)]),
+        "kvsift_owning_policy_append": (status, [owning_p, c.c_int32, P(Tensor), P(Tensor)]),
+        "kvsift_owning_policy_observe": (status, [owning_p, P(Observation)]),
+        "kvsift_owning_policy_end_step": (status, [owning_p, P(c.c_int)]),
+        "kvsift_owning_policy_attention": (status, [owning_p, c.c_int32, P(Tensor), P(Tensor)]),
+        "kvsift_owning_policy_memory": (status, [owning_p, c.c_int32, P(c.c_int64),
+                                                 P(c.c_int64)]),
+        "kvsift_owning_policy_resident_positions": (status, [owning_p, c.c_int32, c.c_int64,
+                                                             c.c_int64, P(c.c_int32), c.c_int64,
+                                                             P(c.c_int64)]),
     }
     for name, (restype, argtypes) in protos.items():
         fn = getattr(lib, name)
@@ -133,6 +150,14 @@ def find_library():
     raise OSError("libkvsift_c not found: set %s to the built library (build/src/c_api/"
                   "libkvsift_c.so) or copy it next to the kvsift package; looked in %s and the "
                   "system library path" % (LIBRARY_ENV, ", ".join(places)))
+=======
+def _config_text(config):
+    return config if isinstance(config, str) else json.dumps(config or {})
+>>>>>>> capi:bench/kvsift_c.py
+
+
+def _config_text(config):
+    return config if isinstance(config, str) else json.dumps(config or {})
 
 
 def _ref(x):
@@ -163,14 +188,20 @@ class Library:
         return self.lib.kvsift_cuda_available() == 1
 
     def methods(self):
-        """[(name, family, summary, needs)] in registry order."""
+        """[dict(name, family, summary, needs, owns_cache, default_config, example_config)] in
+        registry order (the configs as dicts)."""
         out = []
         for i in range(self.lib.kvsift_method_count()):
-            needs = ctypes.c_uint32()
+            needs, owns = ctypes.c_uint32(), ctypes.c_int()
             self.call("kvsift_method_needs", i, ctypes.byref(needs))
-            out.append((self.lib.kvsift_method_name(i).decode(),
-                        self.lib.kvsift_method_family(i).decode(),
-                        self.lib.kvsift_method_summary(i).decode(), needs.value))
+            self.call("kvsift_method_owns_cache", i, ctypes.byref(owns))
+            out.append(dict(
+                name=self.lib.kvsift_method_name(i).decode(),
+                family=self.lib.kvsift_method_family(i).decode(),
+                summary=self.lib.kvsift_method_summary(i).decode(), needs=needs.value,
+                owns_cache=owns.value == 1,
+                default_config=json.loads(self.lib.kvsift_method_default_config(i)),
+                example_config=json.loads(self.lib.kvsift_method_example_config(i))))
         return out
 
     # --- tensors -------------------------------------------------------------------------------
@@ -208,8 +239,11 @@ class Library:
     # --- policies, plans, compaction -----------------------------------------------------------
     def policy(self, name, config=None):
         """Policy `name` from a dict (or a JSON string) of its config's fields."""
-        text = config if isinstance(config, str) else json.dumps(config or {})
-        return Policy(self, name, text)
+        return Policy(self, name, _config_text(config))
+
+    def owning_policy(self, name, config=None):
+        """A method that owns its cache (methods()[i]["owns_cache"]), e.g. ThinKV."""
+        return OwningPolicy(self, name, _config_text(config))
 
     def compact_workspace_bytes(self, kv, plan):
         out = ctypes.c_size_t()
@@ -306,3 +340,65 @@ class Plan:
         flat = list(out[:n])
         return [[flat[(b * heads + h) * max_kept:(b * heads + h + 1) * max_kept]
                  for h in range(heads)] for b in range(batch)]
+
+
+class OwningPolicy:
+    """A kvsift_owning_policy: append / observe / attention / end_step; no select or compact.
+    Tensors are kvsift_c.Tensor (host f32 in this version)."""
+
+    def __init__(self, lib, name, json_config):
+        self.lib = lib
+        self.handle = ctypes.c_void_p()
+        lib.call("kvsift_owning_policy_create", name.encode(), json_config.encode(),
+                 ctypes.byref(self.handle))
+
+    def __del__(self):
+        if getattr(self, "handle", None):
+            self.lib.lib.kvsift_owning_policy_destroy(self.handle)
+            self.handle = None
+
+    def needs(self):
+        out = ctypes.c_uint32()
+        self.lib.call("kvsift_owning_policy_needs", self.handle, ctypes.byref(out))
+        return out.value
+
+    def batch(self):
+        out = ctypes.c_int64()
+        self.lib.call("kvsift_owning_policy_batch", self.handle, ctypes.byref(out))
+        return out.value
+
+    def prefill(self, layer, keys, values):
+        self.lib.call("kvsift_owning_policy_prefill", self.handle, layer, ctypes.byref(keys),
+                      ctypes.byref(values))
+
+    def append(self, layer, keys, values):
+        self.lib.call("kvsift_owning_policy_append", self.handle, layer, ctypes.byref(keys),
+                      ctypes.byref(values))
+
+    def observe(self, observation):
+        self.lib.call("kvsift_owning_policy_observe", self.handle, ctypes.byref(observation))
+
+    def end_step(self):
+        evicted = ctypes.c_int()
+        self.lib.call("kvsift_owning_policy_end_step", self.handle, ctypes.byref(evicted))
+        return evicted.value == 1
+
+    def attention(self, layer, queries, out):
+        self.lib.call("kvsift_owning_policy_attention", self.handle, layer, ctypes.byref(queries),
+                      ctypes.byref(out))
+
+    def memory(self, layer=-1):
+        """(resident bytes of `layer` or of all layers, fp16 full-cache bytes)."""
+        resident, full = ctypes.c_int64(), ctypes.c_int64()
+        self.lib.call("kvsift_owning_policy_memory", self.handle, layer, ctypes.byref(resident),
+                      ctypes.byref(full))
+        return resident.value, full.value
+
+    def resident_positions(self, layer, seq, kv_head):
+        count = ctypes.c_int64()
+        self.lib.call("kvsift_owning_policy_resident_positions", self.handle, layer, seq, kv_head,
+                      None, 0, ctypes.byref(count))
+        out = (ctypes.c_int32 * max(count.value, 1))()
+        self.lib.call("kvsift_owning_policy_resident_positions", self.handle, layer, seq, kv_head,
+                      out, count.value, ctypes.byref(count))
+        return list(out[:count.value])

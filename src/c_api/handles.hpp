@@ -5,6 +5,7 @@
 #include <string>
 
 #include "kvsift/core/keep_plan.hpp"
+#include "kvsift/policy/cache_owning_policy.hpp"
 #include "kvsift/policy/policy.hpp"
 
 struct kvsift_policy {
@@ -14,4 +15,8 @@ struct kvsift_policy {
 
 struct kvsift_plan {
   kvsift::KeepPlan plan;
+};
+
+struct kvsift_owning_policy {
+  std::unique_ptr<kvsift::CacheOwningPolicy> impl;
 };

@@ -22,15 +22,18 @@ namespace {
 // The registry's strings copied once into NUL-terminated storage that lives as long as the
 // library (string_view does not promise a terminator).
 struct MethodStrings {
-  std::string name, family, summary;
+  std::string name, family, summary, default_config, example_config;
   unsigned needs;
+  bool owns_cache;
 };
 
 const std::vector<MethodStrings>& method_table() {
   static const std::vector<MethodStrings> table = [] {
     std::vector<MethodStrings> t;
     for (const MethodInfo& m : registered_methods()) {
-      t.push_back({std::string(m.name), std::string(m.family), std::string(m.summary), m.needs});
+      t.push_back({std::string(m.name), std::string(m.family), std::string(m.summary),
+                   m.default_config != nullptr ? m.default_config() : std::string("{}"),
+                   std::string(m.example_config), m.needs, m.owns_cache});
     }
     return t;
   }();
@@ -124,6 +127,23 @@ kvsift_status kvsift_method_needs(int32_t i, uint32_t* out_needs) {
     KVSIFT_CHECK(out_needs != nullptr, "out_needs is NULL");
     *out_needs = method_at(i).needs;
   });
+}
+
+kvsift_status kvsift_method_owns_cache(int32_t i, int* out) {
+  return guarded("kvsift_method_owns_cache", [&] {
+    KVSIFT_CHECK(out != nullptr, "out is NULL");
+    *out = method_at(i).owns_cache ? 1 : 0;
+  });
+}
+
+const char* kvsift_method_default_config(int32_t i) {
+  return string_or_null("kvsift_method_default_config",
+                        [&] { return method_at(i).default_config.c_str(); });
+}
+
+const char* kvsift_method_example_config(int32_t i) {
+  return string_or_null("kvsift_method_example_config",
+                        [&] { return method_at(i).example_config.c_str(); });
 }
 
 kvsift_status kvsift_tensor_contiguous(kvsift_tensor* t, void* data, int32_t dtype, int32_t device,

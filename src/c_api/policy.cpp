@@ -7,7 +7,6 @@
 
 #include "convert.hpp"
 #include "handles.hpp"
-#include "kvsift/backend/device_backend.hpp"
 #include "kvsift/c/kvsift.h"
 #include "kvsift/core/compact.hpp"
 #include "kvsift/core/exec_context.hpp"
@@ -47,19 +46,6 @@ StepInputs step_inputs(int32_t layer, const kvsift_cache_view* kv,
   return in;
 }
 
-// compact() on either side: host views move rows here, device views go to the CUDA backend.
-std::size_t compact_bytes(const KVCacheView& kv, const KeepPlan& plan) {
-  if (kv.device() == Device::cpu) return 0;
-  return device_backend().compact_workspace_bytes(plan);
-}
-void compact_any(const KVCacheView& kv, const KeepPlan& plan, const ExecContext& ctx) {
-  if (kv.device() == Device::cpu) {
-    compact(kv, plan);
-  } else {
-    device_backend().compact(kv, plan, ctx);
-  }
-}
-
 void copy_lengths(const std::vector<std::int32_t>& from, int32_t* out, int64_t n) {
   KVSIFT_CHECK(out != nullptr, "out is NULL");
   KVSIFT_CHECK(n >= static_cast<int64_t>(from.size()), "n (", n, ") is smaller than batch (",
@@ -82,6 +68,12 @@ kvsift_status kvsift_policy_create(const char* name, const char* json_config, kv
     KVSIFT_CHECK(out != nullptr, "out is NULL");
     *out = nullptr;
     KVSIFT_CHECK(name != nullptr, "name is NULL");
+    if (kvsift::method_info(name).owns_cache) {
+      throw StatusError(KVSIFT_ERROR_UNSUPPORTED,
+                        std::string("'") + name +
+                            "' owns its KV cache (it has no select/compact): create it with "
+                            "kvsift_owning_policy_create");
+    }
     auto handle = std::make_unique<kvsift_policy>();
     handle->impl = kvsift::make_policy(name, json_config != nullptr ? json_config : "{}");
     handle->name = name;
@@ -207,7 +199,7 @@ kvsift_status kvsift_compact_workspace_bytes(const kvsift_cache_view* kv, const 
   return guarded("kvsift_compact_workspace_bytes", [&] {
     const KeepPlan& p = plan_of(plan);
     KVSIFT_CHECK(out_bytes != nullptr, "out_bytes is NULL");
-    *out_bytes = compact_bytes(to_cache_view(kv, "kv"), p);
+    *out_bytes = kvsift::compact_workspace_bytes(to_cache_view(kv, "kv"), p);
   });
 }
 
@@ -215,7 +207,7 @@ kvsift_status kvsift_compact(const kvsift_cache_view* kv, const kvsift_plan* pla
                              size_t workspace_bytes, void* stream) {
   return guarded("kvsift_compact", [&] {
     const KeepPlan& p = plan_of(plan);
-    compact_any(to_cache_view(kv, "kv"), p, ExecContext{workspace, workspace_bytes, stream});
+    kvsift::compact(to_cache_view(kv, "kv"), p, ExecContext{workspace, workspace_bytes, stream});
   });
 }
 

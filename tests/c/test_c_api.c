@@ -130,13 +130,24 @@ static void test_registry(void) {
   const int32_t n = kvsift_method_count();
   int32_t i;
   uint32_t needs = 99;
-  CHECK(n >= 6); /* fullkv, streaming, h2o, snapkv, rkv, skipkv at least */
+  CHECK(n >= 7); /* fullkv, streaming, h2o, snapkv, rkv, skipkv, thinkv at least */
   for (i = 0; i < n; ++i) {
     CHECK(kvsift_method_name(i) != NULL && kvsift_method_name(i)[0] != '\0');
     CHECK(kvsift_method_family(i) != NULL && kvsift_method_family(i)[0] != '\0');
     CHECK(kvsift_method_summary(i) != NULL && kvsift_method_summary(i)[0] != '\0');
     CHECK_OK(kvsift_method_needs(i, &needs));
     CHECK((needs & ~15u) == 0);
+    CHECK(kvsift_method_default_config(i) != NULL && kvsift_method_default_config(i)[0] == '{');
+    CHECK(kvsift_method_example_config(i) != NULL && kvsift_method_example_config(i)[0] == '{');
+  }
+  /* The registry's own word on a few methods. */
+  i = method_index("rkv");
+  CHECK(i >= 0 && strstr(kvsift_method_default_config(i), "\"budget\":1024") != NULL);
+  i = method_index("thinkv");
+  {
+    int owns = -1;
+    CHECK(i >= 0 && kvsift_method_owns_cache(i, &owns) == KVSIFT_OK && owns == 1);
+    CHECK(kvsift_method_owns_cache(method_index("streaming"), &owns) == KVSIFT_OK && owns == 0);
   }
   CHECK(method_index("streaming") >= 0 && method_index("rkv") >= 0 && method_index("fullkv") >= 0);
   CHECK(kvsift_method_name(n) == NULL);
@@ -149,22 +160,28 @@ static void test_registry(void) {
 
 /* ------------------------------------------------------------------------------------------- */
 /* The per-step observations a method asks for, built over the cache's buffers. */
+/* Methods that read the tokens see every resident token observed once (the cache then holds
+ * exactly the observed positions, as SkipKV's range bookkeeping requires). */
+enum { OBSERVED = 40, HIDDEN = 16 };
 static void observe_what_it_needs(kvsift_policy* p, host_cache* c, uint32_t needs) {
-  static int32_t tokens[B * 1] = {11, 13};
-  static float hidden[B * 1 * 16];
+  static int32_t tokens[B * OBSERVED];
+  static float hidden[B * OBSERVED * HIDDEN];
   int32_t layer;
   if (needs & (KVSIFT_NEEDS_TOKENS | KVSIFT_NEEDS_HIDDEN)) {
     kvsift_observation step;
-    const int64_t hidden_shape[3] = {B, 1, 16};
+    const int64_t hidden_shape[3] = {B, OBSERVED, HIDDEN};
+    int i;
     memset(&step, 0, sizeof step);
     step.layer = -1;
+    step.kv = c->view; /* gives the batch to methods configured without one */
+    /* Sentences of 8 tokens (id 13 ends one), the same words in both sequences. */
+    for (i = 0; i < B * OBSERVED; ++i) tokens[i] = i % 8 == 7 ? 13 : 100 + i % OBSERVED;
     if (needs & KVSIFT_NEEDS_TOKENS) {
       step.token_ids = tokens;
-      step.num_tokens = 1;
+      step.num_tokens = OBSERVED;
     }
     if (needs & KVSIFT_NEEDS_HIDDEN) {
-      int i;
-      for (i = 0; i < B * 16; ++i) hidden[i] = (float)(i % 5) - 2.0f;
+      for (i = 0; i < B * OBSERVED * HIDDEN; ++i) hidden[i] = (float)((i * 7) % 5) - 2.0f;
       CHECK_OK(kvsift_tensor_contiguous(&step.last_hidden, hidden, KVSIFT_DTYPE_F32,
                                         KVSIFT_DEVICE_CPU, 3, hidden_shape));
     }
@@ -175,7 +192,7 @@ static void observe_what_it_needs(kvsift_policy* p, host_cache* c, uint32_t need
       kvsift_observation obs;
       memset(&obs, 0, sizeof obs);
       obs.layer = layer;
-      if (needs & KVSIFT_NEEDS_APPEND) obs.kv = c->view;
+      obs.kv = c->view; /* a per-layer observation carries the layer's cache */
       if (needs & KVSIFT_NEEDS_QUERIES) {
         /* the last query of the window: [batch, q_heads, 1, head_dim], strided */
         obs.queries = c->window_queries;
@@ -187,12 +204,87 @@ static void observe_what_it_needs(kvsift_policy* p, host_cache* c, uint32_t need
   }
 }
 
-/* Small configs for the known methods, so that their round trip actually compresses; a method
- * added later runs with its defaults ("{}"). */
-static const char* small_config(const char* name) {
+/* Small configs for the methods whose budget is a plain key, so that their round trip actually
+ * compresses; the others (and a method added later) run with the registry's example config. */
+static const char* small_config(int32_t i) {
+  const char* name = kvsift_method_name(i);
   if (strcmp(name, "streaming") == 0) return "{\"budget\": 16, \"sink\": 2, \"buffer\": 4}";
-  if (strcmp(name, "rkv") == 0) return "{\"budget\": 16, \"window\": 4, \"buffer\": 4}";
-  return "{}";
+  if (strcmp(name, "rkv") == 0 || strcmp(name, "snapkv") == 0)
+    return "{\"budget\": 16, \"window\": 4, \"buffer\": 4}";
+  if (strcmp(name, "h2o") == 0) return "{\"budget\": 16, \"buffer\": 4}";
+  return kvsift_method_example_config(i);
+}
+
+/* A method that owns its cache (ThinKV), from the registry's example config: prefill, a few
+ * decode steps of append / observe / attention / end_step, then its memory and resident
+ * positions. The example is one sequence, 2 layers, 2 KV heads, 4 query heads, head_dim 16. */
+static void test_owning_round_trip(int32_t i) {
+  enum { L = 2, OH = 2, OQ = 4, OD = 16, PROMPT = 24, STEPS = 4 };
+  static float prompt[OH * PROMPT * OD], token[OH * OD], query[OQ * OD], out[OQ * OD];
+  const int64_t prompt_shape[4] = {1, OH, PROMPT, OD}, token_shape[4] = {1, OH, 1, OD},
+                query_shape[4] = {1, OQ, 1, OD};
+  const char* name = kvsift_method_name(i);
+  kvsift_owning_policy* p = NULL;
+  kvsift_policy* wrong = NULL;
+  kvsift_tensor pk, tk, q, o;
+  int64_t batch = 0, resident = 0, fullkv = 0, count = -1, k;
+  int32_t positions[PROMPT + STEPS];
+  uint32_t needs = 0;
+  int layer, step, evicted = -1;
+  fprintf(stderr, "round trip (owns its cache): %s %s\n", name, kvsift_method_example_config(i));
+  for (k = 0; k < OH * PROMPT * OD; ++k) prompt[k] = (float)((k * 13) % 17) / 17.0f - 0.5f;
+  for (k = 0; k < OQ * OD; ++k) query[k] = (float)((k * 5) % 7) / 7.0f - 0.5f;
+  CHECK_OK(
+      kvsift_tensor_contiguous(&pk, prompt, KVSIFT_DTYPE_F32, KVSIFT_DEVICE_CPU, 4, prompt_shape));
+  CHECK_OK(
+      kvsift_tensor_contiguous(&tk, token, KVSIFT_DTYPE_F32, KVSIFT_DEVICE_CPU, 4, token_shape));
+  CHECK_OK(
+      kvsift_tensor_contiguous(&q, query, KVSIFT_DTYPE_F32, KVSIFT_DEVICE_CPU, 4, query_shape));
+  CHECK_OK(kvsift_tensor_contiguous(&o, out, KVSIFT_DTYPE_F32, KVSIFT_DEVICE_CPU, 4, query_shape));
+  CHECK_ERROR(kvsift_policy_create(name, kvsift_method_example_config(i), &wrong),
+              KVSIFT_ERROR_UNSUPPORTED, name, "kvsift_owning_policy_create");
+  CHECK_OK(kvsift_owning_policy_create(name, kvsift_method_example_config(i), &p));
+  if (p == NULL) return;
+  CHECK_OK(kvsift_owning_policy_needs(p, &needs));
+  CHECK_OK(kvsift_owning_policy_batch(p, &batch));
+  CHECK(batch == 1);
+  for (layer = 0; layer < L; ++layer) CHECK_OK(kvsift_owning_policy_prefill(p, layer, &pk, &pk));
+  for (step = 0; step < STEPS; ++step) {
+    for (layer = 0; layer < L; ++layer) {
+      kvsift_observation obs;
+      for (k = 0; k < OH * OD; ++k) token[k] = (float)((k + 3 * step) % 9) / 9.0f - 0.5f;
+      CHECK_OK(kvsift_owning_policy_append(p, layer, &tk, &tk));
+      memset(&obs, 0, sizeof obs);
+      obs.layer = layer;
+      obs.queries = q;
+      CHECK_OK(kvsift_owning_policy_observe(p, &obs));
+      for (k = 0; k < OQ * OD; ++k) out[k] = 1e30f;
+      CHECK_OK(kvsift_owning_policy_attention(p, layer, &q, &o));
+      /* A convex combination of values in [-0.5, 0.5] (up to quantization error). */
+      for (k = 0; k < OQ * OD; ++k) CHECK(out[k] > -1.0f && out[k] < 1.0f);
+    }
+    CHECK_OK(kvsift_owning_policy_end_step(p, &evicted));
+    CHECK(evicted == 0 || evicted == 1);
+  }
+  CHECK_OK(kvsift_owning_policy_memory(p, -1, &resident, &fullkv));
+  /* fp16 K + V of every token: 2 tensors x 2 layers x 2 heads x 28 tokens x 16 x 2 bytes. */
+  CHECK(fullkv == 2 * L * OH * (PROMPT + STEPS) * OD * 2);
+  CHECK(resident > 0);
+  CHECK_OK(kvsift_owning_policy_resident_positions(p, 0, 0, 0, NULL, 0, &count));
+  CHECK(count > 0 && count <= PROMPT + STEPS);
+  CHECK_OK(kvsift_owning_policy_resident_positions(p, 0, 0, 0, positions, PROMPT + STEPS, &count));
+  for (k = 1; k < count; ++k) CHECK(positions[k] > positions[k - 1]);
+  CHECK(count >= 1 && positions[count - 1] == PROMPT + STEPS - 1); /* the newest token stays */
+  CHECK_ERROR(kvsift_owning_policy_resident_positions(p, 0, 0, 0, NULL, 4, &count),
+              KVSIFT_ERROR_INVALID_ARGUMENT, "out is NULL", "capacity is 4");
+  tk.device = KVSIFT_DEVICE_CUDA;
+  CHECK_ERROR(kvsift_owning_policy_append(p, 0, &tk, &tk), KVSIFT_ERROR_UNSUPPORTED, "keys",
+              "host memory");
+  CHECK_ERROR(kvsift_owning_policy_create("rkv", "{}", &p), KVSIFT_ERROR_UNSUPPORTED,
+              "kvsift_policy_create");
+  CHECK(p == NULL);
+  kvsift_owning_policy_destroy(p);
+  kvsift_owning_policy_destroy(NULL);
 }
 
 /* Every registered method: create, observe what it needs, trigger, select, compact, on host
@@ -203,13 +295,20 @@ static void test_round_trip_every_method(void) {
     const char* name = kvsift_method_name(i);
     kvsift_policy* p = NULL;
     kvsift_plan* plan = NULL;
-    host_cache* c = (host_cache*)malloc(sizeof *c);
+    host_cache* c;
     uint32_t needs = 0;
-    int go = -1, layer;
+    int go = -1, layer, owns = -1;
     size_t ws = 1;
-    fprintf(stderr, "round trip: %s\n", name);
-    host_cache_init(c, 40, 24);
-    CHECK_OK(kvsift_policy_create(name, small_config(name), &p));
+    CHECK_OK(kvsift_method_owns_cache(i, &owns));
+    if (owns) {
+      test_owning_round_trip(i);
+      continue;
+    }
+    fprintf(stderr, "round trip: %s %s\n", name, small_config(i));
+    CHECK_OK(kvsift_method_needs(i, &needs));
+    c = (host_cache*)malloc(sizeof *c);
+    host_cache_init(c, OBSERVED, (needs & KVSIFT_NEEDS_TOKENS) ? OBSERVED : 24);
+    CHECK_OK(kvsift_policy_create(name, small_config(i), &p));
     if (p == NULL) {
       free(c);
       continue;
@@ -229,10 +328,14 @@ static void test_round_trip_every_method(void) {
       CHECK_OK(kvsift_policy_select(p, layer, &c->view, &c->window_queries, NULL, 0, NULL, &plan));
       if (plan == NULL) break;
       CHECK_OK(kvsift_plan_shape(plan, &pb, &ph, &pc, &max_kept));
-      CHECK(pb == B && ph == H && pc == C && max_kept <= 40);
+      CHECK(pb == B && ph == H && pc == C && max_kept <= OBSERVED);
       CHECK_OK(kvsift_plan_source_lengths(plan, source, B));
       CHECK_OK(kvsift_plan_kept_lengths(plan, kept, B));
-      CHECK(source[0] == 40 && source[1] == 24 && kept[0] <= 40 && kept[1] <= 24);
+      CHECK(source[0] == c->lengths[0] && source[1] == c->lengths[1]);
+      CHECK(kept[0] <= source[0] && kept[1] <= source[1]);
+      if (small_config(i) != kvsift_method_example_config(i)) { /* budget 16: both compress */
+        CHECK(kept[0] == 16 && kept[1] == 16);
+      }
       slots = (int32_t*)malloc((size_t)(B * H * (max_kept > 0 ? max_kept : 1)) * sizeof *slots);
       CHECK_OK(kvsift_plan_slots(plan, slots, B * H * max_kept));
       memcpy(before, c->keys, sizeof before);
@@ -432,7 +535,7 @@ static void test_argument_errors(void) {
   int32_t out[4];
   const int64_t one[1] = {1};
   host_cache_init(c, 40, 24);
-  CHECK_OK(kvsift_policy_create("rkv", small_config("rkv"), &p));
+  CHECK_OK(kvsift_policy_create("rkv", "{\"budget\": 16, \"window\": 4, \"buffer\": 4}", &p));
 
   /* Null pointers are reported, not dereferenced. */
   CHECK_ERROR(kvsift_policy_select(NULL, 0, &c->view, &c->window_queries, NULL, 0, NULL, &plan),

@@ -10,6 +10,7 @@
  *     kvsift_policy_select(policy, l, &cache[l], &window_queries[l], ws, ws_bytes, stream, &plan);
  *     kvsift_compact(&cache[l], plan, ws, ws_bytes, stream);   (or the engine remaps its pages)
  *     kvsift_plan_destroy(plan);
+ * Methods that own their KV storage (ThinKV) have their own handle: kvsift_owning_policy_*.
  *
  * Conventions
  * - Every function that can fail returns a kvsift_status; KVSIFT_OK is 0. On failure
@@ -21,7 +22,8 @@
  *   (a cudaStream_t passed as void*; NULL is the default stream).
  * - Tensors are described, never copied: kvsift_tensor is a non-owning strided view; the
  *   caller keeps the memory alive for the duration of each call.
- * - Handles (kvsift_policy, kvsift_plan) are not thread-safe: use one from one thread at a time.
+ * - Handles (kvsift_policy, kvsift_plan, kvsift_owning_policy) are not thread-safe: use each
+ *   from one thread at a time. Different handles may be used from different threads.
  */
 #ifndef KVSIFT_C_KVSIFT_H_
 #define KVSIFT_C_KVSIFT_H_
@@ -49,7 +51,9 @@ extern "C" {
 typedef enum kvsift_status {
   KVSIFT_OK = 0,
   KVSIFT_ERROR_INVALID_ARGUMENT = 1, /* bad shape, config, JSON, pointer, enum or plan */
-  KVSIFT_ERROR_UNSUPPORTED = 2,      /* a valid request this method or build does not serve */
+  KVSIFT_ERROR_UNSUPPORTED = 2,      /* a valid request this method does not serve (a cache-
+                                        owning method through kvsift_policy_create, device
+                                        memory to a cache-owning method) */
   KVSIFT_ERROR_NO_CUDA = 3,          /* device memory, but no CUDA backend or no device */
   KVSIFT_ERROR_OUT_OF_MEMORY = 4,    /* a host allocation failed */
   KVSIFT_ERROR_INTERNAL = 5          /* anything else (a bug: please report the message) */
@@ -87,8 +91,17 @@ KVSIFT_C_EXPORT int32_t kvsift_method_count(void);
 KVSIFT_C_EXPORT const char* kvsift_method_name(int32_t i);
 KVSIFT_C_EXPORT const char* kvsift_method_family(int32_t i);
 KVSIFT_C_EXPORT const char* kvsift_method_summary(int32_t i);
-/* The KVSIFT_NEEDS_* bits of method i. */
+/* The KVSIFT_NEEDS_* bits of method i (with its default config). */
 KVSIFT_C_EXPORT kvsift_status kvsift_method_needs(int32_t i, uint32_t* out_needs);
+/* *out = 1 when method i owns its KV storage (ThinKV): build it with kvsift_owning_policy_create;
+ * it has no select/compact. 0: a policy over the engine's cache (kvsift_policy_create). */
+KVSIFT_C_EXPORT kvsift_status kvsift_method_owns_cache(int32_t i, int* out);
+/* Every config key of method i with its default value, as a JSON object: the valid keys of
+ * json_config. Static string; NULL when i is out of range. */
+KVSIFT_C_EXPORT const char* kvsift_method_default_config(int32_t i);
+/* A config that creates method i: "{}" unless it has required fields (ThinKV's calibrated
+ * thresholds). Static string; NULL when i is out of range. */
+KVSIFT_C_EXPORT const char* kvsift_method_example_config(int32_t i);
 
 /* ---------------------------------------------------------------------------------------------
  * Tensors and cache views (non-owning descriptions of the caller's memory)
@@ -149,8 +162,8 @@ typedef struct kvsift_plan kvsift_plan;
 
 /* Creates method `name` (kvsift_method_name) from a JSON object of its config's fields; NULL or
  * "{}" gives the defaults of docs/algorithms.md §4. Unknown names, malformed JSON, unknown keys,
- * wrong types and invalid values fail with KVSIFT_ERROR_INVALID_ARGUMENT. *out is NULL on
- * failure. */
+ * wrong types and invalid values fail with KVSIFT_ERROR_INVALID_ARGUMENT; a method that owns its
+ * cache (kvsift_method_owns_cache) with KVSIFT_ERROR_UNSUPPORTED. *out is NULL on failure. */
 KVSIFT_C_EXPORT kvsift_status kvsift_policy_create(const char* name, const char* json_config,
                                                    kvsift_policy** out);
 /* NULL is a no-op. */
@@ -227,6 +240,64 @@ KVSIFT_C_EXPORT kvsift_status kvsift_compact_workspace_bytes(const kvsift_cache_
  * on `stream` with `workspace`; lengths (host) are rewritten when the call returns. */
 KVSIFT_C_EXPORT kvsift_status kvsift_compact(const kvsift_cache_view* kv, const kvsift_plan* plan,
                                              void* workspace, size_t workspace_bytes, void* stream);
+
+/* ---------------------------------------------------------------------------------------------
+ * Methods that own their KV storage (kvsift_method_owns_cache; ThinKV keeps paged, quantized,
+ * thought-typed blocks, docs/algorithms.md §3.4). The engine hands them every K/V it produces and
+ * asks them for attention; there is no select/compact. Per decode step:
+ *   for each layer l: kvsift_owning_policy_append(p, l, &k, &v);    k, v [batch, kv_heads, 1, D]
+ *                     kvsift_owning_policy_observe(p, &obs);        (queries, as needs says)
+ *                     kvsift_owning_policy_attention(p, l, &q, &out);
+ *   kvsift_owning_policy_end_step(p, &evicted);                     the method's own eviction
+ * The prompt goes in first with kvsift_owning_policy_prefill (every layer). In this version every
+ * tensor is host memory, f32 (device tensors: KVSIFT_ERROR_UNSUPPORTED).
+ * ------------------------------------------------------------------------------------------- */
+typedef struct kvsift_owning_policy kvsift_owning_policy;
+
+/* As kvsift_policy_create, for the methods that own their cache (a Policy method here fails
+ * with KVSIFT_ERROR_UNSUPPORTED). */
+KVSIFT_C_EXPORT kvsift_status kvsift_owning_policy_create(const char* name, const char* json_config,
+                                                          kvsift_owning_policy** out);
+/* NULL is a no-op. */
+KVSIFT_C_EXPORT void kvsift_owning_policy_destroy(kvsift_owning_policy* policy);
+KVSIFT_C_EXPORT kvsift_status kvsift_owning_policy_needs(const kvsift_owning_policy* policy,
+                                                         uint32_t* out_needs);
+/* The number of sequences it was configured for. */
+KVSIFT_C_EXPORT kvsift_status kvsift_owning_policy_batch(const kvsift_owning_policy* policy,
+                                                         int64_t* out_batch);
+/* The prompt of one layer, before any decode append:
+ *   keys, values  [batch, kv_heads, n, head_dim] host f32, post-RoPE, any strides */
+KVSIFT_C_EXPORT kvsift_status kvsift_owning_policy_prefill(kvsift_owning_policy* policy,
+                                                           int32_t layer, const kvsift_tensor* keys,
+                                                           const kvsift_tensor* values);
+/* The step's token of one layer, each layer exactly once per step:
+ *   keys, values  [batch, kv_heads, 1, head_dim] host f32, post-RoPE */
+KVSIFT_C_EXPORT kvsift_status kvsift_owning_policy_append(kvsift_owning_policy* policy,
+                                                          int32_t layer, const kvsift_tensor* keys,
+                                                          const kvsift_tensor* values);
+/* Per-layer observation after append: obs->queries [batch, q_heads, 1, head_dim] host f32. */
+KVSIFT_C_EXPORT kvsift_status kvsift_owning_policy_observe(kvsift_owning_policy* policy,
+                                                           const kvsift_observation* obs);
+/* Closes the step (the method's own eviction); *evicted = 1 when some tokens were evicted.
+ * evicted may be NULL. */
+KVSIFT_C_EXPORT kvsift_status kvsift_owning_policy_end_step(kvsift_owning_policy* policy,
+                                                            int* evicted);
+/* Decode attention of one layer over its resident tokens:
+ *   queries  [batch, q_heads, 1, head_dim] host f32;  out  [batch, q_heads, 1, head_dim] f32 */
+KVSIFT_C_EXPORT kvsift_status kvsift_owning_policy_attention(const kvsift_owning_policy* policy,
+                                                             int32_t layer,
+                                                             const kvsift_tensor* queries,
+                                                             const kvsift_tensor* out);
+/* Bytes its storage holds for `layer` (-1: all layers), and what an fp16 K+V cache of the same
+ * tokens would hold (all layers); either output may be NULL. */
+KVSIFT_C_EXPORT kvsift_status kvsift_owning_policy_memory(const kvsift_owning_policy* policy,
+                                                          int32_t layer, int64_t* resident_bytes,
+                                                          int64_t* fullkv_fp16_bytes);
+/* The sorted generation positions resident in (layer, sequence, KV head): *count = how many;
+ * the first min(count, capacity) are copied to out (out may be NULL when capacity is 0). */
+KVSIFT_C_EXPORT kvsift_status kvsift_owning_policy_resident_positions(
+    const kvsift_owning_policy* policy, int32_t layer, int64_t seq, int64_t kv_head, int32_t* out,
+    int64_t capacity, int64_t* count);
 
 #ifdef __cplusplus
 } /* extern "C" */
