@@ -7,13 +7,12 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "kvsift/core/error.hpp"
 
@@ -78,13 +77,13 @@ class JsonReader {
     KVSIFT_FAIL(method_, " config: '", key, "' must be ", want, ", got ", v.dump());
   }
   template <class I>
-  void read_int(const char* key, const nlohmann::json& v, I& out) {
-    if (!v.is_number()) fail(key, v, "an integer");
+  void read_int(const char* key, const nlohmann::json& v, I& out, const char* want = "an integer") {
+    if (!v.is_number()) fail(key, v, want);
     const double d = v.get<double>();
     if (!(std::isfinite(d) && d == std::floor(d) &&
           d >= static_cast<double>(std::numeric_limits<I>::lowest()) &&
           d <= static_cast<double>(std::numeric_limits<I>::max())))
-      fail(key, v, "an integer");
+      fail(key, v, want);
     out = v.is_number_integer() ? v.get<I>() : static_cast<I>(d);
   }
   void read(const char* key, const nlohmann::json& v, int& out) { read_int(key, v, out); }
@@ -101,13 +100,16 @@ class JsonReader {
   void read(const char* key, const nlohmann::json& v, std::vector<I>& out) {
     if (!v.is_array()) fail(key, v, "an array of integers");
     std::vector<I> r(v.size());
-    for (std::size_t i = 0; i < v.size(); ++i) read_int(key, v[i], r[i]);
+    for (std::size_t i = 0; i < v.size(); ++i) read_int(key, v[i], r[i], "an array of integers");
     out = std::move(r);
   }
   void read(const char* key, const nlohmann::json& v, std::vector<float>& out) {
     if (!v.is_array()) fail(key, v, "an array of numbers");
     std::vector<float> r(v.size());
-    for (std::size_t i = 0; i < v.size(); ++i) read(key, v[i], r[i]);
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      if (!v[i].is_number()) fail(key, v, "an array of numbers");
+      r[i] = v[i].get<float>();
+    }
     out = std::move(r);
   }
 
@@ -145,8 +147,8 @@ class JsonWriter {
 inline nlohmann::json parse_config_object(std::string_view method, std::string_view text) {
   if (text.find_first_not_of(" \t\r\n") == std::string_view::npos) return nlohmann::json::object();
   nlohmann::json j = nlohmann::json::parse(text.begin(), text.end(), nullptr, false);
-  KVSIFT_CHECK(!j.is_discarded(), std::string(method), " config: not valid JSON: ",
-               std::string(text));
+  KVSIFT_CHECK(!j.is_discarded(), std::string(method),
+               " config: not valid JSON: ", std::string(text));
   KVSIFT_CHECK(j.is_object(), std::string(method), " config: expected a JSON object, got ",
                j.dump());
   return j;

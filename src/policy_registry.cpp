@@ -1,8 +1,6 @@
 // The registry table (policy/registry.hpp): one line per method. A method's line names it, says
 // what it observes, and points at its factory: the config read strictly from JSON by its field
 // list (config_fields.hpp), validated, then the policy built from it.
-#include "kvsift/policy/registry.hpp"
-
 #include <memory>
 #include <string>
 #include <string_view>
@@ -15,6 +13,7 @@
 #include "kvsift/policy/baselines/rkv.hpp"
 #include "kvsift/policy/baselines/snapkv.hpp"
 #include "kvsift/policy/baselines/streaming_llm.hpp"
+#include "kvsift/policy/registry.hpp"
 #include "kvsift/policy/skipkv/skipkv.hpp"
 #include "kvsift/policy/thinkv/thinkv_policy.hpp"
 
@@ -85,10 +84,11 @@ const std::vector<MethodInfo>& registered_methods() {
        defaults<SnapKVConfig, SnapKVFields>, "{}"},
       {kRKV, "baseline", "R-KV: window importance minus key redundancy", kNeedsNothing, false,
        create<kRKV, RKV, RKVConfig, RKVFields>, nullptr, defaults<RKVConfig, RKVFields>, "{}"},
+      // + kNeedsHidden once hidden_size > 0 (sentence embeddings)
       {kSkipKV, "skipkv", "SkipKV: R-KV score minus redundant-sentence penalties, steering",
-       kNeedsTokens | kNeedsHidden, false, create_skipkv<kSkipKV>, nullptr, skipkv_default_json,
-       "{}"},
-      {kThinKV, "thinkv", "ThinKV: thought-typed quantization and segment eviction (owns its cache)",
+       kNeedsTokens, false, create_skipkv<kSkipKV>, nullptr, skipkv_default_json, "{}"},
+      {kThinKV, "thinkv",
+       "ThinKV: thought-typed quantization and segment eviction (owns its cache)",
        kNeedsAppend | kNeedsQueries, true, nullptr,
        create_owning<kThinKV, ThinKVPolicy, ThinKVPolicyConfig, ThinKVFields>,
        defaults<ThinKVPolicyConfig, ThinKVFields>, kThinKVExample},

@@ -13,13 +13,12 @@ ThinKVPolicy::ThinKVPolicy(const ThinKVPolicyConfig& cfg) : cfg_(cfg) {
 
 const float* ThinKVPolicy::gather(const TensorView& t, std::int64_t b, const char* what) const {
   const ThinKVConfig& c = cfg_.pipeline;
-  KVSIFT_CHECK(t.data != nullptr && t.rank == 4 && t.dtype == DType::f32 &&
-                   t.device == Device::cpu,
+  KVSIFT_CHECK(t.data != nullptr && t.rank == 4 && t.dtype == DType::f32 && t.device == Device::cpu,
                "ThinKVPolicy: ", what, " must be a host f32 [batch, heads, n, head_dim] view, got ",
                t.shape_string(), " ", dtype_name(t.dtype), " on ", device_name(t.device));
   KVSIFT_CHECK(t.shape[0] == batch() && t.shape[3] == c.head_dim, "ThinKVPolicy: ", what, " is ",
-               t.shape_string(), ", expected [batch = ", batch(), ", heads, n, head_dim = ",
-               c.head_dim, "]");
+               t.shape_string(), ", expected [batch = ", batch(),
+               ", heads, n, head_dim = ", c.head_dim, "]");
   const std::int64_t heads = t.shape[1], n = t.shape[2], d = t.shape[3];
   scratch_.resize(static_cast<std::size_t>(n * heads * d));
   for (std::int64_t i = 0; i < n; ++i)  // ThinKV's layout: [n, heads, head_dim]
@@ -42,10 +41,10 @@ void ThinKVPolicy::prefill(int layer, const TensorView& keys, const TensorView& 
 }
 
 void ThinKVPolicy::append(int layer, const TensorView& keys, const TensorView& values) {
-  KVSIFT_CHECK(keys.rank == 4 && keys.shape[2] == 1 && values.rank == 4 &&
-                   keys.shape == values.shape,
-               "ThinKVPolicy::append: keys ", keys.shape_string(), " and values ",
-               values.shape_string(), " must be the same [batch, kv_heads, 1, head_dim]");
+  KVSIFT_CHECK(
+      keys.rank == 4 && keys.shape[2] == 1 && values.rank == 4 && keys.shape == values.shape,
+      "ThinKVPolicy::append: keys ", keys.shape_string(), " and values ", values.shape_string(),
+      " must be the same [batch, kv_heads, 1, head_dim]");
   std::vector<float> k;
   for (std::int64_t b = 0; b < batch(); ++b) {
     const float* kp = gather(keys, b, "append keys");
@@ -59,7 +58,8 @@ void ThinKVPolicy::observe(const Observation& obs) {
   KVSIFT_CHECK(obs.queries.data != nullptr && obs.queries.rank == 4 && obs.queries.shape[2] == 1,
                "ThinKVPolicy::observe: layer ", obs.layer,
                " is calibrated (L*) and needs the step's queries [batch, q_heads, 1, head_dim], "
-               "got ", obs.queries.shape_string());
+               "got ",
+               obs.queries.shape_string());
   for (std::int64_t b = 0; b < batch(); ++b)
     seqs_[b]->observe_query(obs.layer, gather(obs.queries, b, "queries"));
 }
@@ -134,8 +134,8 @@ std::int64_t ThinKVPolicy::total_layer_steps() const {
 }
 
 const ThinKV& ThinKVPolicy::sequence(std::int64_t seq) const {
-  KVSIFT_CHECK(seq >= 0 && seq < batch(), "ThinKVPolicy: sequence ", seq, " outside [0, batch = ",
-               batch(), ")");
+  KVSIFT_CHECK(seq >= 0 && seq < batch(), "ThinKVPolicy: sequence ", seq,
+               " outside [0, batch = ", batch(), ")");
   return *seqs_[seq];
 }
 

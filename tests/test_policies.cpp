@@ -5,21 +5,20 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "catch.hpp"
 #include "kvsift/core/compact.hpp"
 #include "kvsift/policy/baselines/full_kv.hpp"
 #include "kvsift/policy/baselines/h2o.hpp"
-#include "kvsift/policy/registry.hpp"
 #include "kvsift/policy/baselines/rkv.hpp"
-#include "kvsift/policy/skipkv/skipkv.hpp"
 #include "kvsift/policy/baselines/snapkv.hpp"
 #include "kvsift/policy/baselines/streaming_llm.hpp"
+#include "kvsift/policy/registry.hpp"
+#include "kvsift/policy/skipkv/skipkv.hpp"
 #include "random_cache.hpp"
 
 using namespace kvsift;

@@ -13,7 +13,6 @@
 
 #include "args.hpp"
 #include "command.hpp"
-#include "demo_adapters.hpp"
 #include "demo_generator.hpp"
 #include "demo_policy.hpp"
 #include "demo_runner.hpp"
@@ -33,6 +32,13 @@ namespace {
 
 constexpr const char* kDefaultTokenFile = KVSIFT_DATA_DIR "/math500_r1qwen_tokens.tsv";
 
+std::string registry_list() {
+  std::string s;
+  for (const MethodInfo& m : registered_methods())
+    s += "                    " + std::string(m.name) + ": " + std::string(m.summary) + "\n";
+  return s;
+}
+
 void print_help() {
   std::cout <<
       R"(usage: kvsift demo [--flag value ...]
@@ -47,15 +53,18 @@ flags:
   --seed N          seed of the synthetic decode (default 1)
   --layers N        layers, each with its own cache and its own compressions (default 4)
   --dtype T         KV storage dtype: f16, bf16 or f32 (default f16)
-  --policies a,b,c  a subset of the policies, in this order (default: all registered, and thinkv)
+  --policies a,b,c  a subset of the registered methods, in this order (default: all of them))
   --window N        observation window W (default 8)
   --buffer N        decode steps between compressions once the budget is reached (default 128)
   --tokens SRC      where sentences end: 'auto' (the MATH-500 token streams when the data file is
                     there, else synthetic lengths), 'synthetic', or a token file path (default auto)
-  --device D        cpu (default) or cuda: R-KV selects on the GPU (kvsift::cuda::rkv_select), every
-                    other policy stays on the CPU; needs the CUDA backend and a CUDA device
+  --device D        cpu (default) or cuda: every method's select() runs on device copies of the
+                    caches (R-KV and SkipKV on CUDA kernels, the others staged to the host by the
+                    library); ThinKV stays on the CPU. Needs the CUDA backend and a CUDA device
   --help            this text
-)";
+
+methods (the registry):
+)" << registry_list();
 }
 
 std::vector<std::string> split_commas(const std::string& list) {
@@ -76,13 +85,7 @@ std::string joined(const std::vector<std::string>& names) {
   return s;
 }
 
-// The registry's policies plus ThinKV, which is a per-sequence pipeline (policy/thinkv/thinkv.hpp), not a
-// kvsift::Policy, so the registry does not know it.
-std::vector<std::string> demo_policy_names() {
-  std::vector<std::string> names = policy_names();
-  if (std::find(names.begin(), names.end(), "thinkv") == names.end()) names.push_back("thinkv");
-  return names;
-}
+std::vector<std::string> demo_policy_names() { return policy_names(); }
 
 // Checked up front so a bad name fails before any work, with the known names listed.
 std::vector<std::string> chosen_policies(const Args& args) {
@@ -99,25 +102,29 @@ std::vector<std::string> chosen_policies(const Args& args) {
   return chosen;
 }
 
-// The one place a policy name becomes a demo adapter (demo_adapters.hpp, demo_skipkv.hpp,
-// demo_thinkv.hpp): policies with per-step bookkeeping (H2O's accumulated attention, SkipKV's
-// sentence tracking, ThinKV's own quantized tables) get their own DemoPolicy; the rest need only
-// the kvsift::Policy calls. ThinKV's budget is the demo's (its k, tokens per layer and KV head).
-// With --device cuda, R-KV selects on the GPU (demo_cuda.hpp); the rest run on the CPU.
+// The one place a method name becomes a demo policy. Planning methods come from the registry with
+// the demo's shared knobs (each taking the keys its config has) and are driven like an engine
+// drives them (RegistryPolicy); with --device cuda their select() runs on device views. A
+// cache-owning method (ThinKV) gets the demo's ThinKV adapter, which calibrates θ1 / θ2 on the
+// run (demo_thinkv.hpp); its budget is the demo's (its k, tokens per layer and KV head).
 std::unique_ptr<demo::DemoPolicy> make_demo_policy(const std::string& name,
-                                                   const PolicyOptions& options,
+                                                   const std::string& shared_config, int budget,
                                                    std::int64_t length, const std::string& device) {
-  if (name == "thinkv") {
+  if (method_info(name).owns_cache) {
+    KVSIFT_CHECK(name == "thinkv", "kvsift demo: no demo adapter for the cache-owning method '",
+                 name, "'");
     demo::ThinKVDemoOptions o;
-    o.budget = options.budget;
+    o.budget = budget;
     o.length = length;
-    return std::make_unique<demo::ThinKVPolicy>(o);
+    return std::make_unique<demo::ThinKVDemoPolicy>(o);
   }
+  auto policy =
+      std::make_unique<demo::RegistryPolicy>(make_policy(name, filter_config(name, shared_config)));
 #if defined(KVSIFT_WITH_CUDA)
-  if (device == "cuda" && name == "rkv") return demo::cuda_rkv_policy(make_policy(name, options));
+  if (device == "cuda") policy->select_plan = demo::select_on_device;
 #endif
   (void)device;
-  return demo::adapt_policy(make_policy(name, options));
+  return policy;
 }
 
 int positive_flag(const Args& args, const std::string& key, long fallback, long max) {
@@ -268,27 +275,22 @@ int run_demo_command(const std::vector<std::string>& argv) {
                demo::format_fixed(reference_gib, 1), " GiB for the FullKV reference (limit 4 GiB)");
 
   const std::vector<std::string> names = chosen_policies(args);
-  PolicyOptions options;
-  options.budget = cfg.budget;
-  options.window = cfg.window;
-  options.buffer = cfg.buffer;
-  options.hidden_size = cfg.generator.head_dim;  // SkipKV embeds the generator's hidden stand-ins
+  // The shared knobs; SkipKV embeds the generator's hidden stand-ins (width head_dim).
+  const std::string shared = demo::shared_config_json(cfg);
   std::vector<std::unique_ptr<demo::DemoPolicy>> policies;
   for (const auto& name : names)
-    policies.push_back(make_demo_policy(name, options, length, device));
+    policies.push_back(make_demo_policy(name, shared, cfg.budget, length, device));
 
   SentenceSource src =
       sentence_source(args.str("tokens", "auto"), length, cfg.generator.batch, cfg.generator.seed);
   demo::SyntheticDecode decode(cfg.generator, std::move(src.plans));
   print_banner(cfg, decode, src);
   if (device == "cuda") {
-    const bool rkv = std::find(names.begin(), names.end(), "rkv") != names.end();
     std::cout << demo::wrap_text(
-        rkv ? "--device cuda: R-KV runs on CUDA (each compression uploads the layer's cache and "
-              "window queries, kvsift::cuda::rkv_select picks the kept slots, and the downloaded "
-              "plan compacts the demo's cache; its ms/compression includes the transfers). Every "
-              "other policy runs on the CPU."
-            : "--device cuda: rkv is not among --policies, so every policy runs on the CPU.",
+        "--device cuda: each compression uploads the layer's cache and window queries and runs "
+        "the method's select() on the device views (R-KV and SkipKV on CUDA kernels, the others "
+        "staged back to the host by the library); the plan compacts the demo's cache, and "
+        "ms/compression includes the transfers. ThinKV runs on the CPU.",
         100);
   }
   const demo::DemoResult result = demo::run_demo(cfg, decode, policies);

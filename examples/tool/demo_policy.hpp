@@ -1,8 +1,8 @@
-// The demo's view of a policy: the kvsift::Policy calls (trigger, per-layer select) plus the two
-// things policies differ on beyond that — per-step bookkeeping (H2O's accumulated attention;
-// SkipKV's sentence tracking on token ids and hidden states) and how their memory is counted
-// (ThinKV's quantized blocks) — and any extra table columns. A new policy joins the demo with one
-// adapter.
+// The demo's view of a method: the kvsift::Policy calls (observe, trigger, per-layer select) plus
+// what the runner measures — how memory is counted and which positions are resident (ThinKV's own
+// quantized tables answer these themselves) — and any extra table columns. Every registered
+// planning method joins the demo through RegistryPolicy; a cache-owning one (ThinKV) has its own
+// adapter (demo_thinkv.hpp).
 #pragma once
 
 #include <cstdint>
@@ -13,7 +13,9 @@
 
 #include "demo_cache.hpp"
 #include "demo_generator.hpp"
+#include "kvsift/config/sentence_tracker_config.hpp"
 #include "kvsift/core/keep_plan.hpp"
+#include "kvsift/core/observation.hpp"
 #include "kvsift/core/step_inputs.hpp"
 #include "kvsift/policy/policy.hpp"
 
@@ -67,19 +69,71 @@ class DemoPolicy {
   virtual std::vector<std::pair<std::string, std::string>> extra_columns() const { return {}; }
 };
 
-// Any kvsift::Policy that needs nothing but the trigger and select() (FullKV, StreamingLLM, SnapKV,
-// R-KV), e.g. one from kvsift::make_policy().
-class PlainPolicy final : public DemoPolicy {
+// Any registered planning method (kvsift::make_policy), driven the way an engine drives it: every
+// step the step-level observation (the token ids and the generator's hidden stand-ins) and one
+// per-layer observation (the layer's cache and the step's queries), whatever needs() says; the
+// trigger once per step; select() per layer. Its table columns are the method's summary().
+// On a synthetic stream (ids -1) a delimiter id of the default sentence tokens (R1-Distill-Qwen,
+// what the registry's SkipKV uses) stands in where the plan closes a sentence, so sentence-based
+// methods see the plan's sentences; other synthetic ids stay -1.
+class RegistryPolicy final : public DemoPolicy {
  public:
-  explicit PlainPolicy(std::unique_ptr<Policy> policy) : policy_(std::move(policy)) {
-    KVSIFT_CHECK(policy_ != nullptr, "PlainPolicy: null policy");
+  explicit RegistryPolicy(std::unique_ptr<Policy> policy) : policy_(std::move(policy)) {
+    KVSIFT_CHECK(policy_ != nullptr, "RegistryPolicy: null policy");
   }
   std::string name() const override { return std::string(policy_->name()); }
+
+  void observe(const DecodeStep& step, const std::vector<DemoLayerCache>& caches) override {
+    ids_.resize(static_cast<std::size_t>(step.batch));
+    for (int b = 0; b < step.batch; ++b) {
+      const std::int32_t id = step.token_ids[b];
+      ids_[b] = id < 0 && step.closes_sentence[b] ? synthetic_delimiter_ : id;
+    }
+    Observation obs;
+    obs.token_ids = ids_.data();
+    obs.num_tokens = 1;
+    // [batch, 1, head_dim]: the step's synthetic last-layer states.
+    obs.last_hidden = TensorView::contiguous(const_cast<float*>(step.hidden.data()), DType::f32,
+                                             Device::cpu, {step.batch, 1, step.head_dim});
+    if (!caches.empty()) obs.kv = caches[0].view();
+    policy_->observe(obs);
+    for (int l = 0; l < static_cast<int>(caches.size()); ++l) {
+      Observation layer;
+      layer.layer = l;
+      layer.kv = caches[l].view();
+      // [batch, q_heads, 1, head_dim]: this step's queries of layer l, already rounded to the
+      // cache dtype; fp32 views are accepted whatever the cache's dtype.
+      layer.queries =
+          TensorView::contiguous(const_cast<float*>(step.query(l, 0, 0)), DType::f32, Device::cpu,
+                                 {step.batch, step.q_heads, 1, step.head_dim});
+      policy_->observe(layer);
+    }
+    ++observed_steps_;
+  }
   bool should_compress(const KVCacheView& kv) override { return policy_->should_compress(kv); }
-  KeepPlan select(const StepInputs& in) override { return policy_->select(in); }
+  KeepPlan select(const StepInputs& in) override {
+    if (in.layer == 0) trigger_positions_.push_back(observed_steps_);
+    return select_plan(*policy_, in);
+  }
+  std::vector<std::pair<std::string, std::string>> extra_columns() const override {
+    return policy_->summary();
+  }
+
+  const Policy& policy() const { return *policy_; }
+  // Tokens observed when each compression began (layer 0's select), for tests.
+  const std::vector<std::int64_t>& trigger_positions() const { return trigger_positions_; }
+
+  // How select() reaches the policy: on the host views as given (the default), or, with
+  // `kvsift demo --device cuda`, on device copies of them (demo_cuda.hpp).
+  using SelectFn = KeepPlan (*)(Policy&, const StepInputs&);
+  SelectFn select_plan = [](Policy& p, const StepInputs& in) { return p.select(in); };
 
  private:
+  const std::int32_t synthetic_delimiter_ = SentenceTokens::r1_qwen().delimiters.front();
   std::unique_ptr<Policy> policy_;
+  std::vector<std::int32_t> ids_;  // [batch] this step's ids
+  std::int64_t observed_steps_ = 0;
+  std::vector<std::int64_t> trigger_positions_;
 };
 
 }  // namespace kvsift::demo

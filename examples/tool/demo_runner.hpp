@@ -28,7 +28,7 @@ namespace kvsift::demo {
 struct DemoConfig {
   GeneratorConfig generator;
   DType dtype = DType::f16;  // storage dtype of the caches (memory is counted in it)
-  int budget = 256;          // the policies' PolicyOptions (window and buffer as docs/algorithms.md §4)
+  int budget = 256;          // the methods' shared knobs (shared_config_json)
   int window = 8;
   int buffer = 128;
   int recall_k = 10;     // recall of FullKV's top-k attended tokens...
@@ -43,6 +43,16 @@ struct DemoConfig {
     KVSIFT_CHECK(recall_steps >= 1, "recall_steps must be >= 1, got ", recall_steps);
   }
 };
+
+// The demo's knobs as one JSON object every method takes its keys from (filter_config): budget,
+// window and buffer; kernel 7 (docs/algorithms.md §4, SnapKV included, so every window scorer pools
+// alike); SkipKV's hidden_size is the generator's hidden width (its stand-ins are head_dim wide).
+inline std::string shared_config_json(const DemoConfig& cfg) {
+  return "{\"budget\": " + std::to_string(cfg.budget) +
+         ", \"window\": " + std::to_string(cfg.window) +
+         ", \"buffer\": " + std::to_string(cfg.buffer) +
+         ", \"kernel\": 7, \"hidden_size\": " + std::to_string(cfg.generator.head_dim) + "}";
+}
 
 struct PolicyReport {
   std::string name;

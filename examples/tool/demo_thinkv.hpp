@@ -1,10 +1,10 @@
-// ThinKV in the demo (docs/algorithms.md §3, docs/thinkv.md §5). ThinKV does not compact the demo's
-// contiguous caches: it keeps its own paged, quantized block tables, one kvsift::ThinKV object per
-// sequence, and evicts by setting bits inside its end_step(). So this adapter drives the pipeline
-// from observe() (append + observe_query on every layer, then end_step) and tells the runner what
-// the plain policies' caches tell it for free: which generation positions are resident (for
-// recall), how many bytes its tables hold (codes + scales + metadata + staging), and when it
-// evicted. Its trigger never fires: there is nothing to select() or compact().
+// ThinKV in the demo (docs/algorithms.md §3, docs/thinkv.md §5). ThinKV owns its cache: the
+// library's kvsift::ThinKVPolicy (the cache-owning interface, one ThinKV pipeline per sequence)
+// keeps paged, quantized block tables and evicts by setting bits inside its end_step(). So this
+// adapter drives it from observe() (append + a sparsity on every layer, then end_step) and reads
+// what the runner measures from it: resident positions (for recall), bytes, evictions. Its trigger
+// never fires: there is nothing to select() or compact(). What stays here is demo-only: calibrating
+// θ1 / θ2 on the run, and the fast sparsity below.
 //
 // Thresholds θ1 < θ2 (§3.1): the synthetic generator has no real reasoning / execution /
 // transition structure, so there is nothing to calibrate them against offline. The adapter
@@ -36,10 +36,10 @@
 #include "demo_cache.hpp"
 #include "demo_generator.hpp"
 #include "demo_policy.hpp"
+#include "kvsift/backend/cpu/attention_sparsity.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/tensor_view.hpp"
-#include "kvsift/backend/cpu/attention_sparsity.hpp"
-#include "kvsift/policy/thinkv/thinkv.hpp"
+#include "kvsift/policy/thinkv/thinkv_policy.hpp"
 
 namespace kvsift::demo {
 
@@ -66,16 +66,16 @@ inline float quantile_of(std::vector<float> samples, double q) {
   return samples[std::min(i, samples.size() - 1)];
 }
 
-class ThinKVPolicy final : public DemoPolicy {
+class ThinKVDemoPolicy final : public DemoPolicy {
  public:
-  explicit ThinKVPolicy(ThinKVDemoOptions options) : options_(options) { options_.validate(); }
+  explicit ThinKVDemoPolicy(ThinKVDemoOptions options) : options_(options) { options_.validate(); }
 
   std::string name() const override { return "thinkv"; }
 
   void observe(const DecodeStep& step, const std::vector<DemoLayerCache>& caches) override {
     last_ = SelfCompression{};
     if (layers_ == 0) start(step, static_cast<int>(caches.size()));
-    if (kv_.empty()) {
+    if (!kv_) {
       calibrate_step(step, caches);
       return;
     }
@@ -84,21 +84,19 @@ class ThinKVPolicy final : public DemoPolicy {
 
   bool should_compress(const KVCacheView&) override { return false; }
   KeepPlan select(const StepInputs&) override {
-    KVSIFT_CHECK(false, "ThinKVPolicy::select: ThinKV evicts inside end_step(), never by select()");
+    KVSIFT_CHECK(false,
+                 "ThinKVDemoPolicy::select: ThinKV evicts inside end_step(), never by select()");
     return {};
   }
   SelfCompression self_compression() const override { return last_; }
 
   // Before ThinKV starts, the calibration tokens are held as the demo's cache holds them.
   std::int64_t resident_bytes(const DemoLayerCache& cache, int layer) const override {
-    if (kv_.empty()) return cache.resident_bytes();
-    std::int64_t bytes = 0;
-    for (const auto& kv : kv_) bytes += kv->table(layer).resident_bytes().total();
-    return bytes;
+    return kv_ ? kv_->resident_bytes(layer) : cache.resident_bytes();
   }
   const std::int32_t* resident_positions(const DemoLayerCache& cache, int layer, int b, int h,
                                          std::int64_t& n) const override {
-    if (kv_.empty()) {
+    if (!kv_) {
       n = cache.length(b);
       return cache.positions(b, h);
     }
@@ -107,25 +105,22 @@ class ThinKVPolicy final : public DemoPolicy {
     return p.data();
   }
   bool layer_step_evictions(std::int64_t& evicting, std::int64_t& total) const override {
-    evicting = total = 0;
-    for (const auto& kv : kv_) {
-      evicting += kv->eviction_counter().evicting();
-      total += kv->eviction_counter().total();
-    }
+    evicting = kv_ ? kv_->evicting_layer_steps() : 0;
+    total = kv_ ? kv_->total_layer_steps() : 0;
     return true;
   }
   std::vector<std::pair<std::string, std::string>> extra_columns() const override {
     std::int64_t tokens =
         0;  // resident per (layer, KV head): the same in all, summed over sequences
-    for (const auto& kv : kv_) tokens += kv->resident_tokens();
-    return {{"tokens/head",
-             kv_.empty() ? "-" : std::to_string(tokens / static_cast<std::int64_t>(kv_.size()))},
+    for (std::int64_t b = 0; kv_ && b < kv_->batch(); ++b)
+      tokens += kv_->sequence(b).resident_tokens();
+    return {{"tokens/head", !kv_ ? "-" : std::to_string(tokens / kv_->batch())},
             {"theta1 / theta2 (calibrated)",
-             kv_.empty() ? "-" : format_theta(theta1_) + " / " + format_theta(theta2_)}};
+             !kv_ ? "-" : format_theta(theta1_) + " / " + format_theta(theta2_)}};
   }
 
-  // For tests and the banner.
-  const std::vector<std::unique_ptr<ThinKV>>& sequences() const { return kv_; }
+  // For tests and the banner: the library policy, nullptr while calibrating.
+  const kvsift::ThinKVPolicy* thinkv() const { return kv_.get(); }
   float theta1() const { return theta1_; }
   float theta2() const { return theta2_; }
 
@@ -170,7 +165,9 @@ class ThinKVPolicy final : public DemoPolicy {
   }
 
   void build_and_replay() {
-    ThinKVConfig cfg;
+    ThinKVPolicyConfig pc;
+    pc.batch = batch_;
+    ThinKVConfig& cfg = pc.pipeline;
     cfg.num_layers = layers_;
     cfg.kv_heads = kv_heads_;
     cfg.q_heads = q_heads_;
@@ -184,22 +181,19 @@ class ThinKVPolicy final : public DemoPolicy {
     // segment (a segment opens a new block) and per type.
     cfg.pool_blocks = static_cast<int>((options_.length + cfg.block_size - 1) / cfg.block_size +
                                        options_.length / cfg.refresh + 8);
-    for (int b = 0; b < batch_; ++b) kv_.push_back(std::make_unique<ThinKV>(cfg));
+    kv_ = std::make_unique<kvsift::ThinKVPolicy>(pc);
     positions_.assign(static_cast<std::size_t>(layers_) * batch_ * kv_heads_, {});
 
     const std::size_t per_step = static_cast<std::size_t>(layers_) * batch_ * kv_heads_ * head_dim_;
     for (int s = 0; s < calibrated_; ++s) {
       const float* keys = buffered_keys_.data() + s * per_step;  // [layers, batch, kv_heads, D]
       const float* values = buffered_values_.data() + s * per_step;
-      for (int b = 0; b < batch_; ++b) {
-        for (int l = 0; l < layers_; ++l) {
-          const std::size_t at = (static_cast<std::size_t>(l) * batch_ + b) * kv_heads_ * head_dim_;
-          kv_[b]->append(l, keys + at, values + at);
-          kv_[b]->observe_sparsity(
-              l, sparsity_[(static_cast<std::size_t>(s) * layers_ + l) * batch_ + b]);
-        }
-        finish_step(b, s);
+      for (int l = 0; l < layers_; ++l) {
+        const std::size_t at = static_cast<std::size_t>(l) * batch_ * kv_heads_ * head_dim_;
+        append(l, keys + at, values + at);
+        kv_->observe_sparsity(l, &sparsity_[(static_cast<std::size_t>(s) * layers_ + l) * batch_]);
       }
+      finish_step(s);
     }
     buffered_keys_.clear();
     buffered_keys_.shrink_to_fit();
@@ -224,8 +218,8 @@ class ThinKVPolicy final : public DemoPolicy {
     return keys_.data() + (index(l, b, h) * options_.length + position) * head_dim_;
   }
 
-  // Attention sparsity (docs/algorithms.md §3.1) of sequence b's queries of layer l over the resident
-  // tokens plus the new one at `position`, averaged over query heads. query: [q_heads, D]
+  // Attention sparsity (docs/algorithms.md §3.1) of sequence b's queries of layer l over the
+  // resident tokens plus the new one at `position`, averaged over query heads. query: [q_heads, D]
   float resident_sparsity(int l, int b, const float* query, std::int32_t position) {
     const int group = q_heads_ / kv_heads_;
     const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim_));
@@ -246,43 +240,51 @@ class ThinKVPolicy final : public DemoPolicy {
     return static_cast<float>(sum / q_heads_);
   }
 
+  // One layer's token of every sequence: keys, values [batch, kv_heads, D] contiguous.
+  void append(int l, const float* keys, const float* values) {
+    const auto view = [&](const float* p) {  // [batch, kv_heads, 1, D]
+      return TensorView::contiguous(const_cast<float*>(p), DType::f32, Device::cpu,
+                                    {batch_, kv_heads_, 1, head_dim_});
+    };
+    kv_->append(l, view(keys), view(values));
+  }
+
   void decode_step(const DecodeStep& step) {
     using Clock = std::chrono::steady_clock;
     keep_keys(step);
     const auto position = static_cast<std::int32_t>(step.position);
-    for (int b = 0; b < batch_; ++b) {
-      for (int l = 0; l < layers_; ++l) {
-        kv_[b]->append(l, step.key(l, b, 0), step.value(l, b, 0));  // [kv_heads, D]
-        kv_[b]->observe_sparsity(l, resident_sparsity(l, b, step.query(l, b, 0), position));
-      }
-      const auto t0 = Clock::now();
-      const bool evicted = finish_step(b, static_cast<std::int32_t>(step.position));
-      const auto t1 = Clock::now();
-      if (evicted) {
-        last_.happened = true;
-        last_.ms += std::chrono::duration<double, std::milli>(t1 - t0).count();
-      }
+    std::vector<float> sparsity(static_cast<std::size_t>(batch_));
+    for (int l = 0; l < layers_; ++l) {
+      append(l, step.key(l, 0, 0), step.value(l, 0, 0));
+      for (int b = 0; b < batch_; ++b)
+        sparsity[b] = resident_sparsity(l, b, step.query(l, b, 0), position);
+      kv_->observe_sparsity(l, sparsity.data());
+    }
+    const auto t0 = Clock::now();
+    const bool evicted = finish_step(position);
+    const auto t1 = Clock::now();
+    if (evicted) {
+      last_.happened = true;
+      last_.ms += std::chrono::duration<double, std::milli>(t1 - t0).count();
     }
   }
 
-  // end_step() of sequence b for the token at `position`; keeps the sorted resident positions of
-  // every (layer, KV head) in step with the table. Returns whether TBE evicted.
-  bool finish_step(int b, std::int32_t position) {
-    const EvictionStep s = kv_[b]->end_step();
-    for (int l = 0; l < layers_; ++l) {
-      for (int h = 0; h < kv_heads_; ++h) {
-        std::vector<std::int32_t>& p = positions_[index(l, b, h)];
-        if (!s.evicted()) {
-          p.push_back(position);
-          continue;
+  // end_step() of every sequence for the token at `position`; keeps the demo's mirror of the
+  // sorted resident positions of every (layer, sequence, KV head) in step with the tables.
+  // Returns whether TBE evicted in some sequence.
+  bool finish_step(std::int32_t position) {
+    const bool evicted = kv_->end_step();
+    for (int l = 0; l < layers_; ++l)
+      for (int b = 0; b < batch_; ++b)
+        for (int h = 0; h < kv_heads_; ++h) {
+          std::vector<std::int32_t>& p = positions_[index(l, b, h)];
+          if (evicted) {
+            p = kv_->resident_positions(l, b, h);
+          } else {
+            p.push_back(position);
+          }
         }
-        p.clear();
-        for (const auto& t : kv_[b]->table(l).resident_tokens(kv_[b]->sequence_id(), h))
-          p.push_back(t.position);
-        std::sort(p.begin(), p.end());
-      }
-    }
-    return s.evicted();
+    return evicted;
   }
 
   ThinKVDemoOptions options_;
@@ -293,7 +295,7 @@ class ThinKVPolicy final : public DemoPolicy {
   std::vector<float> logits_;  // scratch: one query head's row
   int calibrated_ = 0;
   float theta1_ = 0, theta2_ = 0;
-  std::vector<std::unique_ptr<ThinKV>> kv_;           // [batch], empty while calibrating
+  std::unique_ptr<kvsift::ThinKVPolicy> kv_;          // nullptr while calibrating
   std::vector<std::vector<std::int32_t>> positions_;  // [layers, batch, kv_heads] sorted
   SelfCompression last_;
 };

@@ -1,6 +1,6 @@
-// `kvsift score`: runs one baseline policy on a golden-format case (golden/README.md) and writes
-// its scores, kept slots and compacted K/V, so any policy can be compared with the reference
-// implementations' outputs or inspected offline.
+// `kvsift score`: runs one registered planning method on a golden-format case (golden/README.md)
+// and writes its scores, kept slots and compacted K/V, so any policy can be compared with the
+// reference implementations' outputs or inspected offline.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -12,15 +12,16 @@
 #include "case_io.hpp"
 #include "command.hpp"
 #include "device_flag.hpp"
+#include "kvsift/backend/cpu/attention_mass.hpp"
+#include "kvsift/backend/cpu/window_importance.hpp"
+#include "kvsift/config/rkv_config.hpp"
+#include "kvsift/config/snapkv_config.hpp"
 #include "kvsift/core/compact.hpp"
 #include "kvsift/core/safetensors.hpp"
-#include "kvsift/policy/baselines/full_kv.hpp"
-#include "kvsift/policy/baselines/h2o.hpp"
-#include "kvsift/policy/baselines/rkv.hpp"
-#include "kvsift/policy/baselines/snapkv.hpp"
-#include "kvsift/policy/baselines/streaming_llm.hpp"
+#include "kvsift/policy/registry.hpp"
 #include "score_rkv_run.hpp"
 #if defined(KVSIFT_WITH_CUDA)
+#include "demo_cuda.hpp"
 #include "score_cuda.hpp"
 #endif
 
@@ -32,9 +33,11 @@ int run_score_skipkv(const std::vector<std::string>& argv);
 namespace {
 
 void print_help() {
+  std::string names;
+  for (const MethodInfo& m : registered_methods())
+    if (!m.owns_cache) names += (names.empty() ? "" : ",") + std::string(m.name);
+  std::printf("usage: kvsift score --policy {%s} --case IN.safetensors\n", names.c_str());
   std::printf(
-      "usage: kvsift score --policy {rkv,snapkv,h2o,streaming,fullkv,skipkv} --case "
-      "IN.safetensors\n"
       "                    --out OUT.safetensors [--budget N] [--window W] [--kernel K]\n"
       "                    [--lambda L] [--threshold T] [--redundancy faithful|sound]\n"
       "                    [--device cpu|cuda] [--compare-cpu] [--fp32-search]\n\n"
@@ -51,13 +54,16 @@ void print_help() {
       "window, mean over GQA groups) apply unless the case or a flag sets kernel. H2O observes "
       "the\n"
       "W window queries as W decode steps.\n"
+      "Every method is built by the registry (make_policy) from the knobs above as JSON, each\n"
+      "taking the keys its config has, observes the window queries (H2O: as W decode steps),\n"
+      "then select() and compact() give the plan; the config used is echoed.\n"
       "--policy skipkv also takes --pad-mode and reads sentences; see\n"
       "'kvsift score --policy skipkv --help'.\n\n"
-      "--device cuda (default cpu) runs --policy rkv on the GPU (kvsift::cuda::rkv_score,\n"
-      "rkv_select, compact) and writes the same tensors, with \"device\": \"cuda\" in the\n"
-      "config. It needs queries stored in the keys' dtype and R-KV's defaults (GQA max, max\n"
-      "pooling, window mean, no sink). --policy skipkv has a GPU path too (see its --help);\n"
-      "streaming, h2o, snapkv and fullkv run on the CPU only. Needs a build with the CUDA\n"
+      "--device cuda (default cpu) runs select() on device copies of the case (device views:\n"
+      "R-KV and SkipKV on CUDA kernels, the others staged to the host by the library), with\n"
+      "\"device\": \"cuda\" in the config; --policy rkv also writes the GPU's score tensors\n"
+      "(kvsift::cuda::rkv_score). Queries must be stored in the keys' dtype; R-KV needs its\n"
+      "defaults (GQA max, max pooling, window mean, no sink). Needs a build with the CUDA\n"
       "backend and a CUDA device. --compare-cpu (with --device cuda) also runs the CPU path,\n"
       "prints the max abs/rel difference of every output and the kept-set agreement, and exits\n"
       "1 unless they agree within the golden tolerances (scores |x-ref| <= 1e-6+1e-4|ref|, kept\n"
@@ -65,6 +71,21 @@ void print_help() {
       "--fp32-search: the GPU's fp32 near-duplicate search instead of the default bf16 "
       "tensor-core\n"
       "              one (same results, slower; for cross-checks).\n");
+}
+
+// The case's and the flags' knobs as one JSON object; each method takes the keys its config has
+// (filter_config). Only knobs the case or a flag sets are given, so every method keeps its own
+// defaults otherwise (SnapKV's kernel 5, R-KV's 7).
+nlohmann::json score_knobs(const Args& a, const nlohmann::json& cfg, int budget, int window) {
+  nlohmann::json k = {{"budget", budget}, {"window", window}, {"buffer", std::max(128, window)}};
+  if (a.has("kernel") || cfg.contains("kernel"))
+    k["kernel"] = setting<int>(a, "kernel", cfg, "kernel", 7);
+  if (a.has("lambda") || cfg.contains("mix_lambda"))
+    k["mix_lambda"] = setting<float>(a, "lambda", cfg, "mix_lambda", 0.1f);
+  if (a.has("threshold") || cfg.contains("threshold"))
+    k["threshold"] = setting<float>(a, "threshold", cfg, "threshold", 0.5f);
+  k["redundancy"] = redundancy_name(redundancy_setting(a, cfg));
+  return k;
 }
 
 int run_score(const std::vector<std::string>& argv) {
@@ -83,18 +104,17 @@ int run_score(const std::vector<std::string>& argv) {
     return 0;
   }
   const std::string policy = a.required("policy");
-  const bool known = policy == "rkv" || policy == "snapkv" || policy == "h2o" ||
-                     policy == "streaming" || policy == "fullkv";
-  KVSIFT_CHECK(known, "unknown --policy '", policy,
-               "' (known: rkv, snapkv, h2o, streaming, fullkv, skipkv)");
+  const MethodInfo& method = method_info(policy);  // unknown: the registry's names listed
+  KVSIFT_CHECK(!method.owns_cache, "--policy ", policy,
+               " owns its KV cache (a CacheOwningPolicy): a golden-format case is one compression "
+               "of an engine's cache, which it never plans; try 'kvsift demo --policies ",
+               policy, "'");
   const std::string device = device_setting(a);
-  KVSIFT_CHECK(device == "cpu" || policy == "rkv", "--policy ", policy,
-               " has no CUDA path: it runs on --device cpu only (--device cuda supports --policy "
-               "rkv and skipkv)");
-  KVSIFT_CHECK(!a.has("compare-cpu") || device == "cuda",
-               "--compare-cpu compares the CUDA run with the CPU run: it needs --device cuda");
-  KVSIFT_CHECK(!a.has("fp32-search") || device == "cuda",
-               "--fp32-search is a GPU option: it needs --device cuda");
+  KVSIFT_CHECK(!a.has("compare-cpu") || (device == "cuda" && policy == "rkv"),
+               "--compare-cpu compares the CUDA R-KV run with the CPU run: it needs --policy rkv "
+               "and --device cuda");
+  KVSIFT_CHECK(!a.has("fp32-search") || (device == "cuda" && policy == "rkv"),
+               "--fp32-search is a GPU R-KV option: it needs --policy rkv and --device cuda");
   const std::string in_path = a.required("case"), out_path = a.required("out");
   ScoreCase c = read_score_case(SafetensorsFile::load(in_path), in_path);
   const nlohmann::json& cfg = c.config;
@@ -102,95 +122,96 @@ int run_score(const std::vector<std::string>& argv) {
   const int window = setting<int>(a, "window", cfg, "window", static_cast<int>(c.window));
   KVSIFT_CHECK(window == c.window, "window (", window, ") must equal the queries' W (", c.window,
                ")");
-  nlohmann::json echo = {{"policy", policy},
-                         {"budget", budget},
-                         {"window", window},
-                         {"source", in_path},
-                         {"device", device}};
+  const std::string config = filter_config(policy, score_knobs(a, cfg, budget, window).dump());
+  nlohmann::json echo = nlohmann::json::parse(method.default_config());
+  echo.update(nlohmann::json::parse(config));
+  echo.update({{"policy", policy}, {"source", in_path}, {"device", device}});
   SafetensorsFile out;
   KVCacheView kv = c.kv();
   StepInputs in{0, kv, c.q()};
   const std::int64_t n = c.seq - window;
-  KeepPlan plan;
-  RKVRun run;  // rkv: its tensors and its compacted K/V (from the device that ran it)
-  const std::vector<std::uint8_t>* compacted_keys = nullptr;
-  const std::vector<std::uint8_t>* compacted_values = nullptr;
   bool agrees = true;  // --compare-cpu's verdict
 
+#if defined(KVSIFT_WITH_CUDA)
+  if (device == "cuda" && policy == "rkv") {
+    // The GPU's score tensors too (kvsift::cuda::rkv_score), not only its plan.
+    const RKVConfig r = RKVConfig{budget,
+                                  window,
+                                  std::max(128, window),
+                                  echo["kernel"].get<int>(),
+                                  echo["mix_lambda"].get<float>(),
+                                  echo["threshold"].get<float>(),
+                                  echo["sink"].get<int>(),
+                                  redundancy_setting(a, cfg),
+                                  GqaReduce::max};
+    std::vector<std::uint8_t> q = c.queries_in_kv_dtype("R-KV");
+    const TensorView q_view = TensorView::contiguous(q.data(), c.dtype, Device::cpu,
+                                                     {c.batch, c.q_heads, c.window, c.dim});
+    const RKVRun run = run_rkv_cuda(kv, q_view, r, a.has("fp32-search"));
+    if (a.has("compare-cpu")) {
+      const RKVRun cpu_run = run_rkv_cpu(kv, in.window_queries, r);
+      agrees = print_rkv_comparison(compare_rkv_runs(run, cpu_run, r, c.valid_mask()));
+    }
+    echo["fp32_search"] = a.has("fp32-search");
+    put_run_scores(out, run);
+    put_plan(out, c, run.plan, window, run.keys, run.values);
+    save_score_output(out, echo, policy, c, in_path, out_path);
+    return agrees ? 0 : 1;
+  }
+#endif
+
+  // The method's own intermediate scores, from the CPU math it plans with (for comparison with
+  // the reference implementations' outputs).
   if (policy == "rkv") {
     RKVConfig r;
     r.budget = budget;
     r.window = window;
     r.buffer = std::max(r.buffer, window);
-    r.kernel = setting<int>(a, "kernel", cfg, "kernel", r.kernel);
-    r.mix_lambda = setting<float>(a, "lambda", cfg, "mix_lambda", r.mix_lambda);
-    r.threshold = setting<float>(a, "threshold", cfg, "threshold", r.threshold);
+    r.kernel = echo["kernel"].get<int>();
+    r.mix_lambda = echo["mix_lambda"].get<float>();
+    r.threshold = echo["threshold"].get<float>();
     r.redundancy = redundancy_setting(a, cfg);
-    if (device == "cuda") {
-#if defined(KVSIFT_WITH_CUDA)
-      std::vector<std::uint8_t> q = c.queries_in_kv_dtype("R-KV");
-      const TensorView q_view = TensorView::contiguous(q.data(), c.dtype, Device::cpu,
-                                                       {c.batch, c.q_heads, c.window, c.dim});
-      run = run_rkv_cuda(kv, q_view, r, a.has("fp32-search"));
-      if (a.has("compare-cpu")) {
-        const RKVRun cpu_run = run_rkv_cpu(kv, in.window_queries, r);
-        agrees = print_rkv_comparison(compare_rkv_runs(run, cpu_run, r, c.valid_mask()));
-      }
-      echo["fp32_search"] = a.has("fp32-search");
-#endif
-    } else {
-      run = run_rkv_cpu(kv, in.window_queries, r);
-    }
-    put_run_scores(out, run);
-    plan = run.plan;
-    compacted_keys = &run.keys;
-    compacted_values = &run.values;
-    echo.update({{"kernel", r.kernel},
-                 {"mix_lambda", r.mix_lambda},
-                 {"threshold", r.threshold},
-                 {"redundancy", redundancy_name(r.redundancy)},
-                 {"sink", r.sink}});
+    put_run_scores(out, run_rkv_cpu(kv, in.window_queries, r));
   } else if (policy == "snapkv") {
     SnapKVConfig s;
-    s.budget = budget;
     s.window = window;
-    s.buffer = std::max(s.buffer, window);
-    s.kernel = setting<int>(a, "kernel", cfg, "kernel", s.kernel);
-    SnapKV p(s);
+    s.kernel = echo["kernel"].get<int>();
     put_scores(out, "importance",
                cpu::window_importance(kv, in.window_queries, s.importance_config()), n);
-    plan = p.select(in);
-    echo.update({{"kernel", s.kernel}, {"pooling", "avg"}, {"reduction", "sum"}, {"gqa", "mean"}});
   } else if (policy == "h2o") {
-    H2OConfig h;
-    h.budget = budget;
-    H2O p(h);
-    p.observe_step(in);
-    put_scores(out, "attention_mass", *p.accumulator(0), c.seq);
-    plan = p.select(in);
-    echo.update({{"recent", h.recent_tokens()}, {"observed_steps", window}});
-  } else if (policy == "streaming") {
-    StreamingLLMConfig s;
-    s.budget = budget;
-    StreamingLLM p(s);
-    plan = p.select(in);
-    echo.update({{"sink", s.sink}});
-  } else if (policy == "fullkv") {
-    plan = FullKV().select(in);
+    // H2O observes the W window queries as W decode steps: their attention mass.
+    cpu::ScoreTensor mass(kv.batch(), kv.kv_heads(), kv.capacity());
+    cpu::accumulate_attention(kv, in.window_queries, mass);
+    put_scores(out, "attention_mass", mass, c.seq);
+    echo["observed_steps"] = window;
   }
+
+  // The plan, as an engine gets it: registry, observe, select, compact.
+  std::unique_ptr<Policy> p = make_policy(policy, config);
+  Observation obs;
+  obs.layer = 0;
+  obs.kv = kv;
+  obs.queries = in.window_queries;
+  p->observe(obs);
+  KeepPlan plan;
+#if defined(KVSIFT_WITH_CUDA)
+  if (device == "cuda") {
+    std::vector<std::uint8_t> q = c.queries_in_kv_dtype(policy.c_str());
+    in.window_queries = TensorView::contiguous(q.data(), c.dtype, Device::cpu,
+                                               {c.batch, c.q_heads, c.window, c.dim});
+    plan = demo::select_on_device(*p, in);
+  }
+#endif
+  if (device != "cuda") plan = p->select(in);
   plan.validate();
-  if (compacted_keys == nullptr) {  // a CPU baseline: compact the case's own buffers here
-    compact(c.kv(), plan);
-    compacted_keys = &c.keys;
-    compacted_values = &c.values;
-  }
-  put_plan(out, c, plan, window, *compacted_keys, *compacted_values);
+  compact(c.kv(), plan);
+  put_plan(out, c, plan, window, c.keys, c.values);
   save_score_output(out, echo, policy, c, in_path, out_path);
   return agrees ? 0 : 1;
 }
 
 const RegisterCommand kRegister{
-    {"score", "score a golden-format case with a baseline policy", &run_score}};
+    {"score", "score a golden-format case with any registered planning method", &run_score}};
 
 }  // namespace
 }  // namespace kvsift::tool

@@ -42,6 +42,8 @@
 #include "kvsift/policy/thinkv/sparsity_calibration.hpp"
 #include "kvsift/policy/thinkv/thought_classifier.hpp"
 #include "kvsift/policy/thinkv/thinkv.hpp"
+#include "kvsift/policy/thinkv/thinkv_policy.hpp"
+#include "kvsift/policy/cache_owning_policy.hpp"
 #include "kvsift/config/thought_type.hpp"
 
 #include "kvsift/quant/format.hpp"

@@ -27,7 +27,8 @@ class DeviceBackend {
 
   // compact() on device views: moves kept rows in place; lengths (host) rewritten.
   virtual std::size_t compact_workspace_bytes(const KeepPlan& plan) const = 0;
-  virtual void compact(const KVCacheView& kv, const KeepPlan& plan, const ExecContext& ctx) const = 0;
+  virtual void compact(const KVCacheView& kv, const KeepPlan& plan,
+                       const ExecContext& ctx) const = 0;
 
   // Copies `bytes` from device memory `src` to host memory `dst` on ctx.stream and waits for the
   // stream, so the host may read `dst` on return. The generic op behind the methods whose device

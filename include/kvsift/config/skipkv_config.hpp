@@ -32,8 +32,8 @@ struct SkipKVConfig {
     KVSIFT_CHECK(layers >= 0, "SkipKVConfig: layers must be >= 0 (0: any), got ", layers);
     KVSIFT_CHECK(kv_heads >= 0, "SkipKVConfig: kv_heads must be >= 0 (0: from the cache), got ",
                  kv_heads);
-    KVSIFT_CHECK(buffer >= scorer.window, "SkipKVConfig: buffer (", buffer,
-                 ") must be >= window (", scorer.window, ")");
+    KVSIFT_CHECK(buffer >= scorer.window, "SkipKVConfig: buffer (", buffer, ") must be >= window (",
+                 scorer.window, ")");
     scorer.validate();
     sentences.validate();
     steering.validate();

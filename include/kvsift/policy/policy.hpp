@@ -9,7 +9,10 @@
 #pragma once
 
 #include <cstddef>
+#include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "kvsift/core/exec_context.hpp"
 #include "kvsift/core/keep_plan.hpp"
@@ -37,6 +40,9 @@ class Policy {
   // Plans one layer of one step. Reads the cache, never writes it; apply the plan with compact().
   virtual KeepPlan select(const StepInputs& in, const ExecContext& ctx) = 0;
   KeepPlan select(const StepInputs& in) { return select(in, ExecContext{}); }
+  // What a host may log or tabulate about the method's state, as (name, value) pairs (SkipKV:
+  // redundant sentences, steering strengths). Empty for stateless methods.
+  virtual std::vector<std::pair<std::string, std::string>> summary() const { return {}; }
 };
 
 }  // namespace kvsift

@@ -1,11 +1,12 @@
-// H2O, heavy-hitter oracle (docs/algorithms.md §1.4): every KV head accumulates the softmax attention
-// its group's query heads give each token over the decode steps; a compression keeps the top
-// budget − recent tokens by that sum plus the `recent` most recent tokens.
+// H2O, heavy-hitter oracle (docs/algorithms.md §1.4): every KV head accumulates the softmax
+// attention its group's query heads give each token over the decode steps; a compression keeps the
+// top budget − recent tokens by that sum plus the `recent` most recent tokens.
 //
 // H2O is stateful (needs() == kNeedsQueries in accumulated mode). Per decode step and layer, after
 // the step's key/value is appended:
 //   h2o.observe(obs);          // obs.layer, obs.kv, obs.queries [batch, q_heads, n, head_dim]
-//   if (h2o.should_compress(kv)) { auto plan = h2o.select({layer, kv, q}, ctx); compact(kv, plan, ctx); }
+//   if (h2o.should_compress(kv)) { auto plan = h2o.select({layer, kv, q}, ctx); compact(kv, plan,
+//   ctx); }
 // (observe_step(StepInputs) is the same with in.window_queries as the step's queries.)
 // select() moves each layer's accumulator along with the plan, so the plan must be applied
 // (compact, or the engine's own remapping) before the next observation of that layer; a cache
@@ -28,11 +29,11 @@
 #include "kvsift/backend/cpu/attention_mass.hpp"
 #include "kvsift/backend/cpu/score_tensor.hpp"
 #include "kvsift/backend/cpu/select_topk.hpp"
+#include "kvsift/config/h2o_config.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/policy/budget_trigger.hpp"
 #include "kvsift/policy/device_staging.hpp"
 #include "kvsift/policy/policy.hpp"
-#include "kvsift/config/h2o_config.hpp"
 
 namespace kvsift {
 
@@ -77,9 +78,9 @@ class H2O final : public Policy {
     cpu::ScoreTensor& acc = accumulator_for(in.layer, in.kv);
     const std::int64_t steps = in.window_queries.rank == 4 ? in.window_queries.shape[2] : 0;
     for (std::int64_t b = 0; b < in.kv.batch(); ++b) {
-      KVSIFT_CHECK(in.kv.length(b) >= acc.count(b), "H2O::observe: layer ", in.layer,
-                   " sequence ", b, " holds ", in.kv.length(b), " tokens but its accumulator ",
-                   acc.count(b), " (was the cache changed without a plan from select?)");
+      KVSIFT_CHECK(in.kv.length(b) >= acc.count(b), "H2O::observe: layer ", in.layer, " sequence ",
+                   b, " holds ", in.kv.length(b), " tokens but its accumulator ", acc.count(b),
+                   " (was the cache changed without a plan from select?)");
       KVSIFT_CHECK(fresh || in.kv.length(b) <= acc.count(b) + steps, "H2O::observe: layer ",
                    in.layer, " sequence ", b, " holds ", in.kv.length(b),
                    " tokens but its accumulator expects at most ", acc.count(b), " + ", steps,
@@ -105,7 +106,8 @@ class H2O final : public Policy {
     KVSIFT_CHECK(accumulator(in.layer) != nullptr,
                  "H2O needs observe() with the step's queries every decode step (Observation "
                  "{layer, kv, queries [batch, q_heads, n, head_dim]}); layer ",
-                 in.layer, " is over budget but was never observed, so its plan would keep only "
+                 in.layer,
+                 " is over budget but was never observed, so its plan would keep only "
                  "the most recent tokens");
     cpu::ScoreTensor& acc = accumulator_for(in.layer, in.kv);
     for (std::int64_t b = 0; b < in.kv.batch(); ++b)

@@ -18,10 +18,10 @@
 #include "kvsift/backend/cpu/rkv_scores.hpp"
 #include "kvsift/backend/cpu/select_topk.hpp"
 #include "kvsift/backend/device_backend.hpp"
+#include "kvsift/config/rkv_config.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/policy/budget_trigger.hpp"
 #include "kvsift/policy/policy.hpp"
-#include "kvsift/config/rkv_config.hpp"
 
 namespace kvsift {
 

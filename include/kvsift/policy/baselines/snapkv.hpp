@@ -1,9 +1,9 @@
-// SnapKV (docs/algorithms.md §1.4): the window importance a of §1.1 alone, with SnapKV's own defaults
-// (window 32, kernel 5, average pooling, attention summed over the window). For grouped-query
-// attention the group's logits are averaged (our choice: SnapKV itself is multi-head only).
-// Same trigger and prefill use as R-KV (see rkv.hpp). Needs no observations.
-// Device views: staged to the host in this version (policy/device_staging.hpp): select() copies
-// the cache and window queries to host memory and runs the CPU reference, same plans as on host.
+// SnapKV (docs/algorithms.md §1.4): the window importance a of §1.1 alone, with SnapKV's own
+// defaults (window 32, kernel 5, average pooling, attention summed over the window). For
+// grouped-query attention the group's logits are averaged (our choice: SnapKV itself is multi-head
+// only). Same trigger and prefill use as R-KV (see rkv.hpp). Needs no observations. Device views:
+// staged to the host in this version (policy/device_staging.hpp): select() copies the cache and
+// window queries to host memory and runs the CPU reference, same plans as on host.
 #pragma once
 
 #include <algorithm>

@@ -1,5 +1,5 @@
-// StreamingLLM (docs/algorithms.md §1.4): keep the first `sink` tokens (attention sinks) and the most
-// recent budget − sink. With left padding the sinks are the first real tokens. Needs no
+// StreamingLLM (docs/algorithms.md §1.4): keep the first `sink` tokens (attention sinks) and the
+// most recent budget − sink. With left padding the sinks are the first real tokens. Needs no
 // observations; the plan depends only on the lengths and the pad mask.
 // Device views: staged to the host in this version: select() copies the pad mask (the only
 // device memory it reads) to the host and runs the CPU reference, same plans as on host.

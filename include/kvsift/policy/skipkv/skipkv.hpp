@@ -21,7 +21,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <optional>
+#include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -167,7 +169,8 @@ class SkipKV final : public Policy {
     KVSIFT_CHECK(observed_tokens_ || !any_over_budget(kv),
                  "SkipKV needs observe() with the step's token ids (Observation layer -1: "
                  "token_ids [batch, n], last_hidden [batch, n, hidden]) every step, prompt "
-                 "included; layer ", in.layer, " is over budget but no token was ever observed");
+                 "included; layer ",
+                 in.layer, " is over budget but no token was ever observed");
     KVSIFT_CHECK(kv.batch() == batch(), "SkipKV::select: cache batch (", kv.batch(),
                  ") != ", cfg_.batch > 0 ? "config batch (" : "sequences observed (", batch(), ")");
     frozen_ = true;  // the range maps are sized now
@@ -195,10 +198,10 @@ class SkipKV final : public Policy {
       for (std::int64_t h = 0; h < heads; ++h)
         penalties[b * heads + h] = st.table.penalty_ranges(0, b, h, t.sentences());
     }
-    KeepPlan plan = kv.device() == Device::cpu || !any_over_budget(kv)
-                        ? scorer_.select(kv, in.window_queries, penalties)
-                        : device_backend().skipkv_select(kv, in.window_queries, cfg_.scorer,
-                                                         penalties, ctx);
+    KeepPlan plan =
+        kv.device() == Device::cpu || !any_over_budget(kv)
+            ? scorer_.select(kv, in.window_queries, penalties)
+            : device_backend().skipkv_select(kv, in.window_queries, cfg_.scorer, penalties, ctx);
     // §2.3 after eviction, recorded now on the contract that the host applies the plan.
     st.table.apply_plan(0, plan);
     for (std::int64_t b = 0; b < batch(); ++b) {
@@ -237,6 +240,24 @@ class SkipKV final : public Policy {
   bool has_steering_vector() const { return steer_.has_value(); }
 
   // ---- inspection --------------------------------------------------------------------------
+
+  // "redundant sentences": marked of closed, over all sequences; "alpha (N_o) per sequence":
+  // steering_strength(b) and the check sentences it was computed from.
+  std::vector<std::pair<std::string, std::string>> summary() const override {
+    std::int64_t marked = 0, closed = 0;
+    std::string alphas;
+    for (std::int64_t b = 0; b < batch(); ++b) {
+      marked += trackers_[b].redundant_count();
+      closed += trackers_[b].num_sentences();
+      char buf[48];
+      std::snprintf(buf, sizeof buf, "%.2f (%lld)", steering_strength(b),
+                    static_cast<long long>(checks_at_trigger_[b]));
+      alphas += (alphas.empty() ? "" : ", ") + std::string(buf);
+    }
+    return {{"redundant sentences",
+             batch() ? std::to_string(marked) + " of " + std::to_string(closed) : "-"},
+            {"alpha (N_o) per sequence", alphas.empty() ? "-" : alphas}};
+  }
 
   const SentenceTracker& tracker(std::int64_t seq) const {
     check_seq(seq, "tracker");
@@ -350,7 +371,7 @@ class SkipKV final : public Policy {
   std::int64_t kv_heads_ = 0;
   bool pending_trigger_ = false;
   bool observed_tokens_ = false;  // some observe() gave tokens: select() may run over budget
-  bool frozen_ = false;  // batch fixed: a select() has run
+  bool frozen_ = false;           // batch fixed: a select() has run
   // Auto-sizing (batch = 0) stops here, so a stray sequence index cannot allocate without bound.
   static constexpr std::int64_t kMaxAutoBatch = 1 << 16;
   std::int64_t triggers_ = 0;

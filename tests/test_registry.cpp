@@ -1,0 +1,87 @@
+// The registry table: every name creates (from "{}" or its example config), names round-trip,
+// and bad configs raise errors that name the problem (unknown method, unknown key with the valid
+// ones listed, wrong type, non-integral int, invalid value, not an object).
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <string>
+
+#include "catch.hpp"
+#include "kvsift/policy/registry.hpp"
+
+using namespace kvsift;
+using Catch::Matchers::Contains;
+
+TEST_CASE("every registered method creates from its example config", "[registry]") {
+  std::set<std::string> names;
+  for (const MethodInfo& m : registered_methods()) {
+    INFO(m.name);
+    CHECK(names.insert(std::string(m.name)).second);  // unique
+    CHECK(!m.family.empty());
+    CHECK(!m.summary.empty());
+    REQUIRE((m.create != nullptr) != m.owns_cache);
+    REQUIRE((m.create_cache_owning != nullptr) == m.owns_cache);
+    CHECK(&method_info(m.name) == &m);
+    const nlohmann::json defaults = nlohmann::json::parse(m.default_config());
+    REQUIRE(defaults.is_object());
+    if (m.owns_cache) {
+      auto p = make_cache_owning_policy(m.name, m.example_config);
+      CHECK(p->name() == m.name);
+      CHECK(p->needs() == m.needs);
+      REQUIRE_THROWS_WITH(make_policy(m.name, m.example_config),
+                          Contains("owns its KV cache") && Contains("make_cache_owning_policy"));
+    } else {
+      auto p = make_policy(m.name, m.example_config);
+      CHECK(p->name() == m.name);
+      CHECK(p->needs() == m.needs);
+      // The written defaults read back.
+      CHECK(make_policy(m.name, m.default_config())->name() == m.name);
+      REQUIRE_THROWS_WITH(make_cache_owning_policy(m.name), Contains("make_policy"));
+    }
+  }
+  for (const char* expected : {"fullkv", "streaming", "h2o", "snapkv", "rkv", "skipkv", "thinkv"})
+    CHECK(names.count(expected) == 1);
+  CHECK(policy_names().size() == registered_methods().size());
+}
+
+TEST_CASE("registry errors name the problem", "[registry][errors]") {
+  REQUIRE_THROWS_WITH(make_policy("quest"),
+                      Contains("unknown policy 'quest'") && Contains("rkv") && Contains("thinkv"));
+  REQUIRE_THROWS_WITH(make_policy("rkv", R"({"budgte": 512})"),
+                      Contains("rkv config") && Contains("unknown key 'budgte'") &&
+                          Contains("valid keys: budget, window"));
+  REQUIRE_THROWS_WITH(make_policy("h2o", R"({"window": 8})"),
+                      Contains("unknown key 'window'") && Contains("recent"));
+  REQUIRE_THROWS_WITH(make_policy("rkv", R"({"budget": "512"})"),
+                      Contains("'budget' must be an integer") && Contains("\"512\""));
+  REQUIRE_THROWS_WITH(make_policy("rkv", R"({"budget": 512.5})"),
+                      Contains("'budget' must be an integer") && Contains("512.5"));
+  REQUIRE_THROWS_WITH(make_policy("snapkv", R"({"budget": 1e12})"),
+                      Contains("'budget' must be an integer"));
+  REQUIRE_THROWS_WITH(make_policy("rkv", R"({"mix_lambda": true})"),
+                      Contains("'mix_lambda' must be a number") && Contains("true"));
+  REQUIRE_THROWS_WITH(make_policy("snapkv", R"({"pooling": "median"})"),
+                      Contains("'pooling' must be one of max, avg") && Contains("median"));
+  REQUIRE_THROWS_WITH(make_policy("rkv", R"({"budget": 4})"),
+                      Contains("budget (4)") && Contains("window"));
+  REQUIRE_THROWS_WITH(make_policy("rkv", "[1, 2]"), Contains("expected a JSON object"));
+  REQUIRE_THROWS_WITH(make_policy("rkv", "{budget: 3"), Contains("not valid JSON"));
+  REQUIRE_THROWS_WITH(
+      make_policy("skipkv", R"({"steering": {"alpha": 1}})"),
+      Contains("skipkv.steering config") && Contains("unknown key 'alpha'") && Contains("alpha0"));
+  REQUIRE_THROWS_WITH(make_policy("skipkv", R"({"delimiters": [198, 1.5]})"),
+                      Contains("'delimiters' must be an array of integers"));
+  REQUIRE_THROWS_WITH(make_cache_owning_policy("thinkv"), Contains("theta1"));
+  // An integral float is an integer.
+  CHECK(make_policy("rkv", R"({"budget": 512.0})") != nullptr);
+}
+
+TEST_CASE("filter_config keeps the keys a method has", "[registry]") {
+  const std::string shared = R"({"budget": 64, "window": 4, "sink": 2, "hidden_size": 8})";
+  CHECK(nlohmann::json::parse(filter_config("h2o", shared)) == nlohmann::json{{"budget", 64}});
+  CHECK(nlohmann::json::parse(filter_config("streaming", shared)) ==
+        nlohmann::json{{"budget", 64}, {"sink", 2}});
+  CHECK(nlohmann::json::parse(filter_config("skipkv", shared)) ==
+        nlohmann::json{{"budget", 64}, {"window", 4}, {"hidden_size", 8}});
+  REQUIRE_THROWS_WITH(filter_config("quest", shared), Contains("'quest'"));
+}
