@@ -150,10 +150,6 @@ def find_library():
     raise OSError("libkvsift_c not found: set %s to the built library (build/src/c_api/"
                   "libkvsift_c.so) or copy it next to the kvsift package; looked in %s and the "
                   "system library path" % (LIBRARY_ENV, ", ".join(places)))
-=======
-def _config_text(config):
-    return config if isinstance(config, str) else json.dumps(config or {})
->>>>>>> capi:bench/kvsift_c.py
 
 
 def _config_text(config):

@@ -671,15 +671,16 @@ class KVSiftCache(_HFCache):
 
     @torch.no_grad()
     def fill_synthetic(self, batch, resident, position, dtype, device, kv_heads=None,
-                       hidden_size=None, generator=None):
-        """Benchmark helper: the state of a cache after `position` tokens of which `resident`
-        are held (random post-RoPE K/V, random window inputs), as if reached by decoding; the
-        next forward continues at position `position`. No padding."""
-        if self.needs & _capi.NEEDS_TOKENS:
-            raise error("fill_synthetic: %s observes every token; synthetic fills serve methods "
-                        "that observe nothing (rkv, snapkv, streaming, fullkv)" % self.method)
+                       generator=None):
+        """Benchmark helper: the state of a cache that has seen `position` tokens per sequence
+        and holds `resident` of them (random post-RoPE K/V, random window inputs), as if reached
+        by decoding; the next forward continues at position `position` (pass position_ids). No
+        padding. Methods that observe tokens (SkipKV) observe `resident` synthetic tokens (a
+        delimiter every 25, random hidden states), so that their sentence tracking matches the
+        resident cache; only RoPE positions reflect `position`."""
         kv_heads = kv_heads or self._kv_heads_of_model()
-        self._start(batch, 1, None, torch.device(device))
+        device = torch.device(device)
+        self._start(batch, 1, None, device)
         self._prompt_valid = torch.ones(batch, resident, dtype=torch.uint8, device=device)
         for i, L in enumerate(self.hf_layers):
             shape = (batch, kv_heads, resident, self.head_dim)
@@ -688,9 +689,10 @@ class KVSiftCache(_HFCache):
             self._allocate(L, k, v)
             L.k_buf[:, :, :resident].copy_(k)
             L.v_buf[:, :, :resident].copy_(v)
+            del k, v
             L.keys, L.values = L.k_buf[:, :, :resident], L.v_buf[:, :, :resident]
             if self.window > 0:
-                hs = hidden_size or self._attentions[i].q_proj.in_features
+                hs = self._attentions[i].q_proj.in_features
                 L.hidden = torch.randn(batch, self.window, hs, generator=generator).to(device,
                                                                                        dtype)
         if self.window > 0:
@@ -698,6 +700,19 @@ class KVSiftCache(_HFCache):
             self._sin = torch.zeros_like(self._cos)
         self._lengths[:] = resident
         self._clean[:] = resident
+        L0 = self.hf_layers[0]
+        L0.lengths[:] = resident
+        if self.needs & _capi.NEEDS_TOKENS:
+            ids = torch.randint(1000, 30000, (batch, resident), generator=generator)
+            ids[:, 24::25] = int(self.options.get("delimiters", [198])[0])
+            hidden_size = int(self.options.get("hidden_size", 0))
+            for s in range(0, resident, 256):
+                e = min(resident, s + 256)
+                hidden = None
+                if self.needs & _capi.NEEDS_HIDDEN:
+                    hidden = torch.randn(batch, e - s, hidden_size, generator=generator).to(
+                        device, dtype)
+                self.policy.observe(token_ids=ids[:, s:e], last_hidden=hidden, kv=L0.view)
         self._seen = position
         self._compressed = resident < position
 
