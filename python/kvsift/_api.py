@@ -54,11 +54,13 @@ def _byte_mask(mask, what):
                         % (what, tuple(mask.shape), tuple(mask.stride())))
         return mask.data_ptr()
     if is_numpy(mask):
-        if str(mask.dtype) not in ("uint8", "bool") or mask.ndim != 2 or not mask.flags["C_CONTIGUOUS"]:
+        if (str(mask.dtype) not in ("uint8", "bool") or mask.ndim != 2
+                or not mask.flags["C_CONTIGUOUS"]):
             raise error("%s: expected a C-contiguous 2-D uint8/bool array, got %s %s"
                         % (what, mask.dtype, mask.shape))
         return mask.ctypes.data
-    raise error("%s: expected a torch.Tensor or numpy.ndarray, got %s" % (what, type(mask).__name__))
+    raise error("%s: expected a torch.Tensor or numpy.ndarray, got %s"
+                % (what, type(mask).__name__))
 
 
 class CacheView:

@@ -47,7 +47,8 @@ def describe(x, what, ranks=(1, 2, 3, 4)):
     if is_torch(x):
         dtype = _TORCH_DTYPES.get(str(x.dtype))
         if dtype is None:
-            raise error("%s: dtype %s is not supported (float32, float16, bfloat16)" % (what, x.dtype))
+            raise error("%s: dtype %s is not supported (float32, float16, bfloat16)"
+                        % (what, x.dtype))
         kind, _ = device_of(x)
         device = _capi.DEVICE_CUDA if kind == "cuda" else _capi.DEVICE_CPU
         shape, strides, ptr = tuple(x.shape), tuple(x.stride()), x.data_ptr()
@@ -64,7 +65,8 @@ def describe(x, what, ranks=(1, 2, 3, 4)):
         shape, strides = tuple(x.shape), tuple(s // item for s in x.strides)
         ptr = x.ctypes.data
     else:
-        raise error("%s: expected a torch.Tensor or numpy.ndarray, got %s" % (what, type(x).__name__))
+        raise error("%s: expected a torch.Tensor or numpy.ndarray, got %s"
+                    % (what, type(x).__name__))
     if len(shape) not in ranks:
         raise error("%s: rank %d (shape %s), expected rank %s"
                     % (what, len(shape), shape, " or ".join(str(r) for r in ranks)))

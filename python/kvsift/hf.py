@@ -12,15 +12,16 @@ How it works (docs/python.md):
   attention input) and the rotary (cos, sin) of those positions; at compression time they are
   re-projected through the layer's q_proj (and q_norm where the model has one) and rotated, giving
   the post-RoPE window queries kvsift scores with.
-- A wrapper around the decoder's forward runs after each step: it feeds the policy what it observes (SkipKV:
-  the step's token ids and final-norm hidden states) and, once a sequence reaches budget + buffer,
+- A wrapper around the decoder's forward runs after each step: it feeds the policy what it
+  observes (SkipKV: the step's token ids and final-norm hidden states) and, once a sequence reaches budget + buffer,
   plans and compacts every layer in place (kvsift.compact, torch's current stream).
 - Until a cache first compresses, its slots are exactly DynamicCache's (left pads in the first
   slots, the caller's attention mask untouched), so generation is token-identical. A compaction
   drops a compressed sequence's pads (kvsift's budget counts real tokens) and sequences may then
   hold different lengths; from then on the cache supplies the attention mask itself (a forward
   wrapper around the decoder's forward replaces the 2-D mask with one describing its slots), and
-  get_seq_length() keeps counting the tokens seen, so positions (RoPE) stay those of the full
+  get_mask_sizes() gives the resident length, while get_seq_length() keeps counting the
+  tokens seen, so positions (RoPE, the causal mask's query positions) stay those of the full
   sequence.
 What it refuses up front (kvsift.Error): methods that need per-step queries or own their cache
 (h2o, thinkv), flash attention with padded rows, beam search (reorder_cache), static or compiled
@@ -149,7 +150,8 @@ class KVSiftCache(_HFCache):
         if method == "skipkv":
             vocab = vocabulary or _VOCAB_BY_MODEL_TYPE.get(getattr(config, "model_type", ""))
             if vocab is None:
-                raise error("KVSiftCache: SkipKV needs the delimiter and keyword ids of the model's "
+                raise error("KVSiftCache: SkipKV needs the delimiter and keyword ids of the "
+                            "model's "
                             "vocabulary: pass vocabulary='r1_qwen' or 'r1_llama', or delimiters=, "
                             "keywords= and steering= yourself")
             for k, v in skipkv_token_options(vocab).items():
@@ -334,7 +336,8 @@ class KVSiftCache(_HFCache):
             self._start(batch, q, mask, ref.device)
         else:
             if batch != self.batch:
-                raise error("KVSiftCache: batch %d after a prompt of batch %d" % (batch, self.batch))
+                raise error("KVSiftCache: batch %d after a prompt of batch %d"
+                            % (batch, self.batch))
             if q > 1 and self._compressed:
                 raise error("KVSiftCache: a %d-token step on a cache that has compressed (it "
                             "holds %d of %d positions): continuing from a compressed cache with "
@@ -379,8 +382,9 @@ class KVSiftCache(_HFCache):
         self._clean = np.zeros(batch, dtype=np.int32)
 
     def _slot_mask(self, q, given):
-        """[B, seen + q] mask whose last (resident + q) columns describe the slots after this
-        step's append (get_mask_sizes' kv_offset skips the rest)."""
+        """[B, resident + q] mask of the slots after this step's append (q == 1 once compressed):
+        1 for each sequence's real resident tokens and its new one, 0 for kept pads and for the
+        slots past a shorter sequence's length."""
         L = self.hf_layers[0]
         lens = torch.from_numpy(self._lengths.astype(np.int64)).to(self._device)[:, None]
         clean = torch.from_numpy(self._clean.astype(np.int64)).to(self._device)[:, None]
@@ -389,9 +393,7 @@ class KVSiftCache(_HFCache):
         valid = L.valid[:, :vis].to(torch.bool) | (ar >= clean)
         m = (ar < lens + q) & valid
         dtype = given.dtype if torch.is_tensor(given) else torch.long
-        out = torch.zeros(self.batch, self._seen + q, dtype=dtype, device=self._device)
-        out[:, self._seen + q - vis:] = m.to(dtype)
-        return out
+        return m.to(dtype)
 
     def _capture(self, i, args, kwargs):
         """Attention pre-hook of layer i: keep the last `window` attention inputs (and, once, the
@@ -520,13 +522,14 @@ class KVSiftCache(_HFCache):
         return self._seen
 
     def get_mask_sizes(self, query_length, layer_idx=0, *args, **kwargs):
-        """(kv_length, kv_offset): the resident slots after this step's append, placed so that
-        the step's queries (positions seen .. seen + q - 1) come last."""
+        """(kv_length, kv_offset) = (resident slots after this step's append, 0). Before any
+        compression that is DynamicCache's answer; after one, the step has one query at position
+        seen (get_query_offset), every slot index is below it, and the mask is the cache's own
+        [B, kv_length] slot mask, so causality holds and the padding mask lines up."""
         q = query_length if isinstance(query_length, int) else int(query_length.shape[0])
         if self._lengths is None:
             return q, 0
-        vis = int(self._lengths.max()) + q
-        return vis, self._seen + q - vis
+        return int(self._lengths.max()) + q, 0
 
     def get_max_cache_shape(self, layer_idx=0, *args, **kwargs):
         return -1

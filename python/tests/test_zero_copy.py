@@ -91,7 +91,8 @@ def test_numpy_arrays_zero_copy():
     kvsift.compact(kv, plan)
     assert keys.ctypes.data == addr
     assert np.array_equal(keys[0, :, :10], np.concatenate([k0[0, :, :2], k0[0, :, 22:30]], axis=1))
-    assert np.array_equal(values[0, :, :10], np.concatenate([v0[0, :, :2], v0[0, :, 22:30]], axis=1))
+    assert np.array_equal(values[0, :, :10],
+                          np.concatenate([v0[0, :, :2], v0[0, :, 22:30]], axis=1))
 
 
 def test_numpy_f16():
