@@ -328,11 +328,11 @@ class KVSiftCache(_HFCache):
             raise error("KVSiftCache: the forward has neither input_ids nor inputs_embeds")
         batch, q = int(ref.shape[0]), int(ref.shape[1])
         mask = kwargs.get("attention_mask")
-        if isinstance(mask, dict) or (torch.is_tensor(mask) and mask.dim() != 2):
-            raise error("KVSiftCache: needs the 2-D attention mask (got %s); prebuilt 4-D masks "
-                        "are not supported" % (type(mask).__name__ if isinstance(mask, dict)
-                                                else "shape %s" % (tuple(mask.shape),)))
+        # Once compressed the cache replaces whatever mask it is given (2-D, 4-D or a dict of
+        # them) with its own slot mask, below.
         if self._seen == 0:
+            if isinstance(mask, dict) or (torch.is_tensor(mask) and mask.dim() != 2):
+                mask = None  # a prebuilt mask: the prompt is taken as unpadded
             self._start(batch, q, mask, ref.device)
         else:
             if batch != self.batch:
