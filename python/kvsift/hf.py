@@ -29,6 +29,7 @@ caches, sliding-window models, and a multi-token step (a new prompt or full inpu
 that has compressed.
 """
 
+import functools
 import os
 import weakref
 
@@ -278,6 +279,7 @@ class KVSiftCache(_HFCache):
         had_own = "forward" in module.__dict__
         inner = module.forward
 
+        @functools.wraps(inner)  # keeps the signature for code that inspects forward
         def forward(*args, **kwargs):
             changed = before(args, kwargs) if before is not None else None
             if changed is not None:

@@ -220,3 +220,21 @@ def test_keep_everything_plans_through_the_compressed_path_are_token_identical()
         out = md.greedy(m, ids, mask, cache, 30)
         assert cache.compressions == 30 and cache._compressed
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("method", ["rkv", "skipkv"])
+def test_fill_synthetic_continues_at_the_given_position(method):
+    # The benchmark's state: `resident` slots held at logical position 500; decoding goes on
+    # with RoPE positions 500, 501, ... and compresses every `buffer` steps.
+    m = model(1)
+    opts = {"vocabulary": "r1_qwen", "delimiters": [5]} if method == "skipkv" else {}
+    with hf.KVSiftCache(m, method, budget=24, buffer=8, window=4, **opts) as cache:
+        cache.fill_synthetic(2, 30, 500, torch.float32, "cpu")
+        assert cache.get_seq_length() == 500 and list(cache.resident_lengths()) == [30, 30]
+        ids = torch.randint(3, 50, (2, 1))
+        for _ in range(20):
+            pos = torch.full((2, 1), cache.get_seq_length())
+            ids = m(ids, position_ids=pos, past_key_values=cache)[:, -1:].argmax(-1)
+        assert cache.get_seq_length() == 520
+        assert cache.compressions == 3  # at 32 slots (the first step), then every 8 steps
+        assert list(cache.resident_lengths()) == [26, 26]
