@@ -115,7 +115,7 @@ def make_cache(model, method, budget, args, batch, position, resident=None):
     import torch
     import transformers
 
-    g = torch.Generator(device="cpu").manual_seed(args.seed + batch)
+    g = torch.Generator(device="cuda").manual_seed(args.seed + batch)
     if method == "fullkv":
         cache = transformers.DynamicCache()
         for layer in range(args.layers):

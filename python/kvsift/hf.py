@@ -82,6 +82,14 @@ def skipkv_token_options(vocabulary):
                          "boundary": paragraph_break_ids(vocabulary)}}
 
 
+def _randn(shape, generator, device, dtype):
+    """Normal samples made on `device` (or on the generator's device, then moved)."""
+    device = torch.device(device)
+    if generator is not None and generator.device.type != device.type:
+        return torch.randn(shape, generator=generator).to(device, dtype)
+    return torch.randn(shape, generator=generator, device=device, dtype=dtype)
+
+
 def _rotate_half(x):
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -689,8 +697,8 @@ class KVSiftCache(_HFCache):
         self._prompt_valid = torch.ones(batch, resident, dtype=torch.uint8, device=device)
         for i, L in enumerate(self.hf_layers):
             shape = (batch, kv_heads, resident, self.head_dim)
-            k = torch.randn(shape, generator=generator, dtype=torch.float32).to(device, dtype)
-            v = torch.randn(shape, generator=generator, dtype=torch.float32).to(device, dtype)
+            k = _randn(shape, generator, device, dtype)
+            v = _randn(shape, generator, device, dtype)
             self._allocate(L, k, v)
             L.k_buf[:, :, :resident].copy_(k)
             L.v_buf[:, :, :resident].copy_(v)
@@ -698,8 +706,7 @@ class KVSiftCache(_HFCache):
             L.keys, L.values = L.k_buf[:, :, :resident], L.v_buf[:, :, :resident]
             if self.window > 0:
                 hs = self._attentions[i].q_proj.in_features
-                L.hidden = torch.randn(batch, self.window, hs, generator=generator).to(device,
-                                                                                       dtype)
+                L.hidden = _randn((batch, self.window, hs), generator, device, dtype)
         if self.window > 0:
             self._cos = torch.ones(1, self.window, self.head_dim, dtype=dtype, device=device)
             self._sin = torch.zeros_like(self._cos)
@@ -708,15 +715,14 @@ class KVSiftCache(_HFCache):
         L0 = self.hf_layers[0]
         L0.lengths[:] = resident
         if self.needs & _capi.NEEDS_TOKENS:
-            ids = torch.randint(1000, 30000, (batch, resident), generator=generator)
+            ids = torch.randint(1000, 30000, (batch, resident))
             ids[:, 24::25] = int(self.options.get("delimiters", [198])[0])
             hidden_size = int(self.options.get("hidden_size", 0))
             for s in range(0, resident, 256):
                 e = min(resident, s + 256)
                 hidden = None
                 if self.needs & _capi.NEEDS_HIDDEN:
-                    hidden = torch.randn(batch, e - s, hidden_size, generator=generator).to(
-                        device, dtype)
+                    hidden = _randn((batch, e - s, hidden_size), generator, device, dtype)
                 self.policy.observe(token_ids=ids[:, s:e], last_hidden=hidden, kv=L0.view)
         self._seen = position
         self._compressed = resident < position
