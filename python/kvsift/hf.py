@@ -102,9 +102,17 @@ class _Layer(_HFLayer):
     is_sliding = False
     is_compileable = False
 
+    # Plain attributes whatever the base class makes of them (views of the resident slots).
+    keys = property(lambda self: self._keys, lambda self, v: setattr(self, "_keys", v))
+    values = property(lambda self: self._values, lambda self, v: setattr(self, "_values", v))
+
     def __init__(self):
+        self._keys = self._values = None
         if _HFLayer is not object:
-            super().__init__()
+            try:
+                super().__init__()
+            except TypeError:  # a mixin whose constructor takes arguments: not needed here
+                pass
         self.keys = self.values = None
         self.is_initialized = False
         self.k_buf = self.v_buf = self.valid = None  # [B, H, C, D], [B, H, C, D], [B, C] uint8
