@@ -137,6 +137,11 @@ class _Layer(_HFLayer):
         return -1
 
 
+# The cache answers every query itself: abstract methods a newer base class may add must not
+# make the layer uninstantiable.
+_Layer.__abstractmethods__ = frozenset()
+
+
 class KVSiftCache(_HFCache):
     """A transformers Cache whose layers are kvsift cache views, compressed in place by `method`
     (SUPPORTED_METHODS) with its config fields as keyword options (make_policy). `capacity`
