@@ -1,4 +1,6 @@
-// FullKV (docs/algorithms.md §1.4): keeps everything; the reference for memory and recall.
+// FullKV (docs/algorithms.md §1.4): keeps everything; the reference for memory and recall. Needs
+// no observations. Device views: the plan depends only on the lengths (host memory by
+// KVCacheView's contract), so nothing is read from the device.
 #pragma once
 
 #include <string_view>

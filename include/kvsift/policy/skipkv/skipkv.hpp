@@ -85,7 +85,8 @@ class SkipKV final : public Policy {
     if (obs.num_tokens == 0) return;
     const bool with_hidden = cfg_.sentences.hidden_size > 0;
     KVSIFT_CHECK(!with_hidden || (obs.last_hidden.data != nullptr && obs.last_hidden.rank == 3 &&
-                                  obs.last_hidden.shape[1] == obs.num_tokens),
+                                  obs.last_hidden.shape[1] == obs.num_tokens &&
+                                  obs.last_hidden.shape[2] == cfg_.sentences.hidden_size),
                  "SkipKV::observe: last_hidden must be [batch, num_tokens = ", obs.num_tokens,
                  ", hidden_size = ", cfg_.sentences.hidden_size, "], got ",
                  obs.last_hidden.shape_string(), " (hidden_size > 0 needs hidden states)");

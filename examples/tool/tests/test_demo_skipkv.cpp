@@ -1,21 +1,22 @@
-// The demo's SkipKV adapter (examples/tool/demo_skipkv.hpp) on tiny runs: its tracker must see the
-// plan's sentences (real delimiter ids, or stand-ins on a synthetic stream), its redundancy marks
-// must be exactly those an independent recomputation of PSS over the generator's hidden states
-// gives (and only planted near-repeats), its steering strength must count the keyword sentences,
-// and on the same decode it must evict a larger share of tokens as whole sentences than R-KV.
+// SkipKV in the demo (the registry's "skipkv" driven by RegistryPolicy, demo_policy.hpp) on tiny
+// runs: its tracker must see the plan's sentences (real delimiter ids, or stand-ins on a synthetic
+// stream), its redundancy marks must be exactly those an independent recomputation of PSS over the
+// generator's hidden states gives (and only planted near-repeats), its steering strength must count
+// the keyword sentences, and on the same decode it must evict a larger share of tokens as whole
+// sentences than R-KV.
 #include <cmath>
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "../examples/tool/demo_adapters.hpp"
-#include "../examples/tool/demo_generator.hpp"
-#include "../examples/tool/demo_runner.hpp"
-#include "../examples/tool/demo_sentences.hpp"
-#include "../examples/tool/demo_skipkv.hpp"
 #include "catch.hpp"
+#include "demo_generator.hpp"
+#include "demo_policy.hpp"
+#include "demo_runner.hpp"
+#include "demo_sentences.hpp"
 #include "kvsift/policy/registry.hpp"
+#include "kvsift/policy/skipkv/skipkv.hpp"
 
 using namespace kvsift;
 using namespace kvsift::demo;
@@ -58,7 +59,8 @@ SentencePlan token_plan(std::int64_t length, std::uint64_t seed, int keyword_sen
 
 struct Run {
   DemoResult result;
-  const SkipKVPolicy* skipkv = nullptr;  // owned by `policies`
+  const RegistryPolicy* skipkv = nullptr;  // owned by `policies`
+  const SkipKV* sk = nullptr;              // the policy it drives
   std::vector<std::unique_ptr<DemoPolicy>> policies;
 };
 
@@ -72,17 +74,17 @@ DemoConfig tiny_config(std::uint64_t seed) {
   return cfg;
 }
 
-// rkv then skipkv, both from the registry and adapt_policy() as `kvsift demo` makes them.
+// rkv then skipkv, both from the registry with the demo's shared knobs, as `kvsift demo` makes
+// them.
 void run_rkv_and_skipkv(const DemoConfig& cfg, std::vector<SentencePlan> plans, Run& run) {
-  PolicyOptions o;
-  o.budget = cfg.budget;
-  o.window = cfg.window;
-  o.buffer = cfg.buffer;
-  o.hidden_size = cfg.generator.head_dim;
-  run.policies.push_back(adapt_policy(make_policy("rkv", o)));
-  run.policies.push_back(adapt_policy(make_policy("skipkv", o)));
-  run.skipkv = dynamic_cast<const SkipKVPolicy*>(run.policies[1].get());
+  const std::string shared = shared_config_json(cfg);
+  for (const char* name : {"rkv", "skipkv"})
+    run.policies.push_back(
+        std::make_unique<RegistryPolicy>(make_policy(name, filter_config(name, shared))));
+  run.skipkv = dynamic_cast<const RegistryPolicy*>(run.policies[1].get());
   REQUIRE(run.skipkv != nullptr);
+  run.sk = dynamic_cast<const SkipKV*>(&run.skipkv->policy());  // the test inspects its state
+  REQUIRE(run.sk != nullptr);
   SyntheticDecode decode(cfg.generator, std::move(plans));
   run.result = run_demo(cfg, decode, run.policies);
 }
@@ -136,7 +138,7 @@ TEST_CASE("the SkipKV adapter marks exactly the sentences an independent PSS rec
     std::vector<SentencePlan> plans = {token_plan(T, seed, 0), token_plan(T, seed + 50, 0)};
     Run run;
     run_rkv_and_skipkv(cfg, plans, run);
-    const SkipKV& skipkv = run.skipkv->skipkv();
+    const SkipKV& skipkv = *run.sk;
     REQUIRE(skipkv.batch() == 2);
     REQUIRE(!run.skipkv->trigger_positions().empty());
     REQUIRE(skipkv.triggers() == static_cast<std::int64_t>(run.skipkv->trigger_positions().size()));
@@ -220,7 +222,7 @@ TEST_CASE("the SkipKV adapter reports alpha0 + gamma * N_o from the keyword sent
   for (const auto& p : plans) REQUIRE(p.sentence_ends[8] < 300);
   Run run;
   run_rkv_and_skipkv(cfg, plans, run);
-  const SkipKV& skipkv = run.skipkv->skipkv();
+  const SkipKV& skipkv = *run.sk;
   const SteeringConfig& s = skipkv.config().steering;
   for (int b = 0; b < 2; ++b) {
     REQUIRE(skipkv.tracker(b).check_count() == 3);
@@ -239,7 +241,7 @@ TEST_CASE("on a synthetic stream the SkipKV adapter stands in delimiter ids at s
   Run run;
   run_rkv_and_skipkv(cfg, plans, run);
   for (int b = 0; b < 2; ++b) {
-    const SentenceTracker& t = run.skipkv->skipkv().tracker(b);
+    const SentenceTracker& t = run.sk->tracker(b);
     REQUIRE(t.position() == 300);
     // Every planned sentence, the last (cut at the stream's end) included, closes in the tracker.
     REQUIRE(t.num_sentences() == plans[b].sentences());
@@ -248,20 +250,14 @@ TEST_CASE("on a synthetic stream the SkipKV adapter stands in delimiter ids at s
   }
 }
 
-TEST_CASE("the SkipKV adapter rejects a hidden width other than the generator's",
+TEST_CASE("SkipKV in the demo rejects a hidden width other than the generator's",
           "[demo][skipkv][errors]") {
-  SkipKVConfig c;
-  c.batch = 0;
-  c.scorer.budget = 64;
-  c.scorer.window = 4;
-  c.buffer = 16;
-  c.sentences.hidden_size = 7;
-  SkipKVPolicy adapter(std::make_unique<SkipKV>(c));
+  RegistryPolicy adapter(make_policy("skipkv", R"({"budget": 64, "window": 4, "buffer": 16,
+                                                  "hidden_size": 7})"));
   const GeneratorConfig g = tiny_generator(1);
   SyntheticDecode decode(g, {synthetic_sentence_plan(10, 1), synthetic_sentence_plan(10, 2)});
   DecodeStep step;
   decode.next(step);
-  REQUIRE_THROWS_WITH(adapter.observe(step, {}),
-                      Contains("hidden_size (7)") && Contains("head_dim (32)"));
-  REQUIRE_THROWS_WITH(SkipKVPolicy(nullptr), Contains("null policy"));
+  REQUIRE_THROWS_WITH(adapter.observe(step, {}), Contains("hidden_size = 7") && Contains("32"));
+  REQUIRE_THROWS_WITH(RegistryPolicy(nullptr), Contains("null policy"));
 }

@@ -13,11 +13,11 @@
 #include <string>
 #include <vector>
 
-#include "../../examples/tool/score_cuda.hpp"
 #include "catch.hpp"
 #include "golden_case.hpp"
 #include "kvsift/core/safetensors.hpp"
 #include "kvsift/core/segment_table.hpp"
+#include "score_cuda.hpp"
 
 using namespace kvsift;
 using tool::RKVRun;

@@ -8,12 +8,12 @@
 #include <memory>
 #include <vector>
 
-#include "../examples/tool/demo_cache.hpp"
-#include "../examples/tool/demo_generator.hpp"
-#include "../examples/tool/demo_runner.hpp"
-#include "../examples/tool/demo_sentences.hpp"
-#include "../examples/tool/demo_thinkv.hpp"
 #include "catch.hpp"
+#include "demo_cache.hpp"
+#include "demo_generator.hpp"
+#include "demo_runner.hpp"
+#include "demo_sentences.hpp"
+#include "demo_thinkv.hpp"
 
 using namespace kvsift;
 using namespace kvsift::demo;
@@ -55,20 +55,21 @@ TEST_CASE("the ThinKV adapter's positions, bytes and evictions match ThinKV's ow
   o.calibration_steps = 32;
   o.refresh = 32;
   std::vector<std::unique_ptr<DemoPolicy>> policies;
-  policies.push_back(std::make_unique<ThinKVPolicy>(o));
-  const auto& adapter = static_cast<const ThinKVPolicy&>(*policies[0]);
+  policies.push_back(std::make_unique<ThinKVDemoPolicy>(o));
+  const auto& adapter = static_cast<const ThinKVDemoPolicy&>(*policies[0]);
   SyntheticDecode decode(cfg.generator, plans(2, T));
   const DemoResult r = run_demo(cfg, decode, policies);
   const PolicyReport& rep = r.policies[0];
   const GeneratorConfig& g = cfg.generator;
 
-  REQUIRE(adapter.sequences().size() == 2);
+  REQUIRE(adapter.thinkv() != nullptr);
+  REQUIRE(adapter.thinkv()->batch() == 2);
   std::int64_t table_bytes = 0, evicting = 0, total = 0;
   // The adapter never sees its demo caches' contents after calibration, so any cache will do for
   // the calls that take one; a fresh empty one proves they are not read.
   DemoLayerCache unused(g.batch, g.kv_heads, 1, g.head_dim, cfg.dtype);
   for (int b = 0; b < 2; ++b) {
-    const ThinKV& kv = *adapter.sequences()[b];
+    const ThinKV& kv = adapter.thinkv()->sequence(b);
     REQUIRE(kv.length() == T);
     REQUIRE(kv.resident_tokens() < T);  // something was evicted
     table_bytes += kv.resident_bytes().total();
@@ -120,10 +121,10 @@ TEST_CASE("the ThinKV adapter calibrates theta1/theta2 as sparsity quantiles", "
   o.calibration_steps = C;
   o.refresh = 16;
   std::vector<std::unique_ptr<DemoPolicy>> policies;
-  policies.push_back(std::make_unique<ThinKVPolicy>(o));
+  policies.push_back(std::make_unique<ThinKVDemoPolicy>(o));
   SyntheticDecode decode(g, plans(2, 40));
   run_demo(cfg, decode, policies);
-  const auto& adapter = static_cast<const ThinKVPolicy&>(*policies[0]);
+  const auto& adapter = static_cast<const ThinKVDemoPolicy&>(*policies[0]);
 
   SyntheticDecode again(g, plans(2, 40));
   std::vector<DecodeStep> steps;
@@ -170,7 +171,7 @@ TEST_CASE("the ThinKV adapter rejects bad options and select()", "[demo][thinkv]
   REQUIRE_THROWS_WITH(o.validate(), Contains("budget must be >= 1, got 0"));
   o = ThinKVDemoOptions{};
   o.calibration_steps = -3;
-  REQUIRE_THROWS_WITH(ThinKVPolicy(o), Contains("calibration_steps must be >= 1, got -3"));
-  ThinKVPolicy ok{ThinKVDemoOptions{}};
+  REQUIRE_THROWS_WITH(ThinKVDemoPolicy(o), Contains("calibration_steps must be >= 1, got -3"));
+  ThinKVDemoPolicy ok{ThinKVDemoOptions{}};
   REQUIRE_THROWS_WITH(ok.select(StepInputs{}), Contains("never by select()"));
 }

@@ -11,9 +11,9 @@
 #include <string>
 #include <vector>
 
-#include "../examples/tool/score_rkv_run.hpp"
 #include "catch.hpp"
 #include "kvsift/core/safetensors.hpp"
+#include "score_rkv_run.hpp"
 
 using namespace kvsift;
 using tool::RKVRun;

@@ -11,14 +11,14 @@
 #include <string>
 #include <vector>
 
-#include "../examples/tool/demo_cache.hpp"
-#include "../examples/tool/demo_generator.hpp"
-#include "../examples/tool/demo_metrics.hpp"
-#include "../examples/tool/demo_policy.hpp"
-#include "../examples/tool/demo_runner.hpp"
-#include "../examples/tool/demo_sentences.hpp"
-#include "../examples/tool/demo_table.hpp"
 #include "catch.hpp"
+#include "demo_cache.hpp"
+#include "demo_generator.hpp"
+#include "demo_metrics.hpp"
+#include "demo_policy.hpp"
+#include "demo_runner.hpp"
+#include "demo_sentences.hpp"
+#include "demo_table.hpp"
 
 using namespace kvsift;
 using namespace kvsift::demo;
