@@ -36,7 +36,7 @@ import weakref
 import numpy as np
 import torch
 
-from . import _capi
+from . import _api, _capi
 from ._api import CacheView, compact, make_policy
 from ._tensors import error
 
@@ -182,9 +182,12 @@ class KVSiftCache(_HFCache):
         self.options = dict(options)
         self.policy = make_policy(method, **options)
         self.needs = self.policy.needs
-        self.budget = int(options.get("budget", 1024))
-        self.buffer = int(options.get("buffer", 128))
-        self.window = int(options.get("window", _DEFAULT_WINDOW)) if method in _QUERY_METHODS else 0
+        # Unset fields take the method's defaults (the registry's default config).
+        defaults = {m.name: m.default_config for m in _api.policies()}.get(method, {})
+        merged = dict(defaults, **options)
+        self.budget = int(merged.get("budget", 0))
+        self.buffer = int(merged.get("buffer", 0))
+        self.window = int(merged.get("window", _DEFAULT_WINDOW)) if method in _QUERY_METHODS else 0
         self.capacity_hint = capacity
         self.head_dim = int(getattr(config, "head_dim", None)
                             or config.hidden_size // config.num_attention_heads)

@@ -238,3 +238,11 @@ def test_fill_synthetic_continues_at_the_given_position(method):
         assert cache.get_seq_length() == 520
         assert cache.compressions == 3  # at 32 slots (the first step), then every 8 steps
         assert list(cache.resident_lengths()) == [26, 26]
+
+
+def test_unset_fields_take_the_methods_defaults():
+    m = model()
+    with hf.KVSiftCache(m, "snapkv") as cache:  # SnapKV's own window is 32, not R-KV's 8
+        defaults = {i.name: i.default_config for i in kvsift.policies()}["snapkv"]
+        assert cache.window == defaults["window"]
+        assert (cache.budget, cache.buffer) == (defaults["budget"], defaults["buffer"])
