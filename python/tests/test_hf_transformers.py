@@ -181,15 +181,19 @@ def test_window_queries_and_kept_slots_match_a_direct_select(arch):
         for i, L in enumerate(cache.hf_layers):
             attn = decoder.layers[i].self_attn
             raw = torch.cat(q_out[i], dim=1)[:, -W:]  # [B, W, q_heads * head_dim]
-            q = raw.view(2, W, -1, attn.head_dim)
+            q = raw.reshape(2, W, -1, attn.head_dim)
             if getattr(attn, "q_norm", None) is not None:
                 q = attn.q_norm(q)
             q = q.transpose(1, 2)
             cos, sin = decoder.rotary_emb(q, pos)
             q, _ = modeling.apply_rotary_pos_emb(q, q, cos, sin)
-            assert torch.allclose(cache._window_queries(i), q, atol=1e-5, rtol=1e-4)
+            ours = cache._window_queries(i)
+            assert torch.allclose(ours, q, atol=1e-5, rtol=1e-4)
             n = int(cache.resident_lengths().max())
-            snaps.append((L.k_buf[:, :, :n].clone(), L.v_buf[:, :, :n].clone(), q))
+            # The selection is checked on the queries the cache captured (a GEMM over W rows may
+            # round differently from the model's over the whole step, which could swap near-cut
+            # tokens); their closeness to the model's own is checked just above.
+            snaps.append((L.k_buf[:, :, :n].clone(), L.v_buf[:, :, :n].clone(), ours))
         lengths = cache.resident_lengths()
         original()
         for i, (k, v, q) in enumerate(snaps):
