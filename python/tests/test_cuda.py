@@ -34,6 +34,7 @@ def test_cuda_compaction_is_bit_identical_to_cpu(dtype):
     ptr = kd.data_ptr()
     dev = kvsift.CacheView(kd, vd, lengths)
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())  # the copies above ran on the default stream
     with torch.cuda.stream(stream):
         kvsift.compact(dev, plan)  # the CPU-made plan, on the device copy
     stream.synchronize()
