@@ -144,3 +144,19 @@ def test_rkv_without_queries_names_them():
     with pytest.raises(kvsift.Error) as e:
         policy.select(kvsift.CacheView(keys, keys, [16]))
     assert "window_queries" in str(e.value) or "queries" in str(e.value)
+
+
+def test_per_layer_observe_feeds_h2o():
+    # H2O accumulates attention from every step's queries (per-layer observations); without
+    # them it refuses to select, with them it plans `budget` tokens.
+    torch.manual_seed(0)
+    keys = torch.randn(1, 2, 40, 8)
+    kv = kvsift.CacheView(keys, keys.clone(), [40])
+    policy = kvsift.make_policy("h2o", budget=16, recent=4, buffer=4)
+    assert policy.needs & kvsift.NEEDS_QUERIES
+    with pytest.raises(kvsift.Error):
+        policy.select(kv)
+    policy.observe(layer=0, kv=kv, queries=torch.randn(1, 4, 40, 8))
+    plan = policy.select(kv)
+    assert list(plan.kept_lengths) == [16]
+    assert list(plan.row(0, 0)[-4:]) == [36, 37, 38, 39]  # the recent tokens
