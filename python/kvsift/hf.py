@@ -119,19 +119,28 @@ class _Layer(_HFLayer):
         self.lengths = None                          # [B] int32, the kvsift view's lengths
         self.view = None
         self.hidden = None                           # [B, window, hidden] attention inputs
+        self.owner = None                            # weakref to the KVSiftCache
+        self.index = 0                               # the layer's index
 
-    # CacheLayerMixin's abstract methods; KVSiftCache answers these itself.
+    # CacheLayerMixin's abstract methods: answered by the owning KVSiftCache (code that reaches
+    # for cache.layers[i] directly gets the same answers as the cache).
     def lazy_initialization(self, *args, **kwargs):
         return None
 
-    def update(self, *args, **kwargs):  # pragma: no cover - KVSiftCache.update is the entry
-        raise error("KVSiftCache layers are updated through KVSiftCache.update")
+    def _cache(self):
+        owner = self.owner() if self.owner is not None else None
+        if owner is None:
+            raise error("KVSiftCache layer used without its cache")
+        return owner
 
-    def get_mask_sizes(self, *args, **kwargs):  # pragma: no cover
-        raise error("use KVSiftCache.get_mask_sizes")
+    def update(self, key_states, value_states, *args, **kwargs):
+        return self._cache().update(key_states, value_states, self.index)
 
-    def get_seq_length(self, *args, **kwargs):  # pragma: no cover
-        raise error("use KVSiftCache.get_seq_length")
+    def get_mask_sizes(self, query_length, *args, **kwargs):
+        return self._cache().get_mask_sizes(query_length, self.index)
+
+    def get_seq_length(self, *args, **kwargs):
+        return self._cache().get_seq_length(self.index)
 
     def get_max_cache_shape(self, *args, **kwargs):
         return -1
@@ -162,6 +171,8 @@ class KVSiftCache(_HFCache):
             else model.config
         self.num_layers = int(config.num_hidden_layers)
         self.hf_layers = [_Layer() for _ in range(self.num_layers)]
+        for i, layer in enumerate(self.hf_layers):
+            layer.owner, layer.index = weakref.ref(self), i
         if _HFCache is not object:
             try:
                 super().__init__(layers=self.hf_layers)
