@@ -146,6 +146,84 @@ class _Layer(_HFLayer):
         return -1
 
 
+class _ModelHooks:
+    """kvsift's wrappers around one model's decoder forward and attention forwards, installed
+    once per model and shared by every KVSiftCache (an instance attribute over the class's
+    forward: works with any torch, sees keyword arguments). The decoder wrapper acts when the
+    forward's past_key_values is an open KVSiftCache; the attention wrappers feed the cache of the
+    forward in progress."""
+
+    ATTR = "_kvsift_hf_hooks"
+
+    @classmethod
+    def of(cls, decoder, attentions):
+        hooks = decoder.__dict__.get(cls.ATTR)
+        if hooks is None:
+            hooks = cls(decoder, attentions)
+            object.__setattr__(decoder, cls.ATTR, hooks)
+        return hooks
+
+    def __init__(self, decoder, attentions):
+        self.active = None  # the KVSiftCache of the forward in progress
+        self.saved = []     # (module, had its own forward, the forward it had)
+        self._wrap(decoder, self._decoder_forward)
+        for i, attn in enumerate(attentions):
+            self._wrap(attn, functools.partial(self._attention_forward, i))
+
+    def _wrap(self, module, body):
+        had_own = "forward" in module.__dict__
+        inner = module.forward
+
+        @functools.wraps(inner)  # keeps the signature for code that inspects forward
+        def forward(*args, **kwargs):
+            return body(inner, args, kwargs)
+
+        module.forward = forward
+        self.saved.append((module, had_own, inner))
+
+    def _decoder_forward(self, inner, args, kwargs):
+        cache = kwargs.get("past_key_values")
+        if not isinstance(cache, KVSiftCache) or cache._closed:
+            return inner(*args, **kwargs)
+        changed = cache._before_step(args, kwargs)
+        if changed is not None:
+            args, kwargs = changed
+        self.active = cache
+        try:
+            out = inner(*args, **kwargs)
+        except BaseException:
+            cache._active = False
+            raise
+        finally:
+            self.active = None
+        cache._after_step(out)
+        return out
+
+    def _attention_forward(self, i, inner, args, kwargs):
+        cache = self.active
+        if cache is not None and cache.window > 0:
+            cache._capture(i, args, kwargs)
+        return inner(*args, **kwargs)
+
+    def uninstall(self, decoder):
+        for module, had_own, inner in reversed(self.saved):
+            if had_own:
+                module.forward = inner
+            else:
+                module.__dict__.pop("forward", None)
+        self.saved = []
+        decoder.__dict__.pop(self.ATTR, None)
+
+
+def uninstall(model):
+    """Removes kvsift's wrappers from `model` (they are installed by the first KVSiftCache made
+    for it and do nothing for other caches)."""
+    decoder, _ = KVSiftCache._find_modules(model)
+    hooks = decoder.__dict__.get(_ModelHooks.ATTR)
+    if hooks is not None:
+        hooks.uninstall(decoder)
+
+
 # The cache answers every query itself: abstract methods a newer base class may add must not
 # make the layer uninstantiable.
 _Layer.__abstractmethods__ = frozenset()
@@ -216,7 +294,6 @@ class KVSiftCache(_HFCache):
         self.compressions = 0     # compression steps so far
         self.compress_events = []  # (start, end) CUDA events of each compression (timing)
         self.record_timing = False
-        self._handles = []
         self._install_hooks()
 
     # ---- checks ------------------------------------------------------------------------------
@@ -284,63 +361,14 @@ class KVSiftCache(_HFCache):
     # ---- hooks -------------------------------------------------------------------------------
 
     def _install_hooks(self):
-        """Wraps the decoder's and the attention modules' forward (an instance attribute over
-        the class method, removed by close()): works with any torch and sees keyword arguments."""
-        ref = weakref.ref(self)
-
-        def decoder_before(args, kwargs):
-            cache = ref()
-            if cache is None or kwargs.get("past_key_values", None) is not cache:
-                return None
-            return cache._before_step(args, kwargs)
-
-        def decoder_after(output):
-            cache = ref()
-            if cache is not None and cache._active:
-                cache._after_step(output)
-
-        self._wrap(self._decoder, decoder_before, decoder_after)
-        if self.window > 0:
-            for i, attn in enumerate(self._attentions):
-                def attn_before(args, kwargs, i=i):
-                    cache = ref()
-                    if cache is not None and cache._active:
-                        cache._capture(i, args, kwargs)
-                    return None
-
-                self._wrap(attn, attn_before, None)
-
-    def _wrap(self, module, before, after):
-        had_own = "forward" in module.__dict__
-        inner = module.forward
-
-        @functools.wraps(inner)  # keeps the signature for code that inspects forward
-        def forward(*args, **kwargs):
-            changed = before(args, kwargs) if before is not None else None
-            if changed is not None:
-                args, kwargs = changed
-            try:
-                out = inner(*args, **kwargs)
-            except BaseException:
-                cache = weakref.ref(self)()
-                if cache is not None:
-                    cache._active = False
-                raise
-            if after is not None:
-                after(out)
-            return out
-
-        module.forward = forward
-        self._handles.append((module, had_own, inner))
+        self._hooks = _ModelHooks.of(self._decoder, self._attentions)
+        self._closed = False
 
     def close(self):
-        """Restores the wrapped forwards of the model (the cache's contents stay readable)."""
-        for module, had_own, inner in reversed(self._handles):
-            if had_own:
-                module.forward = inner
-            else:
-                module.__dict__.pop("forward", None)
-        self._handles = []
+        """Detaches this cache from the model: its forwards run as without kvsift (the cache's
+        contents stay readable). The model keeps kvsift's thin wrappers, shared by every cache;
+        kvsift.hf.uninstall(model) removes them."""
+        self._closed = True
 
     def __enter__(self):
         return self
@@ -348,12 +376,6 @@ class KVSiftCache(_HFCache):
     def __exit__(self, *exc):
         self.close()
         return False
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
 
     # ---- one step ----------------------------------------------------------------------------
 
@@ -502,7 +524,7 @@ class KVSiftCache(_HFCache):
         slots in place and returns views of the resident slots."""
         if not self._active:
             raise error("KVSiftCache.update outside a forward of the model it was created for "
-                        "(or with its hooks removed by close())")
+                        "(or after close())")
         L, step = self.hf_layers[layer_idx], self._step
         q = step["q"]
         if L.k_buf is None:

@@ -182,13 +182,22 @@ def test_up_front_errors():
             md.greedy(m, ids, mask, cache, 1)
 
 
-def test_close_restores_the_model():
+def test_close_detaches_and_uninstall_restores_the_model():
     m = model()
-    cache = hf.KVSiftCache(m, "rkv")
+    ids, mask = prompts(1, 10)
+    ref = md.greedy(m, ids, mask, md.DynamicLikeCache(), 5)
+    first = hf.KVSiftCache(m, "rkv", budget=16, window=4, buffer=4)
+    second = hf.KVSiftCache(m, "rkv", budget=16, window=4, buffer=4)  # shares the wrappers
+    first.close()  # closing in any order leaves the other cache working
+    assert torch.equal(md.greedy(m, ids, mask, second, 5), ref)
+    with pytest.raises(kvsift.Error, match="after close"):
+        md.greedy(m, ids, mask, first, 1)
+    second.close()
     assert "forward" in m.model.__dict__
-    cache.close()
+    hf.uninstall(m)
     assert "forward" not in m.model.__dict__
     assert all("forward" not in layer.self_attn.__dict__ for layer in m.model.layers)
+    assert torch.equal(md.greedy(m, ids, mask, md.DynamicLikeCache(), 5), ref)
 
 
 class KeepEverything:
