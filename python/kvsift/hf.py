@@ -13,14 +13,14 @@ How it works (docs/python.md):
   re-projected through the layer's q_proj (and q_norm where the model has one) and rotated, giving
   the post-RoPE window queries kvsift scores with.
 - A wrapper around the decoder's forward runs after each step: it feeds the policy what it
-  observes (SkipKV: the step's token ids and final-norm hidden states) and, once a sequence reaches budget + buffer,
-  plans and compacts every layer in place (kvsift.compact, torch's current stream).
+  observes (SkipKV: the step's token ids and final-norm hidden states) and, once a sequence
+  reaches budget + buffer, plans and compacts every layer in place (kvsift.compact, torch's
+  current stream).
 - Until a cache first compresses, its slots are exactly DynamicCache's (left pads in the first
   slots, the caller's attention mask untouched), so generation is token-identical. A compaction
   drops a compressed sequence's pads (kvsift's budget counts real tokens) and sequences may then
-  hold different lengths; from then on the cache supplies the attention mask itself (a forward
-  wrapper around the decoder's forward replaces the 2-D mask with one describing its slots), and
-  get_mask_sizes() gives the resident length, while get_seq_length() keeps counting the
+  hold different lengths; from then on the cache supplies the attention mask itself (the
+  decoder's wrapper replaces the 2-D mask with one describing its slots), and get_mask_sizes() gives the resident length, while get_seq_length() keeps counting the
   tokens seen, so positions (RoPE, the causal mask's query positions) stay those of the full
   sequence.
 What it refuses up front (kvsift.Error): methods that need per-step queries or own their cache
@@ -287,7 +287,7 @@ class KVSiftCache(_HFCache):
         self._clean = None        # [B] int32 slots whose valid mask is up to date
         self._compressed = False
         self._active = False      # inside a forward that uses this cache
-        self._step = None         # the current step's facts (set by the decoder pre-hook)
+        self._step = None         # the current step's facts (set by the decoder's wrapper)
         self._ring_pos = 0        # next slot of the window rings
         self._cos = self._sin = None  # [B or 1, window, head_dim] rotary of the window positions
         self.pads = None          # [B] left pads of the prompt
@@ -358,7 +358,7 @@ class KVSiftCache(_HFCache):
         kwargs["past_key_values"] = self
         return model.generate(**kwargs)
 
-    # ---- hooks -------------------------------------------------------------------------------
+    # ---- wrappers ----------------------------------------------------------------------------
 
     def _install_hooks(self):
         self._hooks = _ModelHooks.of(self._decoder, self._attentions)
@@ -455,7 +455,7 @@ class KVSiftCache(_HFCache):
         return m.to(dtype)
 
     def _capture(self, i, args, kwargs):
-        """Attention pre-hook of layer i: keep the last `window` attention inputs (and, once, the
+        """Before the attention of layer i: keep the last `window` attention inputs (and, once, the
         rotary of their positions)."""
         h = kwargs.get("hidden_states", args[0] if args else None)
         pe = kwargs.get("position_embeddings", args[1] if len(args) > 1 else None)
