@@ -20,9 +20,9 @@ How it works (docs/python.md):
   slots, the caller's attention mask untouched), so generation is token-identical. A compaction
   drops a compressed sequence's pads (kvsift's budget counts real tokens) and sequences may then
   hold different lengths; from then on the cache supplies the attention mask itself (the
-  decoder's wrapper replaces the 2-D mask with one describing its slots), and get_mask_sizes() gives the resident length, while get_seq_length() keeps counting the
-  tokens seen, so positions (RoPE, the causal mask's query positions) stay those of the full
-  sequence.
+  decoder's wrapper replaces the 2-D mask with one describing its slots), get_mask_sizes()
+  gives the resident length, while get_seq_length() keeps counting the tokens seen, so positions
+  (RoPE, the causal mask's query positions) stay those of the full sequence.
 What it refuses up front (kvsift.Error): methods that need per-step queries or own their cache
 (h2o, thinkv), flash attention with padded rows, beam search (reorder_cache), static or compiled
 caches, sliding-window models, and a multi-token step (a new prompt or full input_ids) on a cache
