@@ -4,7 +4,7 @@
 The PyTorch side restates docs/algorithms.md §1.1-§1.3 the way the R-KV reference code computes it: the
 full S x S cosine matrix of the keys, softmaxes, topk and a gather for the compaction. The kvsift
 side is the "rkv" policy of the C API (libkvsift_c, through the ctypes declarations in
-bench/kvsift_c.py) on the CUDA backend, running on the same tensors and the same stream, as an
+python/kvsift/_capi.py) on the CUDA backend, running on the same tensors and the same stream, as an
 engine calls it: kvsift_policy_select (which downloads the plan: one stream wait) then
 kvsift_compact, once per layer.
 
@@ -31,8 +31,10 @@ import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import kvsift_c  # noqa: E402  (the C API's ctypes declarations, beside this file)
+# The C API's ctypes declarations live in the Python package (python/kvsift/_capi.py); this
+# benchmark drives them directly, with the library given by --lib.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+from kvsift import _capi as kvsift_c  # noqa: E402
 
 # R1-Llama-8B attention.
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -42,7 +44,7 @@ POOL_MIN, POOL_MAX = 4, 32
 
 
 # ---------------------------------------------------------------------------------------------
-# kvsift through its C API (bench/kvsift_c.py)
+# kvsift through its C API (python/kvsift/_capi.py)
 # ---------------------------------------------------------------------------------------------
 KvsiftError = kvsift_c.KvsiftError
 

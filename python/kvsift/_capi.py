@@ -1,10 +1,11 @@
-"""ctypes declarations of kvsift's C API (include/kvsift/c/kvsift.h, libkvsift_c) and a thin
-Pythonic layer over them: Policy, Plan, compact. No torch import here; `tensor_of` accepts any
-object with torch's data_ptr()/stride()/shape/dtype/device when given one.
+"""ctypes declarations of kvsift's C API (include/kvsift/c/kvsift.h, libkvsift_c): the one place
+the package (and bench/torch_rkv.py) declares the C structs and function prototypes, plus a thin
+low-level layer over them (Library, Policy, Plan). The public API is in kvsift/__init__.py; this
+module imports no torch or numpy.
 
-    lib = kvsift_c.Library("build/src/c_api/libkvsift_c.so")
+    lib = _capi.Library(_capi.find_library())
     policy = lib.policy("rkv", {"budget": 1024, "window": 8})
-    kv = lib.cache_view(keys, values, lengths)          # torch tensors or kvsift_c.Tensor
+    kv = lib.cache_view(keys, values, lengths)          # torch tensors or _capi.Tensor
     if policy.should_compress(kv):
         plan = policy.select(0, kv, lib.tensor_of(queries), workspace, nbytes, stream)
         lib.compact(kv, plan, workspace, nbytes, stream)
@@ -13,7 +14,10 @@ Pointers (device buffers, streams) are plain integers; None is NULL.
 """
 
 import ctypes
+import ctypes.util
+import glob
 import json
+import os
 
 # kvsift_status
 OK, INVALID_ARGUMENT, UNSUPPORTED, NO_CUDA, OUT_OF_MEMORY, INTERNAL = range(6)
@@ -119,6 +123,33 @@ def _declare(lib):
         fn = getattr(lib, name)
         fn.restype = restype
         fn.argtypes = argtypes
+
+
+LIBRARY_ENV = "KVSIFT_LIBRARY"
+
+
+def find_library():
+    """Path of libkvsift_c: $KVSIFT_LIBRARY, else next to this package (a copy, or a CMake install
+    where the package sits in <libdir>/python3/dist-packages/kvsift and the library in <libdir>),
+    else the system's search path. Raises OSError naming every place tried."""
+    env = os.environ.get(LIBRARY_ENV)
+    if env:
+        if not os.path.isfile(env):
+            raise OSError("%s=%s is not a file" % (LIBRARY_ENV, env))
+        return env
+    here = os.path.dirname(os.path.abspath(__file__))
+    places = [here, os.path.normpath(os.path.join(here, "..", "..", ".."))]
+    for place in places:
+        for pattern in ("libkvsift_c.so", "libkvsift_c.so.*", "libkvsift_c.dylib", "kvsift_c.dll"):
+            hits = sorted(glob.glob(os.path.join(place, pattern)))
+            if hits:
+                return hits[0]
+    found = ctypes.util.find_library("kvsift_c")
+    if found:
+        return found
+    raise OSError("libkvsift_c not found: set %s to the built library (build/src/c_api/"
+                  "libkvsift_c.so) or copy it next to the kvsift package; looked in %s and the "
+                  "system library path" % (LIBRARY_ENV, ", ".join(places)))
 
 
 def _config_text(config):

@@ -1,0 +1,349 @@
+"""End-to-end decode throughput of kvsift in a HuggingFace transformers model on one GPU
+(issue 10, item 4): a randomly initialised model with R1-Llama-8B's architecture (32 layers,
+hidden 4096, 32 query / 8 KV heads, head_dim 128, bf16, sdpa), greedy decoding with EOS ignored.
+
+For each context position P, method (fullkv = transformers' DynamicCache; kvsift rkv and skipkv
+through kvsift.hf.KVSiftCache) and budget (buffer 128 by default):
+- decode tokens/s over a steady window of decode steps timed with CUDA events (after warm-up),
+- peak GPU memory (torch.cuda.max_memory_allocated) from the cache fill to the window's end,
+- the share of the window's GPU time spent in kvsift's compression steps (select + compact of
+  every layer, CUDA events around each),
+at the given batch sizes and, with --max-batch, at the largest batch that fits (doubling until
+CUDA runs out of memory, then bisecting).
+
+How the context position is reached: NOT by prefill. The cache is filled with synthetic K/V:
+- fullkv: a DynamicCache holding P random post-RoPE K/V per layer (what a P-token context holds);
+- kvsift: a KVSiftCache holding `budget` random K/V at logical position P (the state right after
+  a compression during a P-token generation: a budget-based policy never holds more than
+  budget + buffer tokens), plus random window inputs; SkipKV's tracker observes `budget`
+  synthetic tokens (a delimiter every 25) with random hidden states.
+Every decode step then runs the real model at position P + step (position_ids), so kvsift
+compresses every `buffer` steps during the window, exactly as in a long generation.
+
+    python3 bench/e2e_generate.py --quick                      # < 3 minutes, one table
+    python3 bench/e2e_generate.py --out bench/e2e.md           # the full grid (long: split it)
+    python3 bench/e2e_generate.py --contexts 32768 --methods rkv --budgets 1024 --max-batch
+
+Needs: torch with CUDA, transformers >= 5.5, the kvsift package (python/ on PYTHONPATH or
+installed) and libkvsift_c built with CUDA ($KVSIFT_LIBRARY or next to the package).
+"""
+
+import argparse
+import gc
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+
+# The ThinKV paper's Table 2 (R1-Llama-8B, 32K-token continuous generation, GH200; published,
+# different engine and GPU): decode tokens/s.
+PAPER_TABLE2 = [("FullKV", "-", "453.9"), ("R-KV (sequential)", "1024", "2,425.8"),
+                ("R-KV (overlapped)", "1024", "4,311.3"), ("ThinKV", "-", "10,578.5")]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true",
+                   help="batch 1 and 8 at 16K, fullkv and rkv@1024, short window (< 3 minutes)")
+    p.add_argument("--batches", default="1,8,32,64", help="comma-separated batch sizes")
+    p.add_argument("--contexts", default="16384,32768", help="context positions")
+    p.add_argument("--methods", default="fullkv,rkv,skipkv", help="fullkv, rkv, skipkv, snapkv, "
+                   "streaming")
+    p.add_argument("--budgets", default="1024,2048", help="kvsift budgets")
+    p.add_argument("--buffer", type=int, default=128)
+    p.add_argument("--window", type=int, default=8, help="observation window W")
+    p.add_argument("--steps", type=int, default=256, help="decode steps in the timed window "
+                   "(a multiple of the buffer covers whole compression cycles)")
+    p.add_argument("--warmup", type=int, default=16)
+    p.add_argument("--max-batch", action="store_true",
+                   help="also find and measure the largest batch that fits per configuration")
+    p.add_argument("--max-batch-limit", type=int, default=4096)
+    p.add_argument("--layers", type=int, default=32, help="decoder layers (32 = R1-Llama-8B)")
+    p.add_argument("--attn", default="sdpa")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="also write the markdown table here (rows appended as measured)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.batches, args.contexts, args.methods, args.budgets = "1,8", "16384", "fullkv,rkv", \
+            "1024"
+        args.steps, args.warmup = min(args.steps, 128), min(args.warmup, 8)
+    args.batches = [int(x) for x in args.batches.split(",") if x]
+    args.contexts = [int(x) for x in args.contexts.split(",") if x]
+    args.methods = [x for x in args.methods.split(",") if x]
+    args.budgets = [int(x) for x in args.budgets.split(",") if x]
+    return args
+
+
+def build_model(args):
+    import torch
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                                   num_hidden_layers=args.layers, num_attention_heads=32,
+                                   num_key_value_heads=8, head_dim=128,
+                                   max_position_embeddings=131072, rms_norm_eps=1e-5,
+                                   tie_word_embeddings=False, bos_token_id=128000,
+                                   eos_token_id=128001)
+    torch.manual_seed(args.seed)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = transformers.AutoModelForCausalLM.from_config(
+                cfg, attn_implementation=args.attn)
+    finally:
+        torch.set_default_dtype(old)
+    model = model.to(torch.bfloat16).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+class Oom(Exception):
+    pass
+
+
+def is_oom(e):
+    import torch
+
+    oom_type = getattr(torch.cuda, "OutOfMemoryError", RuntimeError)
+    return isinstance(e, oom_type) or "out of memory" in str(e).lower()
+
+
+def make_cache(model, method, budget, args, batch, position, resident=None):
+    """A filled cache at `position` (module docstring: synthetic K/V)."""
+    import torch
+    import transformers
+
+    g = torch.Generator(device="cuda").manual_seed(args.seed + batch)
+    if method == "fullkv":
+        cache = transformers.DynamicCache()
+        for layer in range(args.layers):
+            shape = (batch, 8, position, 128)
+            k = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+            cache.update(k, v, layer)
+            del k, v
+        return cache
+    import kvsift.hf as hf
+
+    opts = dict(budget=budget, buffer=args.buffer)
+    if method in ("rkv", "skipkv", "snapkv"):
+        opts["window"] = args.window
+    if method == "skipkv":
+        opts["vocabulary"] = "r1_llama"
+    cache = hf.KVSiftCache(model, method, **opts)
+    cache.fill_synthetic(batch, resident or budget, position, torch.bfloat16, "cuda",
+                         generator=g)
+    cache.record_timing = True
+    return cache
+
+
+def decode(model, cache, batch, position, steps, warmup, on_window_start=None):
+    """Greedy decode warmup + steps tokens; returns (seconds of the timed window, tokens)."""
+    import torch
+
+    ids = torch.randint(1000, 100000, (batch, 1), device="cuda")
+    pos = position
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    for step in range(warmup + steps):
+        if step == warmup:
+            if on_window_start is not None:
+                on_window_start()
+            start.record()
+        position_ids = torch.full((batch, 1), pos, device="cuda", dtype=torch.long)
+        out = model(input_ids=ids, position_ids=position_ids, past_key_values=cache,
+                    use_cache=True, logits_to_keep=1)
+        ids = out.logits[:, -1:].argmax(-1)
+        pos += 1
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3, batch * steps
+
+
+def release(*objs):
+    import torch
+
+    for o in objs:
+        close = getattr(o, "close", None)
+        if close is not None:
+            close()
+    del objs
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def measure(model, method, budget, batch, position, args):
+    """One row: dict(tok_s, peak_gib, compress_share, compressions) or raises Oom."""
+    import torch
+
+    cache = None
+    release()
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.no_grad():
+            cache = make_cache(model, method, budget, args, batch, position)
+            state = {}
+
+            def window_start():
+                if method != "fullkv":
+                    cache.compress_events = []
+                    state["compressions"] = cache.compressions
+
+            secs, tokens = decode(model, cache, batch, position, args.steps, args.warmup,
+                                  window_start)
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        row = {"tok_s": tokens / secs, "peak_gib": peak, "ms_step": 1e3 * secs / args.steps}
+        if method != "fullkv":
+            row["compress_share"] = cache.compression_seconds() / secs
+            row["compressions"] = cache.compressions - state.get("compressions", 0)
+            row["resident"] = int(cache.resident_lengths().max())
+        return row
+    except Exception as e:  # noqa: BLE001
+        if is_oom(e):
+            raise Oom(str(e).splitlines()[0][:120])
+        raise
+    finally:
+        release(cache)
+
+
+def fits(model, method, budget, batch, position, args):
+    """Whether `batch` runs: fill, then decode steps that include a compression."""
+    import torch
+
+    cache = None
+    release()
+    try:
+        with torch.no_grad():
+            resident = None if method == "fullkv" else budget + args.buffer - 1
+            cache = make_cache(model, method, budget, args, batch, position, resident)
+            decode(model, cache, batch, position, 2, 0)
+        return True
+    except Exception as e:  # noqa: BLE001
+        if is_oom(e):
+            return False
+        raise
+    finally:
+        release(cache)
+
+
+def largest_batch(model, method, budget, position, args, start):
+    lo, hi = 0, None
+    b = max(1, start)
+    while b <= args.max_batch_limit:
+        if fits(model, method, budget, b, position, args):
+            lo, b = b, b * 2
+        else:
+            hi = b
+            break
+    if hi is None:
+        return lo
+    while hi - lo > max(1, lo // 16):  # bisect to within ~6 %
+        mid = (lo + hi) // 2
+        if fits(model, method, budget, mid, position, args):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+HEADER = ("| context | method | budget | batch | decode tok/s | ms/step | peak GiB | compression "
+          "share | compressions in window |\n|---|---|---|---|---|---|---|---|---|")
+
+
+def fmt_row(position, method, budget, batch, r, note=""):
+    if r is None:
+        return "| %d | %s | %s | %s | OOM | | | | %s |" % (position, method, budget, batch, note)
+    share = "%.1f %%" % (100 * r["compress_share"]) if "compress_share" in r else "-"
+    comps = str(r.get("compressions", "-"))
+    return "| %d | %s | %s | %s | %.1f | %.2f | %.1f | %s | %s |" % (
+        position, method, budget, batch, r["tok_s"], r["ms_step"], r["peak_gib"], share, comps)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("e2e_generate: needs a CUDA device")
+    import kvsift
+    import transformers
+
+    if args.methods != ["fullkv"] and not kvsift.cuda_available():
+        sys.exit("e2e_generate: libkvsift_c (%s) was built without CUDA" % kvsift.find_library())
+    t0 = time.time()
+    model = build_model(args)
+    dev = torch.cuda.get_device_name()
+    lines = ["## End-to-end decode (bench/e2e_generate.py%s)" % (" --quick" if args.quick else ""),
+             "",
+             "%s; torch %s, transformers %s, kvsift %s; random R1-Llama-8B architecture (%d "
+             "layers), bf16, %s; greedy, EOS ignored. Context reached by synthetic K/V, not "
+             "prefill: fullkv = DynamicCache holding the full context; kvsift = KVSiftCache "
+             "holding `budget` tokens at that position (its state after a compression), "
+             "compressing every %d steps. Timed window: %d decode steps after %d warm-up "
+             "steps (CUDA events)." % (dev, torch.__version__, transformers.__version__,
+                                       kvsift.__version__, args.layers, args.attn, args.buffer,
+                                       args.steps, args.warmup),
+             "", HEADER]
+    print("\n".join(lines), flush=True)
+    out = open(args.out, "a") if args.out else None
+    if out:
+        out.write("\n".join(lines) + "\n")
+        out.flush()
+
+    def emit(line):
+        print(line, flush=True)
+        if out:
+            out.write(line + "\n")
+            out.flush()
+
+    configs = []
+    for position in args.contexts:
+        for method in args.methods:
+            for budget in ([None] if method == "fullkv" else args.budgets):
+                configs.append((position, method, budget))
+    for position, method, budget in configs:
+        largest_seen = 0
+        for batch in args.batches:
+            try:
+                r = measure(model, method, budget, batch, position, args)
+                largest_seen = batch
+            except Oom:
+                r = None
+            except Exception as e:  # noqa: BLE001 - report and continue with the next row
+                emit("| %d | %s | %s | %d | ERROR: %s | | | | |" % (
+                    position, method, budget or "-", batch, str(e).splitlines()[0][:100]))
+                continue
+            emit(fmt_row(position, method, budget or "-", batch, r))
+        if args.max_batch:
+            try:
+                best = largest_batch(model, method, budget, position, args, max(largest_seen, 1))
+                if best == 0:
+                    emit(fmt_row(position, method, budget or "-", "max: none fits", None))
+                    continue
+                try:
+                    r = measure(model, method, budget, best, position, args)
+                except Oom:
+                    best = largest_batch(model, method, budget, position, args, 1)
+                    r = measure(model, method, budget, best, position, args) if best else None
+                emit(fmt_row(position, method, budget or "-", "max %d" % best, r))
+            except Exception as e:  # noqa: BLE001
+                emit("| %d | %s | %s | max | ERROR: %s | | | | |" % (
+                    position, method, budget or "-", str(e).splitlines()[0][:100]))
+    emit("")
+    emit("Published for comparison (ThinKV paper, Table 2: R1-Llama-8B, 32K continuous "
+         "generation, GH200, their engine; not measured here):")
+    emit("")
+    emit("| method | budget | decode tok/s |\n|---|---|---|")
+    for name, budget, tps in PAPER_TABLE2:
+        emit("| %s | %s | %s |" % (name, budget, tps))
+    emit("")
+    emit("(total wall time %.0f s)" % (time.time() - t0))
+    if out:
+        out.close()
+
+
+if __name__ == "__main__":
+    main()
