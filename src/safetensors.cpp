@@ -7,13 +7,12 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
-#include <iterator>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <utility>
 
 #include "kvsift/core/error.hpp"
+#include "kvsift/core/file_io.hpp"
 
 namespace kvsift {
 
@@ -241,12 +240,14 @@ std::vector<std::int64_t> StTensor::to_i64() const {
 
 // --- reading ----------------------------------------------------------------------------------
 
-SafetensorsFile SafetensorsFile::load(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  KVSIFT_CHECK(in.is_open(), "safetensors '", path, "': cannot open file (missing or unreadable)");
-  std::vector<std::uint8_t> image((std::istreambuf_iterator<char>(in)),
-                                  std::istreambuf_iterator<char>());
-  KVSIFT_CHECK(!in.bad(), "safetensors '", path, "': read error");
+SafetensorsFile SafetensorsFile::load(const std::string& path, std::uint64_t max_bytes) {
+  // read_file_bytes rejects directories, devices and FIFOs and caps the size before allocating.
+  std::vector<std::uint8_t> image;
+  try {
+    image = read_file_bytes(path, max_bytes);
+  } catch (const Error& e) {
+    KVSIFT_FAIL("safetensors '", path, "': ", e.what());
+  }
   return parse(image, path);
 }
 
@@ -451,26 +452,9 @@ std::vector<std::uint8_t> SafetensorsFile::serialize() const {
 }
 
 void SafetensorsFile::save(const std::string& path) const {
-  const std::vector<std::uint8_t> image = serialize();
-  // Write a sibling file and rename it over `path`, so a crash mid-write never leaves a torn file
-  // where a reader expects a complete one.
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    KVSIFT_CHECK(out.is_open(), "safetensors '", path, "': cannot open '", tmp, "' for writing");
-    out.write(reinterpret_cast<const char*>(image.data()),
-              static_cast<std::streamsize>(image.size()));
-    out.close();
-    if (!out) {
-      std::remove(tmp.c_str());
-      KVSIFT_FAIL("safetensors '", path, "': writing ", image.size(), " bytes to '", tmp,
-                  "' failed");
-    }
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    std::remove(tmp.c_str());
-    KVSIFT_FAIL("safetensors '", path, "': cannot replace the file with '", tmp, "'");
-  }
+  // A fresh O_EXCL temporary renamed over `path`: a crash mid-write never leaves a torn file, a
+  // planted symlink is never followed, and a non-regular `path` is never replaced.
+  write_file_atomically(path, serialize());
 }
 
 }  // namespace kvsift

@@ -105,7 +105,11 @@ TEST_CASE(
   no_layer.metadata()["layer"] = "twenty";
   no_layer.save(path);
   REQUIRE_THROWS_WITH(SteeringVector::load(path),
-                      Catch::Matchers::Contains("layer metadata 'twenty' is not an integer"));
+                      Catch::Matchers::Contains("layer metadata: expected an integer, got 'twenty'"));
+  no_layer.metadata()["layer"] = "4294967316";  // wraps to 20 through a 32-bit cast
+  no_layer.save(path);
+  REQUIRE_THROWS_WITH(SteeringVector::load(path),
+                      Catch::Matchers::Contains("'4294967316' is out of range"));
   SafetensorsFile other;
   other.put_f32("vec", {4}, m);
   other.save(path);

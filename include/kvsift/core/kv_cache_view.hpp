@@ -34,6 +34,10 @@ struct KVCacheView {
                  "KVCacheView: keys and values must both be set");
     KVSIFT_CHECK(keys.rank == 4, "KVCacheView: keys must be [batch, kv_heads, capacity, head_dim], got rank ",
                  keys.rank);
+    keys.validate("KVCacheView keys");
+    values.validate("KVCacheView values");
+    // The mask is indexed b * capacity + slot: that product must not overflow either.
+    checked_mul(batch(), capacity(), "KVCacheView: batch * capacity (valid_mask size)");
     KVSIFT_CHECK(values.rank == 4 && values.shape == keys.shape,
                  "KVCacheView: values shape ", values.shape_string(), " != keys shape ",
                  keys.shape_string());

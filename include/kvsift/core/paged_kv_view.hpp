@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "kvsift/core/checked_math.hpp"
 #include "kvsift/core/config.hpp"
 #include "kvsift/core/device.hpp"
 #include "kvsift/core/dtype.hpp"
@@ -53,12 +54,22 @@ struct PagedKVView {
     KVSIFT_CHECK(page_size > 0 && kv_heads > 0 && head_dim > 0, "PagedKVView: page_size (",
                  page_size, "), kv_heads (", kv_heads, ") and head_dim (", head_dim,
                  ") must be positive");
+    KVSIFT_CHECK(batch >= 0 && num_pages >= 0, "PagedKVView: batch (", batch, ") and num_pages (",
+                 num_pages, ") must be >= 0");
+    // offset() multiplies these in int64: the pool's element count must fit.
+    const std::int64_t extents[4] = {num_pages, kv_heads, page_size, head_dim};
+    checked_product(extents, 4, "PagedKVView: page pool [num_pages, kv_heads, page_size, head_dim]");
     KVSIFT_CHECK(indptr != nullptr && last_page_len != nullptr, "PagedKVView: indptr and last_page_len must be set");
     KVSIFT_CHECK(indptr[0] == 0, "PagedKVView: indptr[0] = ", indptr[0], ", expected 0");
     for (std::int32_t b = 0; b < batch; ++b) {
       KVSIFT_CHECK(indptr[b + 1] >= indptr[b], "PagedKVView: indptr decreases at ", b, " (",
                    indptr[b], " -> ", indptr[b + 1], ")");
       const std::int32_t n = num_pages_of(b);
+      // get_length() computes (n - 1) * page_size + last in int32.
+      KVSIFT_CHECK(n == 0 || checked_mul(std::int64_t{n}, std::int64_t{page_size},
+                                         "PagedKVView: pages * page_size") <= INT32_MAX,
+                   "PagedKVView: sequence ", b, " spans ", n, " pages of ", page_size,
+                   " tokens, beyond int32 token positions");
       KVSIFT_CHECK(n == 0 || (last_page_len[b] >= 1 && last_page_len[b] <= page_size),
                    "PagedKVView: last_page_len[", b, "] = ", last_page_len[b], " outside [1, ",
                    page_size, "]");

@@ -21,6 +21,7 @@
 
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/error.hpp"
+#include "kvsift/core/parse_number.hpp"
 #include "kvsift/core/safetensors.hpp"
 #include "kvsift/core/tensor_view.hpp"
 #include "kvsift/config/steering_config.hpp"
@@ -122,14 +123,8 @@ struct SteeringVector {
     const auto& meta = f.metadata();
     const auto layer = meta.find("layer");
     KVSIFT_CHECK(layer != meta.end(), "SteeringVector::load: '", path, "' has no 'layer' metadata");
-    try {
-      std::size_t used = 0;
-      v.layer = std::stoi(layer->second, &used);
-      KVSIFT_CHECK(used == layer->second.size(), "trailing characters");
-    } catch (const std::exception&) {
-      KVSIFT_FAIL("SteeringVector::load: '", path, "': layer metadata '", layer->second,
-                  "' is not an integer");
-    }
+    v.layer = parse_integer<int>(layer->second,
+                                 "SteeringVector::load: '" + path + "': layer metadata", 0);
     const auto model = meta.find("model");
     if (model != meta.end()) v.model = model->second;
     v.validate();
