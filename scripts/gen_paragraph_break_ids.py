@@ -52,6 +52,7 @@ def main():
         "",
         "namespace kvsift {",
         "",
+        "// clang-format off",
     ]
     for name, file, what in LISTS:
         ids = read_ids(data / file)
@@ -61,6 +62,8 @@ def main():
             parts.append("    " + ", ".join(str(x) for x in ids[i:i + 10]) + ",")
         parts.append("};")
         parts.append("")
+    parts.append("// clang-format on")
+    parts.append("")
     parts.append("}  // namespace kvsift")
     out.write_text("\n".join(parts) + "\n")
     print(f"wrote {out}")

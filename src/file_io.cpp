@@ -62,8 +62,8 @@ std::string base_name(const std::string& path) {
 // A name no one else is using yet; O_EXCL makes the final decision.
 std::string temporary_name(const std::string& path, unsigned attempt) {
   static std::atomic<unsigned long> counter{0};
-  const auto ticks = static_cast<unsigned long>(
-      std::chrono::steady_clock::now().time_since_epoch().count());
+  const auto ticks =
+      static_cast<unsigned long>(std::chrono::steady_clock::now().time_since_epoch().count());
   const std::string dir = directory_of(path);
   return (dir == "/" ? "" : dir) + "/." + base_name(path) + ".tmp." +
          std::to_string(static_cast<long>(::getpid())) + "." +
@@ -76,8 +76,8 @@ void write_all(int fd, const std::uint8_t* p, std::size_t n, const std::string& 
     const std::size_t chunk = n < (std::size_t{1} << 30) ? n : (std::size_t{1} << 30);
     const ssize_t w = ::write(fd, p, chunk);
     if (w < 0 && errno == EINTR) continue;
-    KVSIFT_CHECK(w > 0, "write '", path, "': writing the temporary '", tmp, "' failed: ",
-                 w < 0 ? sys_error() : std::string("no progress"));
+    KVSIFT_CHECK(w > 0, "write '", path, "': writing the temporary '", tmp,
+                 "' failed: ", w < 0 ? sys_error() : std::string("no progress"));
     p += w;
     n -= static_cast<std::size_t>(w);
   }
@@ -156,8 +156,8 @@ void write_file_atomically(const std::string& path, const void* data, std::size_
   for (unsigned attempt = 0; attempt < 64 && fd.fd < 0; ++attempt) {
     tmp = temporary_name(path, attempt);
     fd.fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
-    KVSIFT_CHECK(fd.fd >= 0 || errno == EEXIST, "write '", path, "': cannot create a temporary in '",
-                 directory_of(path), "': ", sys_error());
+    KVSIFT_CHECK(fd.fd >= 0 || errno == EEXIST, "write '", path,
+                 "': cannot create a temporary in '", directory_of(path), "': ", sys_error());
   }
   KVSIFT_CHECK(fd.fd >= 0, "write '", path, "': no free temporary name in '", directory_of(path),
                "'");

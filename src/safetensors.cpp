@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <utility>
 
+#include "kvsift/core/checked_math.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/file_io.hpp"
 
@@ -31,23 +32,20 @@ std::string shape_string(const std::vector<std::int64_t>& shape) {
   return s + "]";
 }
 
-// Element count of `shape`, or nullopt-like -1 when it would overflow int64 (such a shape can never
-// match a real byte count, and the caller reports it as a byte-count mismatch).
+// Element count of `shape`, or -1 when an extent is negative or the count overflows int64 (such a
+// shape can never match a real byte count, and the caller reports it as a byte-count mismatch).
+// The arithmetic is core/checked_math.hpp's, the one home of size checks.
 std::int64_t checked_numel(const std::vector<std::int64_t>& shape) {
   std::int64_t n = 1;
-  for (std::int64_t d : shape) {
-    if (d < 0) return -1;
-    if (d != 0 && n > std::numeric_limits<std::int64_t>::max() / d) return -1;
-    n *= d;
-  }
+  for (std::int64_t d : shape)
+    if (!try_mul(n, d, &n)) return -1;
   return n;
 }
 
 // Byte count of `numel` elements of `t`, or -1 on overflow.
 std::int64_t checked_bytes(std::int64_t numel, StDType t) {
-  const auto size = static_cast<std::int64_t>(st_dtype_size(t));
-  if (numel < 0 || numel > std::numeric_limits<std::int64_t>::max() / size) return -1;
-  return numel * size;
+  std::int64_t bytes = 0;
+  return try_mul(numel, static_cast<std::int64_t>(st_dtype_size(t)), &bytes) ? bytes : -1;
 }
 
 // Little-endian decoding and encoding by bytes, so the file layout does not depend on the host.

@@ -1,5 +1,5 @@
-// SentenceTracker (docs/algorithms.md §2.1-2.2): segmentation, check labels, sentence embeddings and
-// the pairwise-similarity redundancy marks of SkipKV.
+// SentenceTracker (docs/algorithms.md §2.1-2.2): segmentation, check labels, sentence embeddings
+// and the pairwise-similarity redundancy marks of SkipKV.
 #include "kvsift/policy/skipkv/sentence_tracker.hpp"
 
 #include <algorithm>

@@ -1,13 +1,13 @@
 // ThinKV threshold calibration (docs/algorithms.md §3.1): binned Gaussian KDE, mode counting, the
 // bandwidth search for a stable trimodal range, and the layer ranking. See
 // sparsity_calibration.hpp and docs/thinkv.md.
-#include "kvsift/core/checked_math.hpp"
 #include "kvsift/policy/thinkv/sparsity_calibration.hpp"
 
 #include <algorithm>
 #include <cmath>
 #include <sstream>
 
+#include "kvsift/core/checked_math.hpp"
 #include "kvsift/core/error.hpp"
 
 namespace kvsift {
@@ -232,7 +232,8 @@ CalibrationResult calibrate_thresholds(const float* sparsity, std::int64_t promp
   KVSIFT_CHECK(sparsity != nullptr, "calibrate_thresholds: sparsity is null");
   {
     const std::int64_t grid2 = static_cast<std::int64_t>(config.grid_points) * config.grid_points;
-    const std::int64_t pairs = checked_mul(prompts, layers, "calibrate_thresholds: prompts * layers");
+    const std::int64_t pairs =
+        checked_mul(prompts, layers, "calibrate_thresholds: prompts * layers");
     KVSIFT_CHECK(pairs <= kMaxCalibrationWork / grid2, "calibrate_thresholds: ", prompts,
                  " prompts x ", layers, " layers x grid_points² (", config.grid_points,
                  "²) exceeds the work bound kMaxCalibrationWork = ", kMaxCalibrationWork,

@@ -1,21 +1,21 @@
 // ThinKV pipeline (docs/algorithms.md §3): config validation and the per-step driver. See
 // include/kvsift/policy/thinkv/thinkv.hpp and docs/thinkv.md, "The ThinKV pipeline".
-#include "kvsift/core/limits.hpp"
 #include "kvsift/policy/thinkv/thinkv.hpp"
 
 #include <cmath>
 #include <utility>
 
-#include "kvsift/paged/paged_attention.hpp"
 #include "kvsift/backend/cpu/attention_sparsity.hpp"
+#include "kvsift/core/limits.hpp"
+#include "kvsift/paged/paged_attention.hpp"
 
 namespace kvsift {
 
 // --- config ----------------------------------------------------------------------------------
 
 void ThinKVConfig::validate() const {
-  KVSIFT_CHECK(num_layers > 0 && num_layers <= kMaxLayers, "ThinKVConfig: num_layers must be in [1, ",
-               kMaxLayers, "], got ", num_layers);
+  KVSIFT_CHECK(num_layers > 0 && num_layers <= kMaxLayers,
+               "ThinKVConfig: num_layers must be in [1, ", kMaxLayers, "], got ", num_layers);
   KVSIFT_CHECK(kv_heads > 0, "ThinKVConfig: kv_heads must be > 0, got ", kv_heads);
   KVSIFT_CHECK(q_heads > 0 && q_heads % kv_heads == 0, "ThinKVConfig: q_heads (", q_heads,
                ") must be a positive multiple of kv_heads (", kv_heads, ")");

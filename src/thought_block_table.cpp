@@ -1,12 +1,14 @@
-// ThoughtBlockTable (docs/algorithms.md §3.4): allocation, soft eviction and the staged quantization
-// of key groups. See include/kvsift/paged/thought_block_table.hpp and docs/continuous_thinking.md.
-#include "kvsift/core/limits.hpp"
+// ThoughtBlockTable (docs/algorithms.md §3.4): allocation, soft eviction and the staged
+// quantization of key groups. See include/kvsift/paged/thought_block_table.hpp and
+// docs/continuous_thinking.md.
 #include "kvsift/paged/thought_block_table.hpp"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <utility>
+
+#include "kvsift/core/limits.hpp"
 
 namespace kvsift {
 

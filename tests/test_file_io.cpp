@@ -83,8 +83,7 @@ TEST_CASE("read_file_bytes rejects directories, devices and FIFOs by name") {
   // Must not block waiting for a writer.
   REQUIRE_THROWS_WITH(read_file_bytes(fifo), Contains("is a FIFO, not a regular file"));
   REQUIRE_THROWS_WITH(read_file_bytes(dir / "missing"), Contains("cannot open"));
-  REQUIRE_THROWS_WITH(SafetensorsFile::load(dir.path),
-                      Contains("safetensors '" + dir.path + "'"));
+  REQUIRE_THROWS_WITH(SafetensorsFile::load(dir.path), Contains("safetensors '" + dir.path + "'"));
 }
 
 TEST_CASE("read_file_bytes caps the size before allocating") {

@@ -12,6 +12,7 @@
 #include "kvsift/core/checked_math.hpp"
 #include "kvsift/core/compact.hpp"
 #include "kvsift/core/paged_kv_view.hpp"
+#include "kvsift/policy/skipkv/batch_grouper.hpp"
 #include "kvsift/quant/quantized_tensor.hpp"
 
 using namespace kvsift;
@@ -24,8 +25,9 @@ constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
 TEST_CASE("checked_mul and checked_add name the field on overflow and negatives") {
   REQUIRE(checked_mul(std::int64_t{3}, std::int64_t{4}, "x") == 12);
   REQUIRE(checked_mul(std::int64_t{0}, kMax, "x") == 0);
-  REQUIRE_THROWS_WITH(checked_mul(std::int64_t{1} << 32, std::int64_t{1} << 31, "tokens * channels"),
-                      Contains("tokens * channels: 4294967296 * 2147483648 overflows int64"));
+  REQUIRE_THROWS_WITH(
+      checked_mul(std::int64_t{1} << 32, std::int64_t{1} << 31, "tokens * channels"),
+      Contains("tokens * channels: 4294967296 * 2147483648 overflows int64"));
   REQUIRE_THROWS_WITH(checked_mul(std::int64_t{-2}, std::int64_t{3}, "rows"),
                       Contains("rows: negative operand in -2 * 3"));
   REQUIRE_THROWS_WITH(checked_add(kMax, std::int64_t{1}, "offset"), Contains("offset: "));
@@ -68,8 +70,7 @@ TEST_CASE("TensorView::validate rejects negative extents, bad strides and overfl
   REQUIRE(empty.stride[1] == 4);
   REQUIRE_NOTHROW(empty.validate("empty"));
   REQUIRE(empty.span_elements() == 0);
-  REQUIRE_THROWS_WITH(TensorView::contiguous(buf, DType::f32, Device::cpu,
-                                             {kMax / 2, 4, 1}),
+  REQUIRE_THROWS_WITH(TensorView::contiguous(buf, DType::f32, Device::cpu, {kMax / 2, 4, 1}),
                       Contains("element count"));
 }
 
@@ -104,7 +105,8 @@ TEST_CASE("compact refuses keys and values that share memory") {
 
   // A view whose rows overlap themselves (slot stride 2 < head_dim 4).
   std::vector<float> k(64), v(64);
-  KVCacheView self = make_kv_cache_view(k.data(), v.data(), DType::f32, Device::cpu, 1, 1, 8, 4, len);
+  KVCacheView self =
+      make_kv_cache_view(k.data(), v.data(), DType::f32, Device::cpu, 1, 1, 8, 4, len);
   self.keys.stride[2] = 2;
   REQUIRE_THROWS_WITH(compact(self, plan), Contains("keys view [1, 1, 8, 4] has overlapping rows"));
 
@@ -121,7 +123,8 @@ TEST_CASE("a default-constructed KeepPlan says so instead of 'only -1 of 0 rows'
   KeepPlan plan;
   REQUIRE(plan.rows_appended() == 0);
   REQUIRE_THROWS_WITH(plan.validate(), Contains("default-constructed"));
-  REQUIRE_THROWS_WITH(plan.append_row(std::vector<std::int32_t>{}), Contains("default-constructed"));
+  REQUIRE_THROWS_WITH(plan.append_row(std::vector<std::int32_t>{}),
+                      Contains("default-constructed"));
   std::vector<float> k(32), v(32);
   std::int32_t len[1] = {8};
   KVCacheView kv = make_kv_cache_view(k.data(), v.data(), DType::f32, Device::cpu, 1, 1, 8, 4, len);
@@ -184,4 +187,16 @@ TEST_CASE("a quantized tensor whose tokens x channels wraps is refused, not dequ
   q.codes.assign(16 * 16, 0);
   q.scales.assign(16, 0);
   REQUIRE_THROWS_WITH(validate_quantized(q), Contains("group axis code 7"));
+}
+
+TEST_CASE("batch grouping totals near 2^63 are errors, not negative numbers") {
+  BatchGrouperConfig c;
+  c.batch_size = 1;
+  const std::int64_t half = std::int64_t{1} << 62;
+  REQUIRE_THROWS_WITH(BatchGrouper(c).group({half, half, 1}),
+                      Contains("BatchGrouper: sum of prefill_lengths"));
+  c.batch_size = 3;
+  REQUIRE_THROWS_WITH(BatchGrouper(c).group({kMax - 2, 1, 1}),
+                      Contains("BatchGrouper: total padding"));
+  REQUIRE(BatchGrouper(c).group({5, 3, 1}).padding == 2 + 4);
 }

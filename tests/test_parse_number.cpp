@@ -34,7 +34,8 @@ TEST_CASE("parse_integer rejects wrap-arounds, fractions, junk and empties by na
   REQUIRE_THROWS_WITH(parse_integer<int>(" 3", "--window"), Contains("got ' 3'"));
   REQUIRE_THROWS_WITH(parse_integer<int>("1e3", "--window"), Contains("trailing 'e3'"));
   REQUIRE_THROWS_WITH(parse_integer<int>("0x10", "--window"), Contains("trailing 'x10'"));
-  REQUIRE_THROWS_WITH(parse_integer<int>("-", "--window"), Contains("expected an integer, got '-'"));
+  REQUIRE_THROWS_WITH(parse_integer<int>("-", "--window"),
+                      Contains("expected an integer, got '-'"));
   REQUIRE_THROWS_WITH(parse_integer<std::int64_t>("99999999999999999999", "--n"),
                       Contains("out of range"));
   REQUIRE_THROWS_WITH(parse_integer<int>("0", "--grid", 16, 4096),
@@ -56,9 +57,11 @@ TEST_CASE("parse_real accepts finite numbers and rejects nan, inf and out-of-ran
   REQUIRE_THROWS_WITH(parse_float("1e39", "--gamma"), Contains("'1e39' is out of range"));
   REQUIRE_THROWS_WITH(parse_real("1e20", "--tau", 0.0, 1.0),
                       Contains("--tau: '1e20' is out of range [0, 1]"));
-  REQUIRE_THROWS_WITH(parse_real("0x1p3", "--x"), Contains("expected a finite number, got '0x1p3'"));
+  REQUIRE_THROWS_WITH(parse_real("0x1p3", "--x"),
+                      Contains("expected a finite number, got '0x1p3'"));
   REQUIRE_THROWS_WITH(parse_real("1.5x", "--x"), Contains("got '1.5x'"));
-  REQUIRE_THROWS_WITH(parse_real("", "--x"), Contains("--x: expected a number, got an empty value"));
+  REQUIRE_THROWS_WITH(parse_real("", "--x"),
+                      Contains("--x: expected a number, got an empty value"));
   REQUIRE_THROWS_WITH(parse_real("1.2.3", "--x"), Contains("trailing '.3'"));
 }
 
@@ -73,19 +76,23 @@ TEST_CASE("JSON config integers must be integral and in range") {
   REQUIRE(config_integer<int>(cfg, "missing", 42) == 42);
   REQUIRE_THROWS_WITH(config_integer<int>(cfg, "big", 0),
                       Contains("config key 'big': 4294967312 is out of range"));
-  REQUIRE_THROWS_WITH(config_integer<int>(cfg, "neg", 0, 0, 100), Contains("-3 is out of range [0, 100]"));
-  REQUIRE_THROWS_WITH(config_integer<int>(cfg, "text", 0), Contains("expected an integer, got \"16\""));
+  REQUIRE_THROWS_WITH(config_integer<int>(cfg, "neg", 0, 0, 100),
+                      Contains("-3 is out of range [0, 100]"));
+  REQUIRE_THROWS_WITH(config_integer<int>(cfg, "text", 0),
+                      Contains("expected an integer, got \"16\""));
   REQUIRE_THROWS_WITH(config_integer<int>(cfg, "flag", 0), Contains("got true"));
   REQUIRE_THROWS_WITH(config_integer<int>(cfg, "huge", 0), Contains("out of range"));
   REQUIRE(config_integer<std::int64_t>(cfg, "big", 0) == 4294967312LL);
 }
 
 TEST_CASE("JSON config reals must be finite and in range") {
-  const auto cfg = nlohmann::json::parse(R"({"tau": 0.95, "lambda": 2, "bad": "0.1", "big": 1e300})");
+  const auto cfg =
+      nlohmann::json::parse(R"({"tau": 0.95, "lambda": 2, "bad": "0.1", "big": 1e300})");
   REQUIRE(config_real(cfg, "tau", 0.0) == 0.95);
   REQUIRE(config_real(cfg, "lambda", 0.0) == 2.0);
   REQUIRE_THROWS_WITH(config_real(cfg, "tau", 0.0, 0.0, 0.5),
                       Contains("config key 'tau': 0.95 is out of range [0, 0.5]"));
   REQUIRE_THROWS_WITH(config_real(cfg, "bad", 0.0), Contains("expected a number, got \"0.1\""));
-  REQUIRE_THROWS_WITH(json_float(cfg["big"], "threshold"), Contains("threshold: 1e+300 is out of range"));
+  REQUIRE_THROWS_WITH(json_float(cfg["big"], "threshold"),
+                      Contains("threshold: 1e+300 is out of range"));
 }

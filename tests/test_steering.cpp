@@ -1,5 +1,6 @@
-// Adaptive steering (docs/algorithms.md §2.5): the SEAL labeller on hand sentences, the vector build
-// against hand means, safetensors round trips, α updates, gating, and h += α·v in f32 and bf16.
+// Adaptive steering (docs/algorithms.md §2.5): the SEAL labeller on hand sentences, the vector
+// build against hand means, safetensors round trips, α updates, gating, and h += α·v in f32 and
+// bf16.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -105,8 +106,9 @@ TEST_CASE(
   REQUIRE_THROWS_WITH(SteeringVector::load(path), Catch::Matchers::Contains("no 'layer'"));
   no_layer.metadata()["layer"] = "twenty";
   no_layer.save(path);
-  REQUIRE_THROWS_WITH(SteeringVector::load(path),
-                      Catch::Matchers::Contains("layer metadata: expected an integer, got 'twenty'"));
+  REQUIRE_THROWS_WITH(
+      SteeringVector::load(path),
+      Catch::Matchers::Contains("layer metadata: expected an integer, got 'twenty'"));
   no_layer.metadata()["layer"] = "4294967316";  // wraps to 20 through a 32-bit cast
   no_layer.save(path);
   REQUIRE_THROWS_WITH(SteeringVector::load(path),

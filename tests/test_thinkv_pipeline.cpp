@@ -1,8 +1,8 @@
-// The ThinKV pipeline (docs/algorithms.md §3): classifier + TBQ block table + TBE evictor driven step by
-// step. Multi-step scenarios with hand-set sparsities whose labels, demotions and resident counts
-// are worked out by hand in the comments; soft eviction moves no byte; paged attention equals a
-// dense two-pass softmax over the table's resident tokens; sparsity from queries and from attention
-// rows against hand-computed rows; config and driving errors.
+// The ThinKV pipeline (docs/algorithms.md §3): classifier + TBQ block table + TBE evictor driven
+// step by step. Multi-step scenarios with hand-set sparsities whose labels, demotions and resident
+// counts are worked out by hand in the comments; soft eviction moves no byte; paged attention
+// equals a dense two-pass softmax over the table's resident tokens; sparsity from queries and from
+// attention rows against hand-computed rows; config and driving errors.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

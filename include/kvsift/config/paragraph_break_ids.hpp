@@ -8,6 +8,7 @@
 
 namespace kvsift {
 
+// clang-format off
 // 565 ids of the Qwen2/Qwen3 vocabulary (DeepSeek-R1-Distill-Qwen-7B/14B).
 inline constexpr std::int32_t kParagraphBreakIdsR1Qwen[565] = {
     271, 382, 401, 555, 626, 630, 692, 1022, 1339, 1406,
@@ -131,5 +132,7 @@ inline constexpr std::int32_t kParagraphBreakIdsR1Llama[588] = {
     105291, 106959, 108949, 109398, 111496, 115205, 115684, 118599, 118995, 119029,
     122886, 125179, 125793, 125837, 126595, 127008, 127140, 127420,
 };
+
+// clang-format on
 
 }  // namespace kvsift

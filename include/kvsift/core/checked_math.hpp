@@ -13,6 +13,14 @@
 
 namespace kvsift {
 
+// Non-throwing forms for callers that report the fault in their own words (the safetensors
+// reader names the tensor and file): false when a or b is negative or the result overflows.
+inline bool try_mul(std::int64_t a, std::int64_t b, std::int64_t* out) {
+  if (a < 0 || b < 0 || (a != 0 && b > std::numeric_limits<std::int64_t>::max() / a)) return false;
+  *out = a * b;
+  return true;
+}
+
 // a * b for non-negative a, b; throws naming `what` when either is negative or the product
 // exceeds int64.
 inline std::int64_t checked_mul(std::int64_t a, std::int64_t b, const char* what) {
@@ -31,8 +39,8 @@ inline std::int64_t checked_add(std::int64_t a, std::int64_t b, const char* what
 }
 
 inline std::size_t checked_mul(std::size_t a, std::size_t b, const char* what) {
-  KVSIFT_CHECK(a == 0 || b <= std::numeric_limits<std::size_t>::max() / a, what, ": ", a, " * ",
-               b, " overflows size_t");
+  KVSIFT_CHECK(a == 0 || b <= std::numeric_limits<std::size_t>::max() / a, what, ": ", a, " * ", b,
+               " overflows size_t");
   return a * b;
 }
 
@@ -55,8 +63,8 @@ inline std::int64_t checked_product(const std::int64_t* extents, std::size_t n, 
 // An int64 count as a size_t that fits the address space, for allocation.
 inline std::size_t checked_size(std::int64_t n, const char* what) {
   KVSIFT_CHECK(n >= 0, what, " is negative (", n, ")");
-  KVSIFT_CHECK(static_cast<std::uint64_t>(n) <= std::numeric_limits<std::size_t>::max(), what,
-               " (", n, ") does not fit size_t");
+  KVSIFT_CHECK(static_cast<std::uint64_t>(n) <= std::numeric_limits<std::size_t>::max(), what, " (",
+               n, ") does not fit size_t");
   return static_cast<std::size_t>(n);
 }
 

@@ -46,9 +46,9 @@ inline void check_no_alias(const KVCacheView& kv) {
   const std::size_t bytes_k =
       checked_mul(checked_size(kv.keys.span_elements("compact: keys"), "compact: keys span"), esz,
                   "compact: keys bytes");
-  const std::size_t bytes_v = checked_mul(
-      checked_size(kv.values.span_elements("compact: values"), "compact: values span"), esz,
-      "compact: values bytes");
+  const std::size_t bytes_v =
+      checked_mul(checked_size(kv.values.span_elements("compact: values"), "compact: values span"),
+                  esz, "compact: values bytes");
   if (bytes_k == 0 || bytes_v == 0) return;
   const bool disjoint = begin_k + bytes_k <= begin_v || begin_v + bytes_v <= begin_k;
   KVSIFT_CHECK(disjoint, "compact: keys [", kv.keys.data, ", +", bytes_k, " bytes) and values [",

@@ -28,9 +28,9 @@ Int json_integer(const nlohmann::json& v, std::string_view name,
   long double value = 0;
   if (v.is_number_unsigned()) {
     const auto u = v.get<std::uint64_t>();
-    in_range = min <= 0 ? u <= static_cast<std::uint64_t>(max)
-                        : u >= static_cast<std::uint64_t>(min) &&
-                              u <= static_cast<std::uint64_t>(max);
+    in_range = min <= 0
+                   ? u <= static_cast<std::uint64_t>(max)
+                   : u >= static_cast<std::uint64_t>(min) && u <= static_cast<std::uint64_t>(max);
     if (in_range) return static_cast<Int>(u);
   } else if (v.is_number_integer()) {
     const auto i = v.get<std::int64_t>();

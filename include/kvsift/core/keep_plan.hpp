@@ -32,7 +32,8 @@ class KeepPlan {
     KVSIFT_CHECK(batch >= 0 && kv_heads > 0 && capacity >= 0, "KeepPlan: bad shape batch=", batch,
                  " kv_heads=", kv_heads, " capacity=", capacity);
     KVSIFT_CHECK(static_cast<std::int64_t>(source_lengths_.size()) == batch,
-                 "KeepPlan: source_lengths has ", source_lengths_.size(), " entries, batch is ", batch);
+                 "KeepPlan: source_lengths has ", source_lengths_.size(), " entries, batch is ",
+                 batch);
     KVSIFT_CHECK(static_cast<std::int64_t>(kept_lengths_.size()) == batch,
                  "KeepPlan: kept_lengths has ", kept_lengths_.size(), " entries, batch is ", batch);
     KVSIFT_CHECK(window >= 0, "KeepPlan: window must be >= 0, got ", window);
@@ -148,8 +149,8 @@ class KeepPlan {
                  "KeepPlan: made for [batch=", batch_, ", kv_heads=", kv_heads_,
                  ", capacity=", capacity_, "], applied to ", kv.keys.shape_string());
     for (std::int64_t b = 0; b < batch_; ++b) {
-      KVSIFT_CHECK(kv.lengths[b] == source_lengths_[b], "KeepPlan: made for lengths[", b, "] = ",
-                   source_lengths_[b], " but the cache now holds ", kv.lengths[b],
+      KVSIFT_CHECK(kv.lengths[b] == source_lengths_[b], "KeepPlan: made for lengths[", b,
+                   "] = ", source_lengths_[b], " but the cache now holds ", kv.lengths[b],
                    " (a plan from another cache or step)");
     }
   }

@@ -32,15 +32,15 @@ struct KVCacheView {
   void validate() const {
     KVSIFT_CHECK(keys.data != nullptr && values.data != nullptr,
                  "KVCacheView: keys and values must both be set");
-    KVSIFT_CHECK(keys.rank == 4, "KVCacheView: keys must be [batch, kv_heads, capacity, head_dim], got rank ",
+    KVSIFT_CHECK(keys.rank == 4,
+                 "KVCacheView: keys must be [batch, kv_heads, capacity, head_dim], got rank ",
                  keys.rank);
     keys.validate("KVCacheView keys");
     values.validate("KVCacheView values");
     // The mask is indexed b * capacity + slot: that product must not overflow either.
     checked_mul(batch(), capacity(), "KVCacheView: batch * capacity (valid_mask size)");
-    KVSIFT_CHECK(values.rank == 4 && values.shape == keys.shape,
-                 "KVCacheView: values shape ", values.shape_string(), " != keys shape ",
-                 keys.shape_string());
+    KVSIFT_CHECK(values.rank == 4 && values.shape == keys.shape, "KVCacheView: values shape ",
+                 values.shape_string(), " != keys shape ", keys.shape_string());
     KVSIFT_CHECK(values.dtype == keys.dtype, "KVCacheView: values dtype ", dtype_name(values.dtype),
                  " != keys dtype ", dtype_name(keys.dtype));
     KVSIFT_CHECK(values.device == keys.device, "KVCacheView: keys and values on different devices");
@@ -49,8 +49,8 @@ struct KVCacheView {
                  keys.stride[3], ", values stride ", values.stride[3]);
     KVSIFT_CHECK(lengths != nullptr, "KVCacheView: lengths must be set");
     for (std::int64_t b = 0; b < batch(); ++b) {
-      KVSIFT_CHECK(lengths[b] >= 0 && lengths[b] <= capacity(), "KVCacheView: lengths[", b, "] = ",
-                   lengths[b], " is outside [0, capacity = ", capacity(), "]");
+      KVSIFT_CHECK(lengths[b] >= 0 && lengths[b] <= capacity(), "KVCacheView: lengths[", b,
+                   "] = ", lengths[b], " is outside [0, capacity = ", capacity(), "]");
     }
   }
 };
@@ -59,8 +59,7 @@ struct KVCacheView {
 inline KVCacheView make_kv_cache_view(void* keys, void* values, DType dtype, Device device,
                                       std::int64_t batch, std::int64_t kv_heads,
                                       std::int64_t capacity, std::int64_t head_dim,
-                                      std::int32_t* lengths,
-                                      std::uint8_t* valid_mask = nullptr) {
+                                      std::int32_t* lengths, std::uint8_t* valid_mask = nullptr) {
   KVCacheView v;
   v.keys = TensorView::contiguous(keys, dtype, device, {batch, kv_heads, capacity, head_dim});
   v.values = TensorView::contiguous(values, dtype, device, {batch, kv_heads, capacity, head_dim});

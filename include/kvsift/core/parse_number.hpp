@@ -30,23 +30,24 @@ Int parse_integer(std::string_view text, std::string_view name,
   KVSIFT_CHECK(!text.empty(), std::string(name), ": expected an integer, got an empty value");
   std::string_view digits = text;
   if (digits.front() == '+') digits.remove_prefix(1);  // from_chars takes '-' but not '+'
-  KVSIFT_CHECK(!digits.empty() && (digits.front() == '-' || (digits.front() >= '0' &&
-                                                              digits.front() <= '9')),
+  KVSIFT_CHECK(!digits.empty() &&
+                   (digits.front() == '-' || (digits.front() >= '0' && digits.front() <= '9')),
                std::string(name), ": expected an integer, got '", shown, "'");
   long long wide = 0;
   const char* end = digits.data() + digits.size();
   const auto [stop, ec] = std::from_chars(digits.data(), end, wide, 10);
-  KVSIFT_CHECK(ec != std::errc::invalid_argument, std::string(name),
-               ": expected an integer, got '", shown, "'");
-  KVSIFT_CHECK(ec != std::errc::result_out_of_range, std::string(name), ": '", shown, "' is out of range [", +min, ", ", +max, "]");
+  KVSIFT_CHECK(ec != std::errc::invalid_argument, std::string(name), ": expected an integer, got '",
+               shown, "'");
+  KVSIFT_CHECK(ec != std::errc::result_out_of_range, std::string(name), ": '", shown,
+               "' is out of range [", +min, ", ", +max, "]");
   KVSIFT_CHECK(stop == end, std::string(name), ": expected an integer, got '", shown,
                "' (trailing '", std::string(stop, end), "')");
   bool in_range;
   if constexpr (std::is_signed_v<Int>) {
     in_range = wide >= static_cast<long long>(min) && wide <= static_cast<long long>(max);
   } else {
-    in_range = wide >= 0 && static_cast<unsigned long long>(wide) >=
-                                static_cast<unsigned long long>(min) &&
+    in_range = wide >= 0 &&
+               static_cast<unsigned long long>(wide) >= static_cast<unsigned long long>(min) &&
                static_cast<unsigned long long>(wide) <= static_cast<unsigned long long>(max);
   }
   KVSIFT_CHECK(in_range, std::string(name), ": '", shown, "' is out of range [", +min, ", ", +max,
@@ -67,8 +68,8 @@ inline double parse_real(std::string_view text, std::string_view name,
   for (char ch : text) {
     // strtod would accept "0x1p3", "infinity" and "nan(...)": letters other than an exponent
     // mark are refused up front.
-    const bool ok = (ch >= '0' && ch <= '9') || ch == '.' || ch == '+' || ch == '-' || ch == 'e' ||
-                    ch == 'E';
+    const bool ok =
+        (ch >= '0' && ch <= '9') || ch == '.' || ch == '+' || ch == '-' || ch == 'e' || ch == 'E';
     KVSIFT_CHECK(ok, std::string(name), ": expected a finite number, got '", shown, "'");
   }
   errno = 0;

@@ -82,14 +82,15 @@ inline QuantizedTensor quantize_tensor(const float* x, std::int64_t tokens, std:
 inline void validate_quantized(const QuantizedTensor& q) {
   detail::check_tensor_shape(q.grid.tokens, q.grid.channels);
   KVSIFT_CHECK(q.grid.axis == GroupAxis::token || q.grid.axis == GroupAxis::channel,
-               "quantized tensor group axis code ", int(q.grid.axis), " is neither token nor channel");
+               "quantized tensor group axis code ", int(q.grid.axis),
+               " is neither token nor channel");
   const std::int64_t groups = q.grid.num_groups();
   const int code_bytes = code_bytes_per_group(q.format);
-  const std::int64_t code_total = checked_mul(groups, std::int64_t{code_bytes},
-                                              "quantized tensor groups * code bytes");
-  KVSIFT_CHECK(static_cast<std::int64_t>(q.codes.size()) == code_total,
-               quant_format_name(q.format), " codes hold ", q.codes.size(), " bytes, expected ",
-               groups * code_bytes, " (", groups, " groups x ", code_bytes, ")");
+  const std::int64_t code_total =
+      checked_mul(groups, std::int64_t{code_bytes}, "quantized tensor groups * code bytes");
+  KVSIFT_CHECK(static_cast<std::int64_t>(q.codes.size()) == code_total, quant_format_name(q.format),
+               " codes hold ", q.codes.size(), " bytes, expected ", groups * code_bytes, " (",
+               groups, " groups x ", code_bytes, ")");
   KVSIFT_CHECK(static_cast<std::int64_t>(q.scales.size()) == groups, quant_format_name(q.format),
                " scales hold ", q.scales.size(), " bytes, expected ", groups);
   KVSIFT_CHECK(std::isfinite(q.global_factor) && q.global_factor > 0.0f, "global_factor (",

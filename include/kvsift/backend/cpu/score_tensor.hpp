@@ -28,10 +28,9 @@ class ScoreTensor {
     checked_size(batch, "ScoreTensor: batch");
     checked_size(kv_heads, "ScoreTensor: kv_heads");
     checked_size(capacity, "ScoreTensor: capacity");
-    return checked_size(
-        checked_mul(checked_mul(batch, kv_heads, "ScoreTensor: batch * kv_heads"), capacity,
-                    "ScoreTensor: batch * kv_heads * capacity"),
-        "ScoreTensor: elements");
+    return checked_size(checked_mul(checked_mul(batch, kv_heads, "ScoreTensor: batch * kv_heads"),
+                                    capacity, "ScoreTensor: batch * kv_heads * capacity"),
+                        "ScoreTensor: elements");
   }
 
   std::int64_t batch() const { return batch_; }

@@ -1,6 +1,6 @@
-// H2O, heavy-hitter oracle (docs/algorithms.md §1.4): every KV head accumulates the softmax attention
-// its group's query heads give each token over the decode steps; a compression keeps the top
-// budget − recent tokens by that sum plus the `recent` most recent tokens.
+// H2O, heavy-hitter oracle (docs/algorithms.md §1.4): every KV head accumulates the softmax
+// attention its group's query heads give each token over the decode steps; a compression keeps the
+// top budget − recent tokens by that sum plus the `recent` most recent tokens.
 //
 // H2O is stateful. Per decode step and layer, after the step's key/value is appended:
 //   h2o.observe_step({layer, kv, step_queries});   // step_queries [batch, q_heads, 1, head_dim]
@@ -19,11 +19,11 @@
 #include "kvsift/backend/cpu/attention_mass.hpp"
 #include "kvsift/backend/cpu/score_tensor.hpp"
 #include "kvsift/backend/cpu/select_topk.hpp"
-#include "kvsift/core/limits.hpp"
+#include "kvsift/config/options.hpp"
 #include "kvsift/core/error.hpp"
+#include "kvsift/core/limits.hpp"
 #include "kvsift/policy/budget_trigger.hpp"
 #include "kvsift/policy/policy.hpp"
-#include "kvsift/config/options.hpp"
 
 namespace kvsift {
 
@@ -99,8 +99,8 @@ class H2O final : public Policy {
 
  private:
   cpu::ScoreTensor& accumulator_for(int layer, const KVCacheView& kv) {
-    KVSIFT_CHECK(layer >= 0 && layer < kMaxLayers, "H2O: layer ", layer, " outside [0, kMaxLayers = ",
-                 kMaxLayers, ")");
+    KVSIFT_CHECK(layer >= 0 && layer < kMaxLayers, "H2O: layer ", layer,
+                 " outside [0, kMaxLayers = ", kMaxLayers, ")");
     if (layer >= static_cast<int>(acc_.size())) acc_.resize(layer + 1);
     cpu::ScoreTensor& acc = acc_[layer];
     if (acc.batch() == 0) acc = cpu::ScoreTensor(kv.batch(), kv.kv_heads(), kv.capacity());

@@ -20,12 +20,12 @@
 #include <utility>
 #include <vector>
 
+#include "kvsift/config/steering_config.hpp"
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/parse_number.hpp"
 #include "kvsift/core/safetensors.hpp"
 #include "kvsift/core/tensor_view.hpp"
-#include "kvsift/config/steering_config.hpp"
 
 namespace kvsift {
 
