@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <fstream>
 #include <istream>
 #include <numeric>
 #include <sstream>
@@ -16,6 +15,7 @@
 
 #include "kvsift/core/checked_math.hpp"
 #include "kvsift/core/error.hpp"
+#include "kvsift/core/file_io.hpp"
 
 namespace kvsift {
 
@@ -155,9 +155,11 @@ inline std::vector<std::int64_t> parse_prefill_lengths(std::istream& in, const s
   return lengths;
 }
 
+// Regular files only, size-capped (core/file_io.hpp): a directory, a FIFO or /dev/zero is an
+// error naming the path, not a hang or an endless read.
 inline std::vector<std::int64_t> read_prefill_lengths(const std::string& path) {
-  std::ifstream in(path);
-  KVSIFT_CHECK(in.is_open(), "lengths file '", path, "': cannot open (missing or unreadable)");
+  const std::vector<std::uint8_t> bytes = read_file_bytes(path);
+  std::istringstream in(std::string(bytes.begin(), bytes.end()));
   return parse_prefill_lengths(in, path);
 }
 
