@@ -3,7 +3,6 @@
 // For a cache in device memory use kvsift::cuda::compact (backend/cuda/compact.hpp).
 #pragma once
 
-#include <cstdint>
 #include <cstring>
 
 #include "kvsift/core/keep_plan.hpp"
@@ -29,33 +28,6 @@ inline void check_plan_pads_agree(const KVCacheView& kv, const KeepPlan& plan) {
   }
 }
 
-// Keys and values in one buffer would be moved twice (the second pass reads rows the first one
-// already overwrote), and a view whose own rows overlap would be moved onto itself; both are
-// refused. Byte ranges [data, data + span) are compared, so interleaved K/V layouts are refused
-// too (compact() has no way to tell them apart from aliasing).
-inline void check_no_alias(const KVCacheView& kv) {
-  KVSIFT_CHECK(kv.keys.non_overlapping(), "compact: keys view ", kv.keys.shape_string(),
-               " has overlapping rows (strides ", kv.keys.stride[0], ", ", kv.keys.stride[1], ", ",
-               kv.keys.stride[2], ", ", kv.keys.stride[3], ")");
-  KVSIFT_CHECK(kv.values.non_overlapping(), "compact: values view ", kv.values.shape_string(),
-               " has overlapping rows (strides ", kv.values.stride[0], ", ", kv.values.stride[1],
-               ", ", kv.values.stride[2], ", ", kv.values.stride[3], ")");
-  const std::size_t esz = dtype_size(kv.dtype());
-  const auto begin_k = reinterpret_cast<std::uintptr_t>(kv.keys.data);
-  const auto begin_v = reinterpret_cast<std::uintptr_t>(kv.values.data);
-  const std::size_t bytes_k =
-      checked_mul(checked_size(kv.keys.span_elements("compact: keys"), "compact: keys span"), esz,
-                  "compact: keys bytes");
-  const std::size_t bytes_v =
-      checked_mul(checked_size(kv.values.span_elements("compact: values"), "compact: values span"),
-                  esz, "compact: values bytes");
-  if (bytes_k == 0 || bytes_v == 0) return;
-  const bool disjoint = begin_k + bytes_k <= begin_v || begin_v + bytes_v <= begin_k;
-  KVSIFT_CHECK(disjoint, "compact: keys [", kv.keys.data, ", +", bytes_k, " bytes) and values [",
-               kv.values.data, ", +", bytes_v,
-               " bytes) overlap in memory; K and V must be separate buffers");
-}
-
 // Moves rows forward within one (b, h). Safe in place: slots are sorted and unique, so
 // slots[i] >= i, and a row is read before any later write can reach it.
 inline void compact_rows(const TensorView& t, std::int64_t b, std::int64_t h,
@@ -75,7 +47,7 @@ inline void compact(const KVCacheView& kv, const KeepPlan& plan) {
   kv.validate();
   KVSIFT_CHECK(kv.device() == Device::cpu,
                "compact: the cache is in device memory; use kvsift::cuda::compact");
-  detail::check_no_alias(kv);
+  kv.check_separate_buffers("compact");
   plan.validate();
   plan.check_matches(kv);
   detail::check_plan_pads_agree(kv, plan);
