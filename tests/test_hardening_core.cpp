@@ -72,6 +72,8 @@ TEST_CASE("TensorView::validate rejects negative extents, bad strides and overfl
   REQUIRE(empty.stride[1] == 4);
   REQUIRE_NOTHROW(empty.validate("empty"));
   REQUIRE(empty.span_elements() == 0);
+  REQUIRE(empty.is_contiguous());
+  REQUIRE(v.is_contiguous());
   REQUIRE_THROWS_WITH(TensorView::contiguous(buf, DType::f32, Device::cpu, {kMax / 2, 4, 1}),
                       Contains("element count"));
 }

@@ -102,7 +102,11 @@ struct TensorView {
     return true;
   }
 
+  // An empty view holds nothing and is trivially contiguous (contiguous() gives its axes strides
+  // as if empty extents were 1, so every stride stays positive).
   bool is_contiguous() const {
+    for (int k = 0; k < rank; ++k)
+      if (shape[k] == 0) return true;
     std::int64_t s = 1;
     for (int k = rank - 1; k >= 0; --k) {
       if (shape[k] != 1 && stride[k] != s) return false;
