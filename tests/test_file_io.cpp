@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -62,11 +63,10 @@ std::vector<std::string> entries(const std::string& dir) {
 
 // An image with the given JSON header and `data` bytes after it.
 std::vector<std::uint8_t> image(const std::string& header, std::size_t data = 0) {
-  std::vector<std::uint8_t> out(8);
-  std::uint64_t n = header.size();
+  std::vector<std::uint8_t> out(8 + header.size() + data, 0);
+  const std::uint64_t n = header.size();
   for (int i = 0; i < 8; ++i) out[i] = static_cast<std::uint8_t>(n >> (8 * i));
-  out.insert(out.end(), header.begin(), header.end());
-  out.insert(out.end(), data, 0);
+  std::copy(header.begin(), header.end(), out.begin() + 8);
   return out;
 }
 
