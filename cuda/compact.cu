@@ -188,6 +188,7 @@ void compact(const KVCacheView& kv, const KeepPlan& plan, void* workspace,
   kv.validate();
   KVSIFT_CHECK(kv.device() == Device::cuda,
                "cuda::compact: the cache is in host memory; use kvsift::compact");
+  kv.check_separate_buffers("cuda::compact");
   plan.validate();
   plan.check_matches(kv);
   WorkspaceCarver carve(workspace, workspace_bytes, "cuda::compact");
@@ -225,6 +226,7 @@ void compact_device_rows_step(const KVCacheView* layers, int n_layers, const std
     kv.validate();
     KVSIFT_CHECK(kv.device() == Device::cuda, op, ": layer ", l,
                  " is in host memory; use kvsift::compact");
+    kv.check_separate_buffers(op);
     KVSIFT_CHECK(kv.keys.shape == kv0.keys.shape && kv.dtype() == kv0.dtype(), op, ": layer ", l,
                  " keys ", kv.keys.shape_string(), " ", dtype_name(kv.dtype()),
                  " differ from layer 0's ", kv0.keys.shape_string(), " ", dtype_name(kv0.dtype()));
@@ -245,6 +247,7 @@ void compact_device_rows(const KVCacheView& kv, const std::int32_t* slots, int r
   kv.validate();
   KVSIFT_CHECK(kv.device() == Device::cuda,
                "cuda::compact_device_rows: the cache is in host memory; use kvsift::compact");
+  kv.check_separate_buffers("cuda::compact_device_rows");
   KVSIFT_CHECK(slots != nullptr, "cuda::compact_device_rows: slots is null");
   KVSIFT_CHECK(row_stride > 0 && row_stride <= kv.capacity(),
                "cuda::compact_device_rows: row_stride (", row_stride,

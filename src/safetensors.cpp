@@ -7,13 +7,13 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
-#include <iterator>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <utility>
 
+#include "kvsift/core/checked_math.hpp"
 #include "kvsift/core/error.hpp"
+#include "kvsift/core/file_io.hpp"
 
 namespace kvsift {
 
@@ -32,23 +32,20 @@ std::string shape_string(const std::vector<std::int64_t>& shape) {
   return s + "]";
 }
 
-// Element count of `shape`, or nullopt-like -1 when it would overflow int64 (such a shape can never
-// match a real byte count, and the caller reports it as a byte-count mismatch).
+// Element count of `shape`, or -1 when an extent is negative or the count overflows int64 (such a
+// shape can never match a real byte count, and the caller reports it as a byte-count mismatch).
+// The arithmetic is core/checked_math.hpp's, the one home of size checks.
 std::int64_t checked_numel(const std::vector<std::int64_t>& shape) {
   std::int64_t n = 1;
-  for (std::int64_t d : shape) {
-    if (d < 0) return -1;
-    if (d != 0 && n > std::numeric_limits<std::int64_t>::max() / d) return -1;
-    n *= d;
-  }
+  for (std::int64_t d : shape)
+    if (!try_mul(n, d, &n)) return -1;
   return n;
 }
 
 // Byte count of `numel` elements of `t`, or -1 on overflow.
 std::int64_t checked_bytes(std::int64_t numel, StDType t) {
-  const auto size = static_cast<std::int64_t>(st_dtype_size(t));
-  if (numel < 0 || numel > std::numeric_limits<std::int64_t>::max() / size) return -1;
-  return numel * size;
+  std::int64_t bytes = 0;
+  return try_mul(numel, static_cast<std::int64_t>(st_dtype_size(t)), &bytes) ? bytes : -1;
 }
 
 // Little-endian decoding and encoding by bytes, so the file layout does not depend on the host.
@@ -241,12 +238,14 @@ std::vector<std::int64_t> StTensor::to_i64() const {
 
 // --- reading ----------------------------------------------------------------------------------
 
-SafetensorsFile SafetensorsFile::load(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  KVSIFT_CHECK(in.is_open(), "safetensors '", path, "': cannot open file (missing or unreadable)");
-  std::vector<std::uint8_t> image((std::istreambuf_iterator<char>(in)),
-                                  std::istreambuf_iterator<char>());
-  KVSIFT_CHECK(!in.bad(), "safetensors '", path, "': read error");
+SafetensorsFile SafetensorsFile::load(const std::string& path, std::uint64_t max_bytes) {
+  // read_file_bytes rejects directories, devices and FIFOs and caps the size before allocating.
+  std::vector<std::uint8_t> image;
+  try {
+    image = read_file_bytes(path, max_bytes);
+  } catch (const Error& e) {
+    KVSIFT_FAIL("safetensors '", path, "': ", e.what());
+  }
   return parse(image, path);
 }
 
@@ -451,26 +450,9 @@ std::vector<std::uint8_t> SafetensorsFile::serialize() const {
 }
 
 void SafetensorsFile::save(const std::string& path) const {
-  const std::vector<std::uint8_t> image = serialize();
-  // Write a sibling file and rename it over `path`, so a crash mid-write never leaves a torn file
-  // where a reader expects a complete one.
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    KVSIFT_CHECK(out.is_open(), "safetensors '", path, "': cannot open '", tmp, "' for writing");
-    out.write(reinterpret_cast<const char*>(image.data()),
-              static_cast<std::streamsize>(image.size()));
-    out.close();
-    if (!out) {
-      std::remove(tmp.c_str());
-      KVSIFT_FAIL("safetensors '", path, "': writing ", image.size(), " bytes to '", tmp,
-                  "' failed");
-    }
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    std::remove(tmp.c_str());
-    KVSIFT_FAIL("safetensors '", path, "': cannot replace the file with '", tmp, "'");
-  }
+  // A fresh O_EXCL temporary renamed over `path`: a crash mid-write never leaves a torn file, a
+  // planted symlink is never followed, and a non-regular `path` is never replaced.
+  write_file_atomically(path, serialize());
 }
 
 }  // namespace kvsift

@@ -1,5 +1,5 @@
-// SentenceTracker (docs/algorithms.md §2.1-2.2): segmentation, check labels, sentence embeddings and
-// the pairwise-similarity redundancy marks of SkipKV.
+// SentenceTracker (docs/algorithms.md §2.1-2.2): segmentation, check labels, sentence embeddings
+// and the pairwise-similarity redundancy marks of SkipKV.
 #include "kvsift/policy/skipkv/sentence_tracker.hpp"
 
 #include <algorithm>
@@ -134,6 +134,19 @@ void SentenceTracker::observe(const std::int32_t* tokens, std::int64_t n,
                ", ", config_.hidden_size, "] (tokens, hidden_size)");
   KVSIFT_CHECK(hidden.device == Device::cpu, "SentenceTracker::observe: hidden must be on the CPU");
   KVSIFT_CHECK(n == 0 || hidden.data != nullptr, "SentenceTracker::observe: hidden data is null");
+  if (n > 0) hidden.validate("SentenceTracker::observe: hidden");
+  // Checked before any state changes: a NaN or inf would poison the sentence's mean embedding
+  // and every PSS compared with it, silently (NaN > τ is false, so no mark, no error).
+  for (std::int64_t t = 0; t < n; ++t) {
+    KVSIFT_DISPATCH_DTYPE(hidden.dtype, T, [&] {
+      const T* row = hidden.ptr<T>(t);
+      for (std::int64_t k = 0; k < config_.hidden_size; ++k) {
+        const float x = to_float(row[k * hidden.stride[1]]);
+        KVSIFT_CHECK(std::isfinite(x), "SentenceTracker::observe: hidden[", t, ", ", k, "] = ", x,
+                     " is not finite (token ", t, " of ", n, ", position ", position_ + t, ")");
+      }
+    });
+  }
   for (std::int64_t t = 0; t < n; ++t) {
     KVSIFT_DISPATCH_DTYPE(hidden.dtype, T, [&] { add_hidden_row<T>(hidden, t); });
     advance(tokens[t]);

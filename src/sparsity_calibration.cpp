@@ -7,13 +7,15 @@
 #include <cmath>
 #include <sstream>
 
+#include "kvsift/core/checked_math.hpp"
 #include "kvsift/core/error.hpp"
 
 namespace kvsift {
 
 void CalibrationConfig::validate() const {
-  KVSIFT_CHECK(grid_points >= 16, "CalibrationConfig: grid_points must be >= 16, got ",
-               grid_points);
+  KVSIFT_CHECK(grid_points >= 16 && grid_points <= kMaxCalibrationGridPoints,
+               "CalibrationConfig: grid_points must be in [16, ", kMaxCalibrationGridPoints,
+               "], got ", grid_points);
   KVSIFT_CHECK(stability_ratio >= 1.0, "CalibrationConfig: stability_ratio must be >= 1, got ",
                stability_ratio);
   KVSIFT_CHECK(min_valley_depth >= 0.0 && min_valley_depth < 1.0,
@@ -228,6 +230,16 @@ CalibrationResult calibrate_thresholds(const float* sparsity, std::int64_t promp
   KVSIFT_CHECK(prompts > 0 && layers > 0 && steps > 0, "calibrate_thresholds: need a non-empty ",
                "[prompts, layers, steps] tensor, got [", prompts, ", ", layers, ", ", steps, "]");
   KVSIFT_CHECK(sparsity != nullptr, "calibrate_thresholds: sparsity is null");
+  {
+    const std::int64_t grid2 = static_cast<std::int64_t>(config.grid_points) * config.grid_points;
+    const std::int64_t pairs =
+        checked_mul(prompts, layers, "calibrate_thresholds: prompts * layers");
+    KVSIFT_CHECK(pairs <= kMaxCalibrationWork / grid2, "calibrate_thresholds: ", prompts,
+                 " prompts x ", layers, " layers x grid_points² (", config.grid_points,
+                 "²) exceeds the work bound kMaxCalibrationWork = ", kMaxCalibrationWork,
+                 "; use fewer prompts or a smaller grid");
+    checked_mul(pairs, steps, "calibrate_thresholds: prompts * layers * steps");
+  }
 
   CalibrationResult result;
   double sum1 = 0.0, sum2 = 0.0;

@@ -5,15 +5,17 @@
 #include <cmath>
 #include <utility>
 
-#include "kvsift/paged/paged_attention.hpp"
 #include "kvsift/backend/cpu/attention_sparsity.hpp"
+#include "kvsift/core/limits.hpp"
+#include "kvsift/paged/paged_attention.hpp"
 
 namespace kvsift {
 
 // --- config ----------------------------------------------------------------------------------
 
 void ThinKVConfig::validate() const {
-  KVSIFT_CHECK(num_layers > 0, "ThinKVConfig: num_layers must be > 0, got ", num_layers);
+  KVSIFT_CHECK(num_layers > 0 && num_layers <= kMaxLayers,
+               "ThinKVConfig: num_layers must be in [1, ", kMaxLayers, "], got ", num_layers);
   KVSIFT_CHECK(kv_heads > 0, "ThinKVConfig: kv_heads must be > 0, got ", kv_heads);
   KVSIFT_CHECK(q_heads > 0 && q_heads % kv_heads == 0, "ThinKVConfig: q_heads (", q_heads,
                ") must be a positive multiple of kv_heads (", kv_heads, ")");
@@ -40,6 +42,12 @@ void ThinKVConfig::validate() const {
   KVSIFT_CHECK(kmeans_iterations > 0, "ThinKVConfig: kmeans_iterations must be > 0, got ",
                kmeans_iterations);
   KVSIFT_CHECK(pool_blocks > 0, "ThinKVConfig: pool_blocks must be > 0, got ", pool_blocks);
+  KVSIFT_CHECK(pool_blocks <= kMaxPoolBlocks, "ThinKVConfig: pool_blocks (", pool_blocks,
+               ") exceeds kMaxPoolBlocks = ", kMaxPoolBlocks);
+  KVSIFT_CHECK(static_cast<std::int64_t>(num_layers) * pool_blocks <= kMaxTotalPoolBlocks,
+               "ThinKVConfig: num_layers * pool_blocks (", num_layers, " * ", pool_blocks, " = ",
+               static_cast<std::int64_t>(num_layers) * pool_blocks,
+               ") exceeds kMaxTotalPoolBlocks = ", kMaxTotalPoolBlocks);
   KVSIFT_CHECK(global_factors.empty() || static_cast<std::int64_t>(global_factors.size()) ==
                                              static_cast<std::int64_t>(num_layers) * kv_heads,
                "ThinKVConfig: global_factors has ", global_factors.size(),

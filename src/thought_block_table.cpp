@@ -1,11 +1,14 @@
-// ThoughtBlockTable (docs/algorithms.md §3.4): allocation, soft eviction and the staged quantization
-// of key groups. See include/kvsift/paged/thought_block_table.hpp and docs/continuous_thinking.md.
+// ThoughtBlockTable (docs/algorithms.md §3.4): allocation, soft eviction and the staged
+// quantization of key groups. See include/kvsift/paged/thought_block_table.hpp and
+// docs/continuous_thinking.md.
 #include "kvsift/paged/thought_block_table.hpp"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <utility>
+
+#include "kvsift/core/limits.hpp"
 
 namespace kvsift {
 
@@ -33,7 +36,9 @@ void ThoughtBlockTableConfig::validate() const {
       "ThoughtBlockTableConfig: block_size (", block_size, ") must be a multiple of ",
       kQuantGroupSize, " in [", kQuantGroupSize,
       ", 256], so every 16-token key group lies inside one block");
-  KVSIFT_CHECK(num_blocks > 0, "ThoughtBlockTableConfig: num_blocks must be > 0, got ", num_blocks);
+  KVSIFT_CHECK(num_blocks > 0 && num_blocks <= kMaxPoolBlocks,
+               "ThoughtBlockTableConfig: num_blocks must be in [1, kMaxPoolBlocks = ",
+               kMaxPoolBlocks, "], got ", num_blocks);
   KVSIFT_CHECK(
       global_factors.empty() || static_cast<std::int64_t>(global_factors.size()) == kv_heads,
       "ThoughtBlockTableConfig: global_factors has ", global_factors.size(),

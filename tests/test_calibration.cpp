@@ -217,9 +217,15 @@ TEST_CASE("calibration input and config errors name the values", "[calibration][
   REQUIRE_THROWS_WITH(calibrate_thresholds(t.data(), 1, 1, 20),
                       Contains("sparsity[0, 0, 3] = 1.5 is outside [0, 1]"));
   REQUIRE_THROWS_WITH(calibrate_thresholds(t.data(), 0, 1, 20), Contains("[0, 1, 20]"));
+  // Work bound: 2^34 / 512² = 65,536 (prompt, layer) pairs at the default grid; one more layer
+  // per prompt is refused before any KDE runs (the data pointer is never read).
+  REQUIRE_THROWS_WITH(calibrate_thresholds(t.data(), 65536, 2, 20),
+                      Contains("exceeds the work bound kMaxCalibrationWork"));
   CalibrationConfig c;
   c.grid_points = 8;
-  REQUIRE_THROWS_WITH(c.validate(), Contains("grid_points must be >= 16, got 8"));
+  REQUIRE_THROWS_WITH(c.validate(), Contains("grid_points must be in [16, 4096], got 8"));
+  c.grid_points = 100000000;  // `calibrate --grid 1e8` ran for minutes
+  REQUIRE_THROWS_WITH(c.validate(), Contains("grid_points must be in [16, 4096], got 100000000"));
   c = {};
   c.stability_ratio = 0.5;
   REQUIRE_THROWS_WITH(c.validate(), Contains("stability_ratio must be >= 1, got 0.5"));

@@ -12,6 +12,7 @@
 #include "catch.hpp"
 #include "golden_case.hpp"
 #include "kvsift/core/compact.hpp"
+#include "kvsift/core/json_number.hpp"
 #include "kvsift/core/safetensors.hpp"
 #include "kvsift/policy/baselines/rkv.hpp"
 
@@ -25,11 +26,12 @@ namespace {
 // The reference's R-KV settings of a case (its "config" metadata).
 RKVConfig rkv_config(const GoldenCase& g) {
   RKVConfig c;
-  c.budget = g.config.at("budget").get<int>();
-  c.window = g.config.at("window").get<int>();
-  c.kernel = g.config.at("kernel").get<int>();
-  c.mix_lambda = g.config.at("mix_lambda").get<float>();
-  c.threshold = g.config.at("threshold").get<float>();
+  // Strict: an integer key holding 16.7 is an error, not 16 (core/json_number.hpp).
+  c.budget = json_integer<int>(g.config.at("budget"), "config budget");
+  c.window = json_integer<int>(g.config.at("window"), "config window");
+  c.kernel = json_integer<int>(g.config.at("kernel"), "config kernel");
+  c.mix_lambda = json_float(g.config.at("mix_lambda"), "config mix_lambda");
+  c.threshold = json_float(g.config.at("threshold"), "config threshold");
   c.buffer = std::max(128, c.window);
   c.redundancy = RedundancyMode::faithful;  // the reference's column-0 fallback
   return c;

@@ -339,7 +339,8 @@ TEST_CASE("pipeline config: validation names the values", "[skipkv][errors]") {
   REQUIRE_THROWS_WITH(SkipKV(c), Catch::Matchers::Contains("delimiters is empty"));
   c = SkipKVConfig{};
   c.layers = -1;
-  REQUIRE_THROWS_WITH(SkipKV(c), Catch::Matchers::Contains("layers must be >= 0 (0: any), got -1"));
+  REQUIRE_THROWS_WITH(SkipKV(c),
+                      Catch::Matchers::Contains("layers must be in [0, 1024] (0: any), got -1"));
   c = SkipKVConfig{};
   c.steering.boundary.clear();
   REQUIRE_THROWS_WITH(SkipKV(c), Catch::Matchers::Contains("boundary"));

@@ -1,8 +1,8 @@
-// The ThinKV pipeline (docs/algorithms.md §3): classifier + TBQ block table + TBE evictor driven step by
-// step. Multi-step scenarios with hand-set sparsities whose labels, demotions and resident counts
-// are worked out by hand in the comments; soft eviction moves no byte; paged attention equals a
-// dense two-pass softmax over the table's resident tokens; sparsity from queries and from attention
-// rows against hand-computed rows; config and driving errors.
+// The ThinKV pipeline (docs/algorithms.md §3): classifier + TBQ block table + TBE evictor driven
+// step by step. Multi-step scenarios with hand-set sparsities whose labels, demotions and resident
+// counts are worked out by hand in the comments; soft eviction moves no byte; paged attention
+// equals a dense two-pass softmax over the table's resident tokens; sparsity from queries and from
+// attention rows against hand-computed rows; config and driving errors.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -462,7 +462,7 @@ TEST_CASE("ThinKV: config errors name the field and its value") {
     REQUIRE_THROWS_WITH(c.validate(), Contains("head_dim (20)"));
     c = small_config();
     c.num_layers = 0;
-    REQUIRE_THROWS_WITH(c.validate(), Contains("num_layers must be > 0, got 0"));
+    REQUIRE_THROWS_WITH(c.validate(), Contains("num_layers must be in [1, 1024], got 0"));
   }
   SECTION("budget, refresh, schedule, table, k-means") {
     c.budget = 0;
@@ -479,6 +479,12 @@ TEST_CASE("ThinKV: config errors name the field and its value") {
     c = small_config();
     c.pool_blocks = 0;
     REQUIRE_THROWS_WITH(c.validate(), Contains("pool_blocks must be > 0, got 0"));
+    c.pool_blocks = 2147483647;  // used to attempt allocations of hundreds of GB
+    REQUIRE_THROWS_WITH(c.validate(), Contains("pool_blocks (2147483647) exceeds kMaxPoolBlocks"));
+    c = small_config();
+    c.num_layers = 1000;
+    c.pool_blocks = 1 << 20;
+    REQUIRE_THROWS_WITH(c.validate(), Contains("num_layers * pool_blocks (1000 * 1048576"));
     c = small_config();
     c.global_factors = {1.0f, 2.0f, 3.0f};
     REQUIRE_THROWS_WITH(c.validate(),

@@ -1,6 +1,6 @@
-// ThoughtBlockTable (docs/algorithms.md §3.4): allocation by hand-worked examples, soft eviction that
-// moves no byte, slot reuse that leaves survivors bit-identical, quantization against the quant/
-// whole-tensor path, byte accounting, and the error messages.
+// ThoughtBlockTable (docs/algorithms.md §3.4): allocation by hand-worked examples, soft eviction
+// that moves no byte, slot reuse that leaves survivors bit-identical, quantization against the
+// quant/ whole-tensor path, byte accounting, and the error messages.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -73,7 +73,10 @@ TEST_CASE("config validation names the offending values", "[thought_block_table]
   REQUIRE_THROWS_WITH(c.validate(), Contains("head_dim (20)"));
   c = ThoughtBlockTableConfig{};
   c.num_blocks = 0;
-  REQUIRE_THROWS_WITH(c.validate(), Contains("num_blocks must be > 0, got 0"));
+  REQUIRE_THROWS_WITH(c.validate(),
+                      Contains("num_blocks must be in [1, kMaxPoolBlocks = 1048576], got 0"));
+  c.num_blocks = 2147483647;  // used to attempt a multi-GB frame table
+  REQUIRE_THROWS_WITH(c.validate(), Contains("got 2147483647"));
   c = ThoughtBlockTableConfig{};
   c.kv_heads = 2;
   c.global_factors = {1.0f};

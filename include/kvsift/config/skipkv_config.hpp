@@ -9,6 +9,7 @@
 #include "kvsift/config/sentence_tracker_config.hpp"
 #include "kvsift/config/steering_config.hpp"
 #include "kvsift/core/error.hpp"
+#include "kvsift/core/limits.hpp"
 
 namespace kvsift {
 
@@ -29,7 +30,8 @@ struct SkipKVConfig {
   void validate() const {
     KVSIFT_CHECK(batch >= 0,
                  "SkipKVConfig: batch must be >= 0 (0: from the sequences observed), got ", batch);
-    KVSIFT_CHECK(layers >= 0, "SkipKVConfig: layers must be >= 0 (0: any), got ", layers);
+    KVSIFT_CHECK(layers >= 0 && layers <= kMaxLayers, "SkipKVConfig: layers must be in [0, ",
+                 kMaxLayers, "] (0: any), got ", layers);
     KVSIFT_CHECK(kv_heads >= 0, "SkipKVConfig: kv_heads must be >= 0 (0: from the cache), got ",
                  kv_heads);
     KVSIFT_CHECK(buffer >= scorer.window, "SkipKVConfig: buffer (", buffer, ") must be >= window (",

@@ -52,6 +52,7 @@ inline void compact(const KVCacheView& kv, const KeepPlan& plan) {
   kv.validate();
   KVSIFT_CHECK(kv.device() == Device::cpu,
                "compact: the cache is in device memory; call compact(kv, plan, ctx)");
+  kv.check_separate_buffers("compact");
   plan.validate();
   plan.check_matches(kv);
   detail::check_plan_pads_agree(kv, plan);

@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
+#include "kvsift/core/checked_math.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/kv_cache_view.hpp"
 
@@ -30,7 +32,8 @@ class KeepPlan {
     KVSIFT_CHECK(batch >= 0 && kv_heads > 0 && capacity >= 0, "KeepPlan: bad shape batch=", batch,
                  " kv_heads=", kv_heads, " capacity=", capacity);
     KVSIFT_CHECK(static_cast<std::int64_t>(source_lengths_.size()) == batch,
-                 "KeepPlan: source_lengths has ", source_lengths_.size(), " entries, batch is ", batch);
+                 "KeepPlan: source_lengths has ", source_lengths_.size(), " entries, batch is ",
+                 batch);
     KVSIFT_CHECK(static_cast<std::int64_t>(kept_lengths_.size()) == batch,
                  "KeepPlan: kept_lengths has ", kept_lengths_.size(), " entries, batch is ", batch);
     KVSIFT_CHECK(window >= 0, "KeepPlan: window must be >= 0, got ", window);
@@ -42,7 +45,12 @@ class KeepPlan {
                    "KeepPlan: kept_lengths[", b, "] = ", kept_lengths_[b], " outside [0, ",
                    source_lengths_[b], "]");
     }
-    indptr_.reserve(batch * kv_heads + 1);
+    // Rows are bounded by batch (the length vectors exist) times kv_heads (not yet): reserve only
+    // what a sane plan needs, so an absurd kv_heads fails in append_row instead of allocating.
+    const std::int64_t rows = checked_mul(batch, kv_heads, "KeepPlan: batch * kv_heads");
+    KVSIFT_CHECK(rows < std::numeric_limits<std::int64_t>::max(), "KeepPlan: batch * kv_heads (",
+                 rows, ") too large");
+    if (rows <= kReserveRowsLimit) indptr_.reserve(static_cast<std::size_t>(rows + 1));
     indptr_.push_back(0);
   }
 
@@ -61,6 +69,9 @@ class KeepPlan {
 
   // Appends the kept slots of the next (b, h) row; `slots` must be sorted ascending.
   void append_row(const std::int32_t* slots, std::int64_t n) {
+    KVSIFT_CHECK(!indptr_.empty(),
+                 "KeepPlan::append_row: the plan is default-constructed (no shape); construct it "
+                 "with KeepPlan(batch, kv_heads, capacity, source_lengths, kept_lengths, window)");
     const std::int64_t r = rows_appended();
     KVSIFT_CHECK(r < batch_ * kv_heads_, "KeepPlan::append_row: all ", batch_ * kv_heads_,
                  " rows are already set");
@@ -84,7 +95,10 @@ class KeepPlan {
   const std::vector<std::int32_t>& kept_lengths() const { return kept_lengths_; }
   const std::vector<std::int64_t>& indptr() const { return indptr_; }  // [batch * kv_heads + 1]
   const std::vector<std::int32_t>& slots() const { return slots_; }    // [indptr.back()]
-  std::int64_t rows_appended() const { return static_cast<std::int64_t>(indptr_.size()) - 1; }
+  // 0 for a default-constructed plan (no indptr yet), so messages never say "-1 rows".
+  std::int64_t rows_appended() const {
+    return indptr_.empty() ? 0 : static_cast<std::int64_t>(indptr_.size()) - 1;
+  }
   bool complete() const { return rows_appended() == batch_ * kv_heads_; }
 
   const std::int32_t* row(std::int64_t b, std::int64_t h) const {
@@ -100,6 +114,10 @@ class KeepPlan {
   // Checks the plan on its own: complete, each row sorted, unique, in range, the right count, and
   // the last `window` tokens of every sequence kept. Throws kvsift::Error naming the first fault.
   void validate() const {
+    KVSIFT_CHECK(!indptr_.empty(),
+                 "KeepPlan: the plan is empty (default-constructed); build it with "
+                 "KeepPlan(batch, kv_heads, capacity, source_lengths, kept_lengths, window) and "
+                 "append_row() for every (sequence, head)");
     KVSIFT_CHECK(complete(), "KeepPlan: only ", rows_appended(), " of ", batch_ * kv_heads_,
                  " rows were set");
     for (std::int64_t b = 0; b < batch_; ++b) {
@@ -131,13 +149,14 @@ class KeepPlan {
                  "KeepPlan: made for [batch=", batch_, ", kv_heads=", kv_heads_,
                  ", capacity=", capacity_, "], applied to ", kv.keys.shape_string());
     for (std::int64_t b = 0; b < batch_; ++b) {
-      KVSIFT_CHECK(kv.lengths[b] == source_lengths_[b], "KeepPlan: made for lengths[", b, "] = ",
-                   source_lengths_[b], " but the cache now holds ", kv.lengths[b],
+      KVSIFT_CHECK(kv.lengths[b] == source_lengths_[b], "KeepPlan: made for lengths[", b,
+                   "] = ", source_lengths_[b], " but the cache now holds ", kv.lengths[b],
                    " (a plan from another cache or step)");
     }
   }
 
  private:
+  static constexpr std::int64_t kReserveRowsLimit = 1 << 20;
   std::int64_t batch_ = 0;
   std::int64_t kv_heads_ = 0;
   std::int64_t capacity_ = 0;

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kvsift/core/dtype.hpp"
+#include "kvsift/core/file_io.hpp"
 
 namespace kvsift {
 
@@ -44,11 +45,14 @@ class SafetensorsFile {
  public:
   // Reads and checks a whole file. Throws kvsift::Error naming the file and the fault for a
   // missing or truncated file, bad JSON, unknown dtypes, offsets out of range or overlapping,
-  // or a byte count that disagrees with dtype and shape.
-  static SafetensorsFile load(const std::string& path);
+  // or a byte count that disagrees with dtype and shape; also for a path that is not a regular
+  // file (directory, device, FIFO) or is larger than `max_bytes` (core/file_io.hpp).
+  static SafetensorsFile load(const std::string& path,
+                              std::uint64_t max_bytes = kDefaultMaxInputBytes);
   // Parses an in-memory image (what load() reads); `what` names it in errors.
   static SafetensorsFile parse(const std::vector<std::uint8_t>& image, const std::string& what);
 
+  // Atomic and safe: write_file_atomically (core/file_io.hpp).
   void save(const std::string& path) const;
   std::vector<std::uint8_t> serialize() const;
 

@@ -11,8 +11,10 @@
 #include <cstdint>
 #include <vector>
 
+#include "kvsift/core/checked_math.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/keep_plan.hpp"
+#include "kvsift/core/limits.hpp"
 
 namespace kvsift {
 
@@ -47,7 +49,13 @@ class SegmentTable {
       : layers_(layers), batch_(batch), kv_heads_(kv_heads) {
     KVSIFT_CHECK(layers > 0 && batch > 0 && kv_heads > 0, "SegmentTable: layers (", layers,
                  "), batch (", batch, ") and kv_heads (", kv_heads, ") must all be > 0");
-    heads_.resize(static_cast<std::size_t>(layers * batch * kv_heads));
+    KVSIFT_CHECK(layers <= kMaxLayers, "SegmentTable: layers (", layers,
+                 ") exceeds kMaxLayers = ", kMaxLayers);
+    // The row count is checked before anything is allocated: it must not wrap.
+    heads_.resize(
+        checked_size(checked_mul(checked_mul(layers, batch, "SegmentTable: layers * batch"),
+                                 kv_heads, "SegmentTable: layers * batch * kv_heads"),
+                     "SegmentTable rows"));
     next_sentence_.assign(static_cast<std::size_t>(layers * batch), 0);
     last_gen_end_.assign(static_cast<std::size_t>(layers * batch), -1);
     first_position_.assign(static_cast<std::size_t>(batch), 0);

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "kvsift/core/checked_math.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/quant/format.hpp"
 #include "kvsift/quant/group_codec.hpp"
@@ -37,6 +38,9 @@ inline void check_tensor_shape(std::int64_t tokens, std::int64_t channels) {
                    channels % kQuantGroupSize == 0,
                "quantized tensor shape [", tokens, ", ", channels,
                "] must have both extents positive multiples of ", kQuantGroupSize);
+  // Every later index (group offsets, the output size) is computed from tokens * channels in
+  // int64: it must not wrap, or a tiny buffer would pass the byte-count checks.
+  checked_mul(tokens, channels, "quantized tensor tokens * channels");
 }
 }  // namespace detail
 
@@ -77,11 +81,16 @@ inline QuantizedTensor quantize_tensor(const float* x, std::int64_t tokens, std:
 // Throws kvsift::Error describing the first fault of a packed tensor.
 inline void validate_quantized(const QuantizedTensor& q) {
   detail::check_tensor_shape(q.grid.tokens, q.grid.channels);
+  KVSIFT_CHECK(q.grid.axis == GroupAxis::token || q.grid.axis == GroupAxis::channel,
+               "quantized tensor group axis code ", int(q.grid.axis),
+               " is neither token nor channel");
   const std::int64_t groups = q.grid.num_groups();
   const int code_bytes = code_bytes_per_group(q.format);
-  KVSIFT_CHECK(static_cast<std::int64_t>(q.codes.size()) == groups * code_bytes,
-               quant_format_name(q.format), " codes hold ", q.codes.size(), " bytes, expected ",
-               groups * code_bytes, " (", groups, " groups x ", code_bytes, ")");
+  const std::int64_t code_total =
+      checked_mul(groups, std::int64_t{code_bytes}, "quantized tensor groups * code bytes");
+  KVSIFT_CHECK(static_cast<std::int64_t>(q.codes.size()) == code_total, quant_format_name(q.format),
+               " codes hold ", q.codes.size(), " bytes, expected ", groups * code_bytes, " (",
+               groups, " groups x ", code_bytes, ")");
   KVSIFT_CHECK(static_cast<std::int64_t>(q.scales.size()) == groups, quant_format_name(q.format),
                " scales hold ", q.scales.size(), " bytes, expected ", groups);
   KVSIFT_CHECK(std::isfinite(q.global_factor) && q.global_factor > 0.0f, "global_factor (",
@@ -122,7 +131,10 @@ inline void dequantize_tensor(const QuantizedTensor& q, float* out) {
 }
 
 inline std::vector<float> dequantize_tensor(const QuantizedTensor& q) {
-  std::vector<float> out(static_cast<std::size_t>(q.grid.tokens * q.grid.channels));
+  // Validate before allocating: the byte-count checks bound tokens * channels by the codes the
+  // caller actually holds, so a hostile header cannot request a multi-GB output.
+  validate_quantized(q);
+  std::vector<float> out(checked_size(q.grid.tokens * q.grid.channels, "dequantized elements"));
   dequantize_tensor(q, out.data());
   return out;
 }

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "kvsift/core/checked_math.hpp"
 #include "kvsift/core/error.hpp"
 
 namespace kvsift::cpu {
@@ -18,10 +19,18 @@ class ScoreTensor {
       : batch_(batch),
         kv_heads_(kv_heads),
         capacity_(capacity),
-        counts_(static_cast<std::size_t>(batch), 0),
-        data_(static_cast<std::size_t>(batch * kv_heads * capacity), 0.0f) {
-    KVSIFT_CHECK(batch >= 0 && kv_heads >= 0 && capacity >= 0, "ScoreTensor: bad shape [", batch,
-                 ", ", kv_heads, ", ", capacity, "]");
+        // The whole shape is checked before either allocation: a negative or overflowing shape is
+        // an error, not a wrapped size_t that allocates the wrong amount.
+        counts_((elements(batch, kv_heads, capacity), static_cast<std::size_t>(batch)), 0),
+        data_(elements(batch, kv_heads, capacity), 0.0f) {}
+
+  static std::size_t elements(std::int64_t batch, std::int64_t kv_heads, std::int64_t capacity) {
+    checked_size(batch, "ScoreTensor: batch");
+    checked_size(kv_heads, "ScoreTensor: kv_heads");
+    checked_size(capacity, "ScoreTensor: capacity");
+    return checked_size(checked_mul(checked_mul(batch, kv_heads, "ScoreTensor: batch * kv_heads"),
+                                    capacity, "ScoreTensor: batch * kv_heads * capacity"),
+                        "ScoreTensor: elements");
   }
 
   std::int64_t batch() const { return batch_; }

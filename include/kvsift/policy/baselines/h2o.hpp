@@ -31,6 +31,7 @@
 #include "kvsift/backend/cpu/select_topk.hpp"
 #include "kvsift/config/h2o_config.hpp"
 #include "kvsift/core/error.hpp"
+#include "kvsift/core/limits.hpp"
 #include "kvsift/policy/budget_trigger.hpp"
 #include "kvsift/policy/device_staging.hpp"
 #include "kvsift/policy/policy.hpp"
@@ -129,7 +130,8 @@ class H2O final : public Policy {
 
  private:
   cpu::ScoreTensor& accumulator_for(int layer, const KVCacheView& kv) {
-    KVSIFT_CHECK(layer >= 0, "H2O: layer must be >= 0, got ", layer);
+    KVSIFT_CHECK(layer >= 0 && layer < kMaxLayers, "H2O: layer ", layer,
+                 " outside [0, kMaxLayers = ", kMaxLayers, ")");
     if (layer >= static_cast<int>(acc_.size())) acc_.resize(layer + 1);
     cpu::ScoreTensor& acc = acc_[layer];
     if (acc.batch() == 0) acc = cpu::ScoreTensor(kv.batch(), kv.kv_heads(), kv.capacity());

@@ -1,20 +1,21 @@
 // BatchGrouper: SkipKV's batch grouping (docs/algorithms.md §2.6). Batched decoding left-pads every
 // prompt to the longest one in its batch, and the SkipKV reference force-keeps pads in the
-// compressed cache (score +100, docs/algorithms.md §2.4 "Padding"), so each pad eats one slot of the
-// budget. Sorting requests by prefill length before cutting them into batches puts similar lengths
-// together, which removes most of the padding.
+// compressed cache (score +100, docs/algorithms.md §2.4 "Padding"), so each pad eats one slot of
+// the budget. Sorting requests by prefill length before cutting them into batches puts similar
+// lengths together, which removes most of the padding.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
-#include <fstream>
 #include <istream>
 #include <numeric>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "kvsift/core/checked_math.hpp"
 #include "kvsift/core/error.hpp"
+#include "kvsift/core/file_io.hpp"
 
 namespace kvsift {
 
@@ -59,7 +60,7 @@ inline std::int64_t batch_in_order(const std::vector<std::int64_t>& lengths,  //
     for (std::int64_t i = start; i < stop; ++i) {
       const std::int64_t p = order[i];
       const std::int64_t pad = longest - lengths[p];
-      total += pad;
+      total = checked_add(total, pad, "BatchGrouper: total padding");
       if (out) {
         out->pad[p] = pad;
         out->batch_of[p] = static_cast<std::int64_t>(out->batches.size());
@@ -99,7 +100,9 @@ class BatchGrouper {
     BatchGroups g;
     g.pad.assign(n, 0);
     g.batch_of.assign(n, 0);
-    for (std::int64_t len : prefill_lengths) g.real_tokens += len;
+    // Lengths near 2^63 used to wrap the totals negative: overflow is an error naming the sum.
+    for (std::int64_t len : prefill_lengths)
+      g.real_tokens = checked_add(g.real_tokens, len, "BatchGrouper: sum of prefill_lengths");
     g.padding_unsorted =
         detail::batch_in_order(prefill_lengths, dataset_order, config_.batch_size, nullptr);
     g.padding_sorted =
@@ -152,9 +155,11 @@ inline std::vector<std::int64_t> parse_prefill_lengths(std::istream& in, const s
   return lengths;
 }
 
+// Regular files only, size-capped (core/file_io.hpp): a directory, a FIFO or /dev/zero is an
+// error naming the path, not a hang or an endless read.
 inline std::vector<std::int64_t> read_prefill_lengths(const std::string& path) {
-  std::ifstream in(path);
-  KVSIFT_CHECK(in.is_open(), "lengths file '", path, "': cannot open (missing or unreadable)");
+  const std::vector<std::uint8_t> bytes = read_file_bytes(path);
+  std::istringstream in(std::string(bytes.begin(), bytes.end()));
   return parse_prefill_lengths(in, path);
 }
 

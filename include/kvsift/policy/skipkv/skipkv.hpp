@@ -6,7 +6,10 @@
 //   should_compress(lengths)      the decode trigger: a sequence reaches budget + buffer (§1.3)
 //   select(StepInputs)            per layer: eq. 6 scores with the sentence penalty, top-k plan,
 //                                 range bookkeeping before and after eviction (§2.2-2.4)
-//   steering_strength(seq)        α = α0 + γ·N_o as of the last trigger (§2.5)
+//   steering_strength(seq)        α = α0 + γ·N_o as of the last refresh (§2.5)
+// α and the redundant-sentence marks are refreshed every steering.refresh_steps (128) decode
+// steps of a sequence, independent of compression (the reference's divide_length cadence), and
+// at every compression trigger.
 // It composes SentenceTracker (one per sequence), SegmentTable (one per layer), SentenceScorer
 // and, when given a vector, SteeringController; it adds only the orchestration.
 //
@@ -32,6 +35,7 @@
 #include "kvsift/config/skipkv_config.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/keep_plan.hpp"
+#include "kvsift/core/limits.hpp"
 #include "kvsift/core/segment_table.hpp"
 #include "kvsift/core/step_inputs.hpp"
 #include "kvsift/policy/budget_trigger.hpp"
@@ -175,8 +179,9 @@ class SkipKV final : public Policy {
     KVSIFT_CHECK(kv.batch() == batch(), "SkipKV::select: cache batch (", kv.batch(),
                  ") != ", cfg_.batch > 0 ? "config batch (" : "sequences observed (", batch(), ")");
     frozen_ = true;  // the range maps are sized now
-    KVSIFT_CHECK(in.layer >= 0 && (cfg_.layers == 0 || in.layer < cfg_.layers),
-                 "SkipKV::select: layer ", in.layer, " outside [0, ", cfg_.layers, ")");
+    KVSIFT_CHECK(in.layer >= 0 && in.layer < (cfg_.layers == 0 ? kMaxLayers : cfg_.layers),
+                 "SkipKV::select: layer ", in.layer, " outside [0, ",
+                 cfg_.layers == 0 ? kMaxLayers : cfg_.layers, ")");
     if (kv_heads_ == 0) kv_heads_ = cfg_.kv_heads;
     KVSIFT_CHECK(kv_heads_ == 0 || kv.kv_heads() == kv_heads_, "SkipKV::select: layer ", in.layer,
                  " cache has ", kv.kv_heads(), " kv heads, expected ", kv_heads_);
@@ -227,7 +232,8 @@ class SkipKV final : public Policy {
 
   // ---- steering ----------------------------------------------------------------------------
 
-  // α_b = α0 + γ·N_o with N_o the check sentences of `seq` at the last trigger (α0 before any).
+  // α_b = α0 + γ·N_o with N_o the check sentences of `seq` at the last refresh or trigger (α0
+  // before any).
   float steering_strength(std::int64_t seq) const {
     check_seq(seq, "steering_strength");
     if (steer_) return steer_->strength(seq);
@@ -271,6 +277,8 @@ class SkipKV final : public Policy {
     return layers_[layer]->table;
   }
   std::int64_t triggers() const { return triggers_; }  // compression triggers so far
+  // Cadence refreshes (every steering.refresh_steps decode steps) so far, over all sequences.
+  std::int64_t refreshes() const { return refreshes_; }
   std::int64_t batch() const { return static_cast<std::int64_t>(trackers_.size()); }
 
  private:
@@ -302,6 +310,7 @@ class SkipKV final : public Policy {
   void after_observe(std::int64_t seq, const std::int32_t* tokens, std::int64_t n) {
     if (steer_) steer_->observe(seq, tokens, n);
     if (n > 0) pending_trigger_ = observed_tokens_ = true;
+    refresh_on_cadence(seq, n);
   }
 
   bool any_over_budget(const KVCacheView& kv) const {
@@ -314,6 +323,27 @@ class SkipKV final : public Policy {
   std::int64_t observation_batch(const Observation& obs) const {
     if (obs.kv.keys.data != nullptr) return obs.kv.batch();
     return cfg_.batch > 0 ? cfg_.batch : std::max<std::int64_t>(batch(), 1);
+  }
+
+  // §2.5: every refresh_steps decode steps of `seq`, refresh its marks (§2.2) and α, whether or
+  // not the cache is over budget. A sequence's first observe() is its prompt; every token of a
+  // later call is a decode step (a call that crosses a multiple refreshes once, after it).
+  void refresh_on_cadence(std::int64_t seq, std::int64_t n) {
+    const std::int64_t every = cfg_.steering.refresh_steps;
+    if (every <= 0 || n <= 0) return;
+    if (decode_steps_.size() < trackers_.size()) decode_steps_.resize(trackers_.size(), -1);
+    std::int64_t& steps = decode_steps_[static_cast<std::size_t>(seq)];
+    if (steps < 0) {
+      steps = 0;  // the prompt
+      return;
+    }
+    const std::int64_t before = steps / every;
+    steps += n;
+    if (steps / every == before) return;
+    trackers_[seq].mark_redundant();
+    checks_at_trigger_[seq] = trackers_[seq].check_count();
+    if (steer_) steer_->update_strength(seq, checks_at_trigger_[seq]);
+    ++refreshes_;
   }
 
   // Once per trigger, for every sequence: §2.2 marks, then N_o for §2.5.
@@ -376,6 +406,9 @@ class SkipKV final : public Policy {
   // Auto-sizing (batch = 0) stops here, so a stray sequence index cannot allocate without bound.
   static constexpr std::int64_t kMaxAutoBatch = 1 << 16;
   std::int64_t triggers_ = 0;
+  // [batch] decode steps observed per sequence (-1: prompt not yet observed); grown lazily.
+  std::vector<std::int64_t> decode_steps_;
+  std::int64_t refreshes_ = 0;
 };
 
 }  // namespace kvsift

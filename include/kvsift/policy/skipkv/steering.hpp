@@ -2,7 +2,8 @@
 // offline SEAL-style as mean(hidden at execution thoughts) - mean(hidden at non-execution
 // thoughts), is added to the input of one decoder layer at thought boundaries inside
 // <think>…</think>, with a per-sequence strength α = α0 + γ·N_o that grows with the number of
-// "check" sentences N_o the sequence has produced (updated only at compression triggers). It
+// "check" sentences N_o the sequence has produced (refreshed every SteeringConfig::refresh_steps
+// decode steps and at compression triggers, by the host or SkipKV). It
 // pushes the model away from reflection/transition loops, which is what makes fewer KV entries
 // necessary in the first place.
 // Sign convention: the reference code stores -v and uses α0 = -1.25; kvsift stores +v, α0 = 1.25,
@@ -19,11 +20,12 @@
 #include <utility>
 #include <vector>
 
+#include "kvsift/config/steering_config.hpp"
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/error.hpp"
+#include "kvsift/core/parse_number.hpp"
 #include "kvsift/core/safetensors.hpp"
 #include "kvsift/core/tensor_view.hpp"
-#include "kvsift/config/steering_config.hpp"
 
 namespace kvsift {
 
@@ -122,14 +124,8 @@ struct SteeringVector {
     const auto& meta = f.metadata();
     const auto layer = meta.find("layer");
     KVSIFT_CHECK(layer != meta.end(), "SteeringVector::load: '", path, "' has no 'layer' metadata");
-    try {
-      std::size_t used = 0;
-      v.layer = std::stoi(layer->second, &used);
-      KVSIFT_CHECK(used == layer->second.size(), "trailing characters");
-    } catch (const std::exception&) {
-      KVSIFT_FAIL("SteeringVector::load: '", path, "': layer metadata '", layer->second,
-                  "' is not an integer");
-    }
+    v.layer = parse_integer<int>(layer->second,
+                                 "SteeringVector::load: '" + path + "': layer metadata", 0);
     const auto model = meta.find("model");
     if (model != meta.end()) v.model = model->second;
     v.validate();
@@ -217,6 +213,9 @@ class SteeringController {
                  vector_.layer, ", the config steers layer ", config_.layer);
     KVSIFT_CHECK(batch > 0, "SteeringController: batch (", batch, ") must be > 0");
     seqs_.assign(static_cast<std::size_t>(batch), Seq{false, false, config_.alpha0});
+    // Sorted once: the gate looks every token up among hundreds of paragraph-break ids.
+    boundary_sorted_ = config_.boundary;
+    std::sort(boundary_sorted_.begin(), boundary_sorted_.end());
   }
 
   const SteeringConfig& config() const { return config_; }
@@ -235,15 +234,16 @@ class SteeringController {
       const std::int32_t id = tokens[i];
       if (contains(config_.think_start, id)) s.in_think = true;
       if (contains(config_.think_end, id)) s.in_think = false;
-      s.at_boundary = contains(config_.boundary, id);
+      s.at_boundary = std::binary_search(boundary_sorted_.begin(), boundary_sorted_.end(), id);
     }
   }
   void observe(std::int64_t b, const std::vector<std::int32_t>& tokens) {
     observe(b, tokens.data(), static_cast<std::int64_t>(tokens.size()));
   }
 
-  // At a compression trigger: α_b = α0 + γ·N_o with N_o the check sentences of b so far
-  // (SentenceTracker::check_count()). Between triggers α_b stays fixed.
+  // At a refresh (every config().refresh_steps decode steps, and at compression triggers):
+  // α_b = α0 + γ·N_o with N_o the check sentences of b so far (SentenceTracker::check_count()).
+  // Between refreshes α_b stays fixed.
   void update_strength(std::int64_t b, std::int64_t check_sentences) {
     Seq& s = seq(b, "update_strength");
     KVSIFT_CHECK(check_sentences >= 0, "SteeringController::update_strength: check_sentences (",
@@ -319,7 +319,8 @@ class SteeringController {
 
   SteeringConfig config_;
   SteeringVector vector_;
-  std::vector<Seq> seqs_;  // [batch]
+  std::vector<Seq> seqs_;                      // [batch]
+  std::vector<std::int32_t> boundary_sorted_;  // config_.boundary, ascending
 };
 
 }  // namespace kvsift

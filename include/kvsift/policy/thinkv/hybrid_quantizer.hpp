@@ -1,6 +1,6 @@
-// ThinKV's Think Before you Quantize (TBQ, docs/algorithms.md §3.2): a KV cache stream per (layer, KV
-// head) whose tokens are quantized with the precision of their thought type, default R4 E4 T2
-// (R and E as NVFP4, T as ternary; FP8 "R8" is an option per type).
+// ThinKV's Think Before you Quantize (TBQ, docs/algorithms.md §3.2): a KV cache stream per (layer,
+// KV head) whose tokens are quantized with the precision of their thought type, default R4 E4 T2 (R
+// and E as NVFP4, T as ternary; FP8 "R8" is an option per type).
 //
 // Layout (KIVI): keys are grouped per channel over 16 consecutive tokens, values per token over 16
 // consecutive channels; one 8-bit scale per group (quant/format.hpp). New tokens wait in a
@@ -22,9 +22,10 @@
 #include <cstdint>
 #include <vector>
 
+#include "kvsift/config/thought_type.hpp"
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/error.hpp"
-#include "kvsift/config/thought_type.hpp"
+#include "kvsift/core/limits.hpp"
 #include "kvsift/quant/format.hpp"
 #include "kvsift/quant/group_codec.hpp"
 
@@ -42,7 +43,8 @@ struct HybridQuantizerConfig {
   float value_global_factor = 1.0f;
 
   void validate() const {
-    KVSIFT_CHECK(num_layers > 0, "num_layers (", num_layers, ") must be > 0");
+    KVSIFT_CHECK(num_layers > 0 && num_layers <= kMaxLayers, "num_layers (", num_layers,
+                 ") must be in [1, kMaxLayers = ", kMaxLayers, "]");
     KVSIFT_CHECK(num_kv_heads > 0, "num_kv_heads (", num_kv_heads, ") must be > 0");
     KVSIFT_CHECK(head_dim > 0 && head_dim % kQuantGroupSize == 0, "head_dim (", head_dim,
                  ") must be a positive multiple of ", kQuantGroupSize);

@@ -12,8 +12,15 @@
 
 namespace kvsift {
 
+// Resource bounds of calibrate_thresholds (docs/thinkv.md): one KDE evaluation costs
+// grid_points² operations and a (prompt, layer) fit runs a few dozen of them, so the grid and the
+// total work prompts · layers · grid_points² are capped (an error, not minutes of CPU; at the
+// default grid of 512 the work cap allows 65,536 (prompt, layer) pairs).
+inline constexpr int kMaxCalibrationGridPoints = 4096;
+inline constexpr std::int64_t kMaxCalibrationWork = std::int64_t{1} << 34;
+
 struct CalibrationConfig {
-  int grid_points = 512;  // KDE evaluation points over [0, 1]
+  int grid_points = 512;  // KDE evaluation points over [0, 1], in [16, kMaxCalibrationGridPoints]
   // "Stable": exactly 3 modes at the largest 3-mode bandwidth h3 AND at h3 / stability_ratio, i.e.
   // (modes only merge as the bandwidth grows) over the whole range [h3 / ratio, h3] (our choice).
   double stability_ratio = 1.5;
