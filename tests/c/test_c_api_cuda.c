@@ -118,7 +118,7 @@ static void observe(kvsift_policy* p, const kvsift_cache_view* kv, const kvsift_
 static const char* small_config(int32_t i) {
   const char* name = kvsift_method_name(i);
   if (strcmp(name, "streaming") == 0) return "{\"budget\": 16, \"sink\": 2, \"buffer\": 4}";
-  if (strcmp(name, "rkv") == 0 || strcmp(name, "snapkv") == 0)
+  if (strcmp(name, "rkv") == 0 || strcmp(name, "snapkv") == 0 || strcmp(name, "skipkv") == 0)
     return "{\"budget\": 16, \"window\": 4, \"buffer\": 4}";
   if (strcmp(name, "h2o") == 0) return "{\"budget\": 16, \"buffer\": 4}";
   return kvsift_method_example_config(i);

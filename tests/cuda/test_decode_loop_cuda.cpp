@@ -50,35 +50,42 @@ struct LayerCache {
 
 struct Loop {
   std::vector<std::unique_ptr<LayerCache>> layers;
-  std::vector<std::int32_t> host_lengths, device_lengths;  // [batch], one per view set
-  std::vector<std::uint8_t> host_mask;                     // [batch, capacity]
-  DeviceBuffer<std::uint8_t> device_mask{std::size_t(kBatch) * kCapacity};
+  // [layers][batch]: every layer's view has its own lengths (compact() rewrites them layer by
+  // layer), host and device apart.
+  std::vector<std::vector<std::int32_t>> host_lengths, device_lengths;
+  // [layers][batch, capacity]: the pad mask, also per layer since compact() rewrites it.
+  std::vector<std::vector<std::uint8_t>> host_mask;
+  std::vector<std::unique_ptr<DeviceBuffer<std::uint8_t>>> device_mask;
   // [layers][batch, q_heads, window, head_dim] the last W queries, host and device
   std::vector<std::vector<bf16_t>> window;
   std::vector<std::unique_ptr<DeviceBuffer<bf16_t>>> dwindow;
   std::mt19937 rng{7};
 
-  Loop() : host_lengths(kBatch, 0), device_lengths(kBatch, 0),
-           host_mask(std::size_t(kBatch) * kCapacity, 1) {
+  Loop()
+      : host_lengths(kLayers, std::vector<std::int32_t>(kBatch, 0)),
+        device_lengths(host_lengths),
+        host_mask(kLayers, std::vector<std::uint8_t>(std::size_t(kBatch) * kCapacity, 1)) {
     for (int l = 0; l < kLayers; ++l) {
       layers.push_back(std::make_unique<LayerCache>());
       window.emplace_back(std::size_t(kBatch) * kQHeads * kWindow * kHeadDim);
       dwindow.push_back(std::make_unique<DeviceBuffer<bf16_t>>(window.back().size()));
     }
-    for (int b = 0; b < kBatch; ++b)
-      for (int i = 0; i < kPads[b]; ++i) host_mask[std::size_t(b) * kCapacity + i] = 0;
-    device_mask.upload(host_mask);
+    for (int l = 0; l < kLayers; ++l) {
+      for (int b = 0; b < kBatch; ++b)
+        for (int i = 0; i < kPads[b]; ++i) host_mask[l][std::size_t(b) * kCapacity + i] = 0;
+      device_mask.push_back(std::make_unique<DeviceBuffer<std::uint8_t>>(host_mask[l]));
+    }
   }
 
   KVCacheView host_view(int l) {
     return make_kv_cache_view(layers[l]->keys.data(), layers[l]->values.data(), DType::bf16,
                               Device::cpu, kBatch, kKvHeads, kCapacity, kHeadDim,
-                              host_lengths.data(), host_mask.data());
+                              host_lengths[l].data(), host_mask[l].data());
   }
   KVCacheView device_view(int l) {
     return make_kv_cache_view(layers[l]->dkeys.get(), layers[l]->dvalues.get(), DType::bf16,
                               Device::cuda, kBatch, kKvHeads, kCapacity, kHeadDim,
-                              device_lengths.data(), device_mask.get());
+                              device_lengths[l].data(), device_mask[l]->get());
   }
   TensorView queries(int l, bool device) {
     void* p = device ? static_cast<void*>(dwindow[l]->get()) : window[l].data();
@@ -97,7 +104,7 @@ struct Loop {
         for (int h = 0; h < kKvHeads; ++h)
           for (int i = 0; i < n; ++i) {
             const std::size_t row =
-                ((std::size_t(b) * kKvHeads + h) * kCapacity + host_lengths[b] + i) * kHeadDim;
+                ((std::size_t(b) * kKvHeads + h) * kCapacity + host_lengths[l][b] + i) * kHeadDim;
             const float shared = nd(rng);
             for (int d = 0; d < kHeadDim; ++d) {
               c.keys[row + d] = from_float<bf16_t>(nd(rng) + (d % 7 == 0 ? 2.0f * shared : 0.0f));
@@ -112,10 +119,11 @@ struct Loop {
           q[std::size_t(kWindow - 1) * kHeadDim + d] = from_float<bf16_t>(nd(rng));
       }
     }
-    for (int b = 0; b < kBatch; ++b) {
-      host_lengths[b] += n;
-      device_lengths[b] += n;
-    }
+    for (int l = 0; l < kLayers; ++l)
+      for (int b = 0; b < kBatch; ++b) {
+        host_lengths[l][b] += n;
+        device_lengths[l][b] += n;
+      }
     sync_to_device();
   }
 
@@ -126,6 +134,7 @@ struct Loop {
       layers[l]->dkeys.upload(layers[l]->keys);
       layers[l]->dvalues.upload(layers[l]->values);
       dwindow[l]->upload(window[l]);
+      device_mask[l]->upload(host_mask[l]);
     }
   }
 };
@@ -141,14 +150,14 @@ void expect_same_plan(const KeepPlan& host, const KeepPlan& device, const std::s
 void expect_same_cache(Loop& loop, const std::string& where) {
   INFO(where);
   REQUIRE(loop.device_lengths == loop.host_lengths);
-  REQUIRE(loop.device_mask.download() == loop.host_mask);
   for (int l = 0; l < kLayers; ++l) {
+    REQUIRE(loop.device_mask[l]->download() == loop.host_mask[l]);
     const std::vector<bf16_t> k = loop.layers[l]->dkeys.download();
     const std::vector<bf16_t> v = loop.layers[l]->dvalues.download();
     for (int b = 0; b < kBatch; ++b)
       for (int h = 0; h < kKvHeads; ++h) {
         const std::size_t row0 = ((std::size_t(b) * kKvHeads + h) * kCapacity) * kHeadDim;
-        const std::size_t n = std::size_t(loop.host_lengths[b]) * kHeadDim * sizeof(bf16_t);
+        const std::size_t n = std::size_t(loop.host_lengths[l][b]) * kHeadDim * sizeof(bf16_t);
         REQUIRE(std::memcmp(k.data() + row0, loop.layers[l]->keys.data() + row0, n) == 0);
         REQUIRE(std::memcmp(v.data() + row0, loop.layers[l]->values.data() + row0, n) == 0);
       }
@@ -156,9 +165,11 @@ void expect_same_cache(Loop& loop, const std::string& where) {
 }
 
 // One observation of the step's tokens (prompt: all of them with their pads; decode: one).
-Observation token_observation(const std::vector<std::int32_t>& ids, int n, const int* pads) {
+Observation token_observation(const std::vector<std::int32_t>& ids, int n, const int* pads,
+                              const KVCacheView& any_layer) {
   Observation o;
   o.layer = -1;
+  o.kv = any_layer;  // says the batch
   o.token_ids = ids.data();
   o.num_tokens = n;
   o.pad_counts = pads;
@@ -179,8 +190,8 @@ void run_method(const MethodInfo& m) {
   for (std::size_t i = 0; i < prompt.size(); ++i) prompt[i] = token(int(i % kPrompt));
   int pads[kBatch];
   std::copy(kPads, kPads + kBatch, pads);
-  host->observe(token_observation(prompt, kPrompt, pads));
-  device->observe(token_observation(prompt, kPrompt, pads));
+  host->observe(token_observation(prompt, kPrompt, pads, loop.host_view(0)));
+  device->observe(token_observation(prompt, kPrompt, pads, loop.device_view(0)));
 
   std::vector<std::unique_ptr<DeviceBuffer<std::uint8_t>>> workspaces;
   int triggers = 0;
@@ -189,8 +200,8 @@ void run_method(const MethodInfo& m) {
     loop.append(1);
     std::vector<std::int32_t> ids(kBatch);
     for (auto& t : ids) t = token(step);
-    host->observe(token_observation(ids, 1, nullptr));
-    device->observe(token_observation(ids, 1, nullptr));
+    host->observe(token_observation(ids, 1, nullptr, loop.host_view(0)));
+    device->observe(token_observation(ids, 1, nullptr, loop.device_view(0)));
     for (int l = 0; l < kLayers; ++l) {
       Observation oh, od;
       oh.layer = od.layer = l;

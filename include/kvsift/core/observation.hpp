@@ -22,7 +22,9 @@ enum Needs : unsigned {
 struct Observation {
   // The layer this observation belongs to, or -1 for the step-level part (tokens, hidden).
   int layer = -1;
-  // The layer's cache after this step's K/V were appended (per-layer observations).
+  // The layer's cache after this step's K/V were appended (per-layer observations). A step-level
+  // observation may set it too (any layer's cache): its batch says how many rows token_ids has
+  // when last_hidden is not given.
   KVCacheView kv;
   // [batch, q_heads, n, head_dim] the step's n queries of `layer` (post-RoPE).
   TensorView queries;

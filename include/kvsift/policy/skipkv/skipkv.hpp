@@ -319,10 +319,15 @@ class SkipKV final : public Policy {
     return false;
   }
 
-  // Rows of a step observation without hidden states: the batch already known, else 1.
+  // Rows of a step observation without hidden states: its cache view's batch, else the batch
+  // already known. Never guessed: token_ids [batch, n] alone does not say how many rows it has.
   std::int64_t observation_batch(const Observation& obs) const {
     if (obs.kv.keys.data != nullptr) return obs.kv.batch();
-    return cfg_.batch > 0 ? cfg_.batch : std::max<std::int64_t>(batch(), 1);
+    if (cfg_.batch > 0) return cfg_.batch;
+    KVSIFT_CHECK(batch() > 0,
+                 "SkipKV::observe: the step observation does not say its batch: set Observation.kv "
+                 "(any layer's cache) or last_hidden, or give the config a batch");
+    return batch();
   }
 
   // §2.5: every refresh_steps decode steps of `seq`, refresh its marks (§2.2) and α, whether or
