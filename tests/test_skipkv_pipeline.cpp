@@ -422,3 +422,22 @@ TEST_CASE("pipeline with batch 0 sizes itself from the sequences observed", "[sk
   REQUIRE_THROWS_WITH(fresh.select(StepInputs{0, e.view(0), q}),
                       Catch::Matchers::Contains("cache batch (2) != sequences observed (1)"));
 }
+
+TEST_CASE("pipeline step observations: the batch is read, never guessed", "[skipkv][errors]") {
+  SkipKVConfig cfg = scenario_config(PadMode::exclude);
+  cfg.batch = 0;
+  cfg.sentences.hidden_size = 0;
+  const std::vector<std::int32_t> ids(3 * 2, kPlain);  // [batch 3, n 2]
+  Observation obs;
+  obs.token_ids = ids.data();
+  obs.num_tokens = 2;
+  SkipKV unknown(cfg);
+  // Without batch, kv or hidden states, token_ids [?, 2] could be any number of rows.
+  REQUIRE_THROWS_WITH(unknown.observe(obs),
+                      Catch::Matchers::Contains("does not say its batch: set Observation.batch"));
+  obs.batch = 3;
+  SkipKV told(cfg);
+  told.observe(obs);
+  CHECK(told.batch() == 3);
+  for (std::int64_t b = 0; b < 3; ++b) CHECK(told.tracker(b).position() == 2);
+}

@@ -235,7 +235,7 @@ class Policy:
         (final-norm last-layer states, torch/NumPy, any device). Per layer: kv (the cache after
         the append) and queries [batch, q_heads, n, head_dim]."""
         obs = _capi.Observation()
-        obs.layer, obs.reserved = int(layer), 0
+        obs.layer, obs.batch = int(layer), 0
         keep = []
         if token_ids is not None:
             ids = host_int32(token_ids, "token_ids")
@@ -244,6 +244,7 @@ class Policy:
             keep.append(ids)
             obs.token_ids = ids.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
             obs.num_tokens = int(ids.shape[1])
+            obs.batch = int(ids.shape[0])
         if pad_counts is not None:
             pads = host_int32(pad_counts, "pad_counts")
             keep.append(pads)

@@ -48,7 +48,7 @@ class CacheView(ctypes.Structure):
 
 class Observation(ctypes.Structure):
     """kvsift_observation (mirrors kvsift::Observation)."""
-    _fields_ = [("layer", ctypes.c_int32), ("reserved", ctypes.c_int32), ("kv", CacheView),
+    _fields_ = [("layer", ctypes.c_int32), ("batch", ctypes.c_int32), ("kv", CacheView),
                 ("queries", Tensor), ("token_ids", ctypes.POINTER(ctypes.c_int32)),
                 ("num_tokens", ctypes.c_int64), ("pad_counts", ctypes.POINTER(ctypes.c_int32)),
                 ("last_hidden", Tensor)]

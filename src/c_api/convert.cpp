@@ -100,6 +100,9 @@ Observation to_observation(const kvsift_observation* obs, const std::string& wha
   KVSIFT_CHECK(obs != nullptr, what, " is NULL");
   Observation o;
   o.layer = obs->layer;
+  KVSIFT_CHECK(obs->batch >= 0, what, "->batch must be >= 0 (0: from kv or last_hidden), got ",
+               obs->batch);
+  o.batch = obs->batch;
   KVSIFT_CHECK(obs->layer >= -1, what, "->layer must be >= -1 (-1: the step-level part), got ",
                obs->layer);
   if (obs->kv.keys.rank != 0 || obs->kv.keys.data != nullptr) {

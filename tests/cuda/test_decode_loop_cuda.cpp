@@ -25,15 +25,14 @@ namespace {
 
 constexpr int kLayers = 2, kBatch = 3, kKvHeads = 2, kQHeads = 4, kHeadDim = 64;
 constexpr int kBudget = 64, kBuffer = 16, kWindow = 8, kPrompt = 48, kSteps = 120;
-constexpr int kCapacity = kPrompt + kSteps;   // FullKV never compresses
-constexpr int kPads[kBatch] = {0, 12, 5};     // left pads of each prompt
-constexpr std::int32_t kDelimiter = 271;      // "\n\n" in the R1-Distill-Qwen vocabulary
+constexpr int kCapacity = kPrompt + kSteps;  // FullKV never compresses
+constexpr int kPads[kBatch] = {0, 12, 5};    // left pads of each prompt
+constexpr std::int32_t kDelimiter = 271;     // "\n\n" in the R1-Distill-Qwen vocabulary
 
 // The same budget for every method, in the keys its config knows.
 std::string config_for(const std::string& name) {
   if (name == "fullkv") return "{}";
-  if (name == "streaming" || name == "h2o")
-    return R"({"budget": 64, "buffer": 16})";
+  if (name == "streaming" || name == "h2o") return R"({"budget": 64, "buffer": 16})";
   return R"({"budget": 64, "buffer": 16, "window": 8})";
 }
 
@@ -228,8 +227,9 @@ void run_method(const MethodInfo& m) {
       workspaces.push_back(std::make_unique<DeviceBuffer<std::uint8_t>>(bytes));
       const KeepPlan dplan =
           device->select(din, ExecContext{workspaces.back()->get(), bytes, nullptr});
-      expect_same_plan(hplan, dplan, name + " layer " + std::to_string(l) + " trigger " +
-                                         std::to_string(triggers));
+      expect_same_plan(
+          hplan, dplan,
+          name + " layer " + std::to_string(l) + " trigger " + std::to_string(triggers));
       compact(hin.kv, hplan);
       const std::size_t cbytes = device_backend().compact_workspace_bytes(dplan);
       workspaces.push_back(std::make_unique<DeviceBuffer<std::uint8_t>>(cbytes));

@@ -145,7 +145,7 @@ KVSIFT_C_EXPORT kvsift_status kvsift_tensor_contiguous(kvsift_tensor* t, void* d
  * refuses to select. */
 typedef struct kvsift_observation {
   int32_t layer;             /* the layer of the per-layer fields, or -1 for the step-level part */
-  int32_t reserved;          /* set to 0 */
+  int32_t batch;             /* rows of token_ids; 0: from kv or last_hidden */
   kvsift_cache_view kv;      /* per layer: the cache after this step's append (keys.rank 0: none) */
   kvsift_tensor queries;     /* [batch, q_heads, n, head_dim] this step's n queries (post-RoPE) */
   const int32_t* token_ids;  /* [batch, n] host; the tokens appended this step; NULL: none */

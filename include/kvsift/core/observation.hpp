@@ -28,6 +28,8 @@ struct Observation {
   KVCacheView kv;
   // [batch, q_heads, n, head_dim] the step's n queries of `layer` (post-RoPE).
   TensorView queries;
+  // Rows of token_ids; 0: from kv (when set) or last_hidden.
+  std::int64_t batch = 0;
   // [batch, n] token ids appended this step, host memory; n = num_tokens.
   const std::int32_t* token_ids = nullptr;
   std::int64_t num_tokens = 0;

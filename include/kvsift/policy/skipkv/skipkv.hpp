@@ -95,6 +95,8 @@ class SkipKV final : public Policy {
                  ", hidden_size = ", cfg_.sentences.hidden_size, "], got ",
                  obs.last_hidden.shape_string(), " (hidden_size > 0 needs hidden states)");
     const std::int64_t rows = with_hidden ? obs.last_hidden.shape[0] : observation_batch(obs);
+    KVSIFT_CHECK(obs.batch == 0 || obs.batch == rows, "SkipKV::observe: Observation.batch (",
+                 obs.batch, ") != last_hidden rows (", rows, ")");
     HostStaging staging(ExecContext{});
     const TensorView hidden = with_hidden ? staging.tensor(obs.last_hidden) : TensorView{};
     const std::int64_t n = obs.num_tokens;
@@ -319,14 +321,16 @@ class SkipKV final : public Policy {
     return false;
   }
 
-  // Rows of a step observation without hidden states: its cache view's batch, else the batch
-  // already known. Never guessed: token_ids [batch, n] alone does not say how many rows it has.
+  // Rows of a step observation without hidden states: its batch, its cache view's batch, else
+  // the batch already known. Never guessed: token_ids alone does not say how many rows it has.
   std::int64_t observation_batch(const Observation& obs) const {
+    if (obs.batch > 0) return obs.batch;
     if (obs.kv.keys.data != nullptr) return obs.kv.batch();
     if (cfg_.batch > 0) return cfg_.batch;
-    KVSIFT_CHECK(batch() > 0,
-                 "SkipKV::observe: the step observation does not say its batch: set Observation.kv "
-                 "(any layer's cache) or last_hidden, or give the config a batch");
+    KVSIFT_CHECK(
+        batch() > 0,
+        "SkipKV::observe: the step observation does not say its batch: set Observation.batch, "
+        "kv (any layer's cache) or last_hidden, or give the config a batch");
     return batch();
   }
 
