@@ -7,7 +7,7 @@ BUILD_DIR=${BUILD_DIR:-"$KVSIFT_ROOT/build"}
 JOBS=${JOBS:-$(nproc)}
 
 install_dependencies() {
-  local pkgs=(cmake make g++ libeigen3-dev catch2 libbenchmark-dev nlohmann-json3-dev)
+  local pkgs=(cmake make g++ libeigen3-dev catch2 libbenchmark-dev nlohmann-json3-dev ${KVSIFT_EXTRA_PKGS:-})
   local missing=()
   for p in "${pkgs[@]}"; do
     dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
 # One command for the tests: install dependencies, build everything, run every test (GPU tests
-# skip without a device), check that an installed kvsift works through find_package, and run each
-# benchmark once as a smoke test.
+# skip without a device), the Python package's tests, check that an installed kvsift works through
+# find_package (C++ and C), run each benchmark once as a smoke test, and run the CPU tests again
+# under ASan + UBSan with short fuzz runs (scripts/sanitize.sh; SKIP_SANITIZE=1 leaves it out).
+# Python (Debian's torch, numpy, pytest) and clang (sanitizers, libFuzzer) are installed too.
+export KVSIFT_EXTRA_PKGS="python3-torch python3-numpy python3-pytest python3-setuptools clang"
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 install_dependencies
 configure_and_build -DKVSIFT_BUILD_TESTS=ON -DKVSIFT_BUILD_BENCH=ON -DKVSIFT_BUILD_EXAMPLES=ON
 
 echo "== unit, parity and GPU tests"
 ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$JOBS"
+
+echo "== Python package (python/tests, /usr/bin/python3)"
+BUILD_DIR="$BUILD_DIR" "$KVSIFT_ROOT/scripts/python_test.sh" -q
 
 echo "== consumer project against the installed package"
 rm -rf "$BUILD_DIR/install" "$BUILD_DIR/consumer"
@@ -27,4 +33,7 @@ for b in "$BUILD_DIR"/bench/bench_*; do
   "$b" --benchmark_min_time=0.001 >/dev/null
   echo "ok  $(basename "$b")"
 done
+if [ -z "${SKIP_SANITIZE:-}" ]; then
+  "$KVSIFT_ROOT/scripts/sanitize.sh"
+fi
 echo "== all checks passed"
