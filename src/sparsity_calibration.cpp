@@ -242,8 +242,7 @@ CalibrationResult calibrate_thresholds(const float* sparsity, std::int64_t promp
   }
 
   CalibrationResult result;
-  double sum1 = 0.0, sum2 = 0.0;
-  int pairs = 0;
+  int qualifying = 0;
   std::string example_reason;
   std::vector<double> samples;
   for (std::int64_t l = 0; l < layers; ++l) {
@@ -281,21 +280,15 @@ CalibrationResult calibrate_thresholds(const float* sparsity, std::int64_t promp
       layer.qualifies =
           layer.prompts_trimodal >= config.min_prompt_fraction * layer.prompts_with_data;
     }
-    if (layer.qualifies) {
-      sum1 += t1;
-      sum2 += t2;
-      pairs += layer.prompts_trimodal;
-    }
+    if (layer.qualifies) ++qualifying;
     result.per_layer.push_back(layer);
   }
-  KVSIFT_CHECK(pairs > 0, "calibrate_thresholds: no layer's sparsity distribution has exactly 3 ",
+  KVSIFT_CHECK(qualifying > 0,
+               "calibrate_thresholds: no layer's sparsity distribution has exactly 3 ",
                "stable modes across ", prompts, " prompt(s) x ", layers,
                " layer(s), so thought thresholds cannot be placed",
                example_reason.empty() ? std::string(" (no (prompt, layer) had enough samples)")
                                       : " (e.g. " + example_reason + ")");
-  result.theta1 = sum1 / pairs;
-  result.theta2 = sum2 / pairs;
-
   std::vector<LayerCalibration> ranked;
   for (const auto& layer : result.per_layer) {
     if (layer.qualifies) ranked.push_back(layer);
@@ -307,6 +300,18 @@ CalibrationResult calibrate_thresholds(const float* sparsity, std::int64_t promp
     result.layers.push_back(ranked[i].layer);
   }
   std::sort(result.layers.begin(), result.layers.end());
+  // θ1, θ2: averaged over the trimodal (prompt, layer) pairs of L* only (§3.1), not over every
+  // qualifying layer: the selected layers are the ones whose valleys are trusted.
+  double sum1 = 0.0, sum2 = 0.0;
+  std::int64_t pairs = 0;
+  for (int l : result.layers) {
+    const LayerCalibration& layer = result.per_layer[static_cast<std::size_t>(l)];
+    sum1 += layer.theta1 * layer.prompts_trimodal;
+    sum2 += layer.theta2 * layer.prompts_trimodal;
+    pairs += layer.prompts_trimodal;
+  }
+  result.theta1 = sum1 / static_cast<double>(pairs);
+  result.theta2 = sum2 / static_cast<double>(pairs);
   return result;
 }
 

@@ -240,3 +240,30 @@ TEST_CASE("calibration input and config errors name the values", "[calibration][
   REQUIRE_THROWS_WITH(c.validate(), Contains("min_valley_depth"));
   REQUIRE_THROWS_WITH(binned_gaussian_kde({0.5}, 0.0, 64), Contains("bandwidth must be positive"));
 }
+
+TEST_CASE("calibrate_thresholds: theta1, theta2 come from the layers of L* only", "[calibration]") {
+  // docs/algorithms.md §3.1: the thresholds are averaged over prompts and over the selected layers
+  // L*, not over every qualifying layer. Layers 0-1 are narrow (deep valleys, selected with
+  // top_layers = 2); layers 2-4 are wider (shallower valleys, qualifying but not selected) and
+  // shifted 0.1 lower, so averaging them in would move both thresholds by about 0.06.
+  auto shifted = [](double sd, double shift) {
+    return Mixture{{0.35, 0.4, 0.25}, {0.2 - shift, 0.5 - shift, 0.8 - shift}, {sd, sd, sd}};
+  };
+  const std::vector<Mixture> mix{shifted(0.045, 0.0), shifted(0.05, 0.0), shifted(0.075, 0.1),
+                                 shifted(0.08, 0.1), shifted(0.075, 0.1)};
+  const int prompts = 3, steps = 3000;
+  const auto t = make_tensor(mix, prompts, steps);
+  CalibrationConfig cfg;
+  cfg.top_layers = 2;
+  const CalibrationResult r = calibrate_thresholds(t.data(), prompts, 5, steps, cfg);
+  for (int l = 0; l < 5; ++l) CHECK(r.per_layer[l].qualifies);
+  REQUIRE(r.layers == std::vector<int>{0, 1});
+  // Oracle: the mean of L*'s true valleys.
+  double v1 = 0, v2 = 0;
+  for (int l : r.layers) {
+    v1 += true_valley(mix[l], 0.2, 0.5) / 2;
+    v2 += true_valley(mix[l], 0.5, 0.8) / 2;
+  }
+  CHECK_THAT(r.theta1, WithinAbs(v1, 0.02));
+  CHECK_THAT(r.theta2, WithinAbs(v2, 0.02));
+}

@@ -77,7 +77,7 @@ struct LayerCalibration {
 };
 
 struct CalibrationResult {
-  double theta1 = 0.0;  // averaged over every trimodal (prompt, qualifying layer) pair
+  double theta1 = 0.0;  // averaged over the trimodal (prompt, layer) pairs of L* (§3.1)
   double theta2 = 0.0;
   std::vector<int> layers;  // L*: the qualifying layers with the deepest valleys, ascending
   std::vector<LayerCalibration> per_layer;  // [layers]
