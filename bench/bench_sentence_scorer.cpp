@@ -81,8 +81,8 @@ const float kAnisotropic = std::sqrt(1.5f * kDim);
 
 SentenceScorerConfig scorer_config(PadMode mode) {
   SentenceScorerConfig c;
-  c.budget = kBudget;
-  c.window = kWindow;
+  c.rkv.budget = kBudget;
+  c.rkv.window = kWindow;
   c.pad_mode = mode;
   return c;
 }

@@ -102,10 +102,10 @@ void run(int batch, bool clustered, bool tensor_core, bool skipkv, double bandwi
   const TensorView qv = TensorView::contiguous(queries.get(), DType::bf16, Device::cuda,
                                                {batch, kQHeads, kWindow, kHeadDim});
   SentenceScorerConfig skip_cfg;
-  skip_cfg.budget = kBudget;
-  skip_cfg.window = kWindow;
-  skip_cfg.tensor_core_search = tensor_core;
-  const RKVConfig cfg = skip_cfg.rkv_config();
+  skip_cfg.rkv.budget = kBudget;
+  skip_cfg.rkv.window = kWindow;
+  skip_cfg.rkv.tensor_core_search = tensor_core;
+  const RKVConfig cfg = skip_cfg.rkv;
   const cuda::SentencePenaltyCsr csr = bench_penalties(batch);
   DeviceArray<char> penalty_ws(cuda::sentence_penalty_workspace_bytes(csr));
   DeviceArray<char> ws(skipkv ? cuda::skipkv_workspace_bytes(kv, qv, skip_cfg)

@@ -77,7 +77,7 @@ class CudaBackend final : public DeviceBackend {
                                      const SentenceScorerConfig& cfg,
                                      const SentencePenalties& penalties) const override {
     const SentencePenaltyCsr csr = build_penalty_csr(penalties, kv.batch(), kv.kv_heads());
-    return slot_bytes(kv, cfg.budget) + align_up(sentence_penalty_workspace_bytes(csr)) +
+    return slot_bytes(kv, cfg.rkv.budget) + align_up(sentence_penalty_workspace_bytes(csr)) +
            cuda::skipkv_workspace_bytes(kv, queries, cfg);
   }
   KeepPlan skipkv_select(const KVCacheView& kv, const TensorView& queries,
@@ -85,10 +85,10 @@ class CudaBackend final : public DeviceBackend {
                          const ExecContext& ctx) const override {
     const char* op = "DeviceBackend::skipkv_select";
     const SentencePenaltyCsr csr = build_penalty_csr(penalties, kv.batch(), kv.kv_heads());
-    const std::size_t slots_b = slot_bytes(kv, cfg.budget);
+    const std::size_t slots_b = slot_bytes(kv, cfg.rkv.budget);
     const std::size_t pen_b = align_up(sentence_penalty_workspace_bytes(csr));
     const std::size_t need = slots_b + pen_b + cuda::skipkv_workspace_bytes(kv, queries, cfg);
-    if (!any_over_budget(kv, cfg.budget)) return KeepPlan::keep_all(kv);  // §1.3: nothing moves
+    if (!any_over_budget(kv, cfg.rkv.budget)) return KeepPlan::keep_all(kv);  // §1.3: nothing moves
     KVSIFT_CHECK(ctx.workspace != nullptr && ctx.workspace_bytes >= need, op, ": workspace of ",
                  ctx.workspace_bytes, " bytes is too small (", need, " needed)");
     char* base = static_cast<char*>(ctx.workspace);
@@ -98,7 +98,7 @@ class CudaBackend final : public DeviceBackend {
         upload_sentence_penalties(csr, base + slots_b, pen_b, stream_of(ctx));
     cuda::skipkv_select(kv, queries, cfg, d_pen, slots, nullptr, base + slots_b + pen_b,
                         ctx.workspace_bytes - slots_b - pen_b, stream_of(ctx));
-    return download_keep_plan(kv, slots, cfg.budget, cfg.window, stream_of(ctx));
+    return download_keep_plan(kv, slots, cfg.rkv.budget, cfg.rkv.window, stream_of(ctx));
   }
 
   void copy_to_host(void* dst, const void* src, std::size_t bytes,

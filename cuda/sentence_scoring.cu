@@ -127,7 +127,7 @@ struct Shape {
   std::int64_t batch = 0, kv_heads = 0, window = 0;
   std::int64_t length = 0;            // S = max_b S_b: the pitch of the score rows
   std::vector<std::int32_t> lengths;  // [batch] S_b
-  RKVConfig rkv;                      // the R-KV part of the score (cfg.rkv_config())
+  RKVConfig rkv;                      // the R-KV part of the score (cfg.rkv)
   std::int64_t rows() const { return batch * kv_heads; }
   std::int64_t n() const { return length > window ? length - window : 0; }
 };
@@ -141,11 +141,11 @@ Shape check_call(const KVCacheView& kv, const SentenceScorerConfig& cfg,
   KVSIFT_CHECK(kv.device() == Device::cuda, op, ": the cache is in host memory (device ",
                device_name(kv.device()), "); use the CPU SentenceScorer");
   Shape s;
-  s.rkv = cfg.rkv_config();
+  s.rkv = cfg.rkv;
   check_cuda_rkv_config(s.rkv, op);
   s.batch = kv.batch();
   s.kv_heads = kv.kv_heads();
-  s.window = cfg.window;
+  s.window = cfg.rkv.window;
   s.lengths.assign(kv.lengths, kv.lengths + kv.batch());
   for (std::int32_t len : s.lengths) s.length = std::max<std::int64_t>(s.length, len);
   if (penalties.indptr != nullptr) {
@@ -314,7 +314,7 @@ bool skipkv_select(const KVCacheView& kv, const TensorView& queries,
   const Shape s = check_call(kv, cfg, penalties, "skipkv_select");
   KVSIFT_CHECK(slots != nullptr, "skipkv_select: slots must be a device pointer, got null");
   if (s.batch == 0) return false;
-  const int budget = cfg.budget, heads = static_cast<int>(s.kv_heads);
+  const int budget = cfg.rkv.budget, heads = static_cast<int>(s.kv_heads);
   // docs/algorithms.md §1.3: a sequence at or below the budget evicts nothing and is not scored.
   const bool any_over = s.length > budget;
   void* rkv_ws = nullptr;

@@ -1,6 +1,6 @@
 // Every method config's fields, listed once for JSON reading and writing (config_json.hpp).
 // JSON keys are the C++ field names; an embedded config's fields appear flat (SkipKV's "budget"
-// is its scorer.budget) except steering, a nested object.
+// is its scorer.rkv.budget) except steering, a nested object.
 #pragma once
 
 #include "config_json.hpp"
@@ -85,16 +85,19 @@ struct RKVFields {
   }
 };
 
+// SkipKV's eviction knobs: R-KV's (flat keys, as an engine writes them) and the pad mode. The
+// R-KV sink is not offered: SkipKV keeps none.
 struct ScorerFields {
   template <class V>
   void operator()(V& v, SentenceScorerConfig& c) const {
-    v("budget", c.budget);
-    v("window", c.window);
-    v("kernel", c.kernel);
-    v("mix_lambda", c.mix_lambda);
-    v("threshold", c.threshold);
-    v("redundancy", c.redundancy, kRedundancyNames);
-    v("gqa", c.gqa, kGqaNames);
+    v("budget", c.rkv.budget);
+    v("window", c.rkv.window);
+    v("buffer", c.rkv.buffer);
+    v("kernel", c.rkv.kernel);
+    v("mix_lambda", c.rkv.mix_lambda);
+    v("threshold", c.rkv.threshold);
+    v("redundancy", c.rkv.redundancy, kRedundancyNames);
+    v("gqa", c.rkv.gqa, kGqaNames);
     v("pad_mode", c.pad_mode, kPadNames);
   }
 };
@@ -118,7 +121,6 @@ struct SkipKVFields {
     v("layers", c.layers);
     v("kv_heads", c.kv_heads);
     ScorerFields{}(v, c.scorer);
-    v("buffer", c.buffer);
     v("delimiters", c.sentences.tokens.delimiters);
     v("keywords", c.sentences.tokens.keywords);
     v("hidden_size", c.sentences.hidden_size);

@@ -82,7 +82,7 @@ class FakeBackend final : public DeviceBackend {
     REQUIRE(kv.device() == Device::cuda);
     ++skipkv_selects;
     const KVCacheView h = as_host(kv);
-    const std::vector<std::uint8_t> over = cpu::sequences_over_budget(h, cfg.budget);
+    const std::vector<std::uint8_t> over = cpu::sequences_over_budget(h, cfg.rkv.budget);
     return plan_sentence_scores(
         h, cpu::sentence_scores(h, as_host(q), cfg, penalties, over.data()).score, cfg);
   }

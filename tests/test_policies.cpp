@@ -316,12 +316,12 @@ TEST_CASE("make_policy(\"skipkv\") reads SkipKVConfig from JSON", "[policies][sk
   auto* skipkv = dynamic_cast<SkipKV*>(p.get());
   REQUIRE(skipkv != nullptr);
   const SkipKVConfig& c = skipkv->config();
-  CHECK(c.scorer.budget == 48);
-  CHECK(c.scorer.window == 6);
-  CHECK(c.buffer == 20);
-  CHECK(c.scorer.kernel == 5);
-  CHECK(c.scorer.mix_lambda == 0.3f);
-  CHECK(c.scorer.threshold == 0.7f);
+  CHECK(c.scorer.rkv.budget == 48);
+  CHECK(c.scorer.rkv.window == 6);
+  CHECK(c.scorer.rkv.buffer == 20);
+  CHECK(c.scorer.rkv.kernel == 5);
+  CHECK(c.scorer.rkv.mix_lambda == 0.3f);
+  CHECK(c.scorer.rkv.threshold == 0.7f);
   CHECK(c.sentences.hidden_size == 12);
   CHECK(c.steering.alpha0 == 1.0f);
   CHECK(c.steering.gamma == 0.02f);  // untouched default

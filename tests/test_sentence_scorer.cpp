@@ -34,12 +34,12 @@ struct Golden : test::GoldenCase {
   // The reference's settings: faithful redundancy fallback and faithful pads.
   SentenceScorerConfig scorer_config(PadMode mode = PadMode::faithful) const {
     SentenceScorerConfig c;
-    c.budget = config.at("budget").get<int>();
-    c.window = config.at("window").get<int>();
-    c.kernel = config.at("kernel").get<int>();
-    c.mix_lambda = config.at("mix_lambda").get<float>();
-    c.threshold = config.at("threshold").get<float>();
-    c.redundancy = RedundancyMode::faithful;
+    c.rkv.budget = config.at("budget").get<int>();
+    c.rkv.window = config.at("window").get<int>();
+    c.rkv.kernel = config.at("kernel").get<int>();
+    c.rkv.mix_lambda = config.at("mix_lambda").get<float>();
+    c.rkv.threshold = config.at("threshold").get<float>();
+    c.rkv.redundancy = RedundancyMode::faithful;
     c.pad_mode = mode;
     return c;
   }
@@ -92,22 +92,22 @@ TEST_CASE("golden skipkv_pad: faithful pads (+100, force-kept) match the referen
   KVCacheView kv = g.kv();
   const KeepPlan plan = scorer.select(kv, g.q(), {});
   plan.validate();
-  check_kept_sets(plan,
-                  g.file.get("keep_sorted", {g.batch, g.kv_heads, cfg.budget - g.window}).to_i64(),
-                  ref_score, g.kv_heads, g.seq, cfg.budget, g.window);
+  check_kept_sets(
+      plan, g.file.get("keep_sorted", {g.batch, g.kv_heads, cfg.rkv.budget - g.window}).to_i64(),
+      ref_score, g.kv_heads, g.seq, cfg.rkv.budget, g.window);
   // Every pad is kept in every head (0, 17 and 40 pads, all below budget − W) and eats budget.
   REQUIRE(g.pads(1) == 17);
   REQUIRE(g.pads(2) == 40);
   for (std::int64_t b = 0; b < g.batch; ++b)
     for (std::int64_t h = 0; h < g.kv_heads; ++h) {
-      REQUIRE(plan.row_size(b, h) == cfg.budget);
+      REQUIRE(plan.row_size(b, h) == cfg.rkv.budget);
       for (std::int64_t j = 0; j < g.pads(b); ++j) CHECK(plan.row(b, h)[j] == j);
     }
   compact(kv, plan);  // accepts it: pads agree across heads
   for (std::int64_t b = 0; b < g.batch; ++b) {
-    CHECK(kv.lengths[b] == cfg.budget);
+    CHECK(kv.lengths[b] == cfg.rkv.budget);
     const std::int64_t kept_pads =
-        std::count(g.mask.begin() + b * g.seq, g.mask.begin() + b * g.seq + cfg.budget, 0);
+        std::count(g.mask.begin() + b * g.seq, g.mask.begin() + b * g.seq + cfg.rkv.budget, 0);
     CHECK(kept_pads == g.pads(b));
   }
 }
@@ -126,9 +126,9 @@ TEST_CASE("golden skipkv_sentences: the sentence penalty and its eviction match 
 
   const KeepPlan plan = scorer.select(g.kv(), g.q(), pen);
   plan.validate();
-  check_kept_sets(plan,
-                  g.file.get("keep_sorted", {g.batch, g.kv_heads, cfg.budget - g.window}).to_i64(),
-                  ref_score, g.kv_heads, g.seq, cfg.budget, g.window);
+  check_kept_sets(
+      plan, g.file.get("keep_sorted", {g.batch, g.kv_heads, cfg.rkv.budget - g.window}).to_i64(),
+      ref_score, g.kv_heads, g.seq, cfg.rkv.budget, g.window);
   // Independent of the reference: every redundant sentence (more than one token) is gone whole
   // in every head, since enough unpenalized tokens remain to fill the budget.
   std::int64_t redundant_seen = 0;
@@ -138,16 +138,16 @@ TEST_CASE("golden skipkv_sentences: the sentence penalty and its eviction match 
       ++redundant_seen;
       for (std::int64_t h = 0; h < g.kv_heads; ++h) {
         const std::int32_t* row = plan.row(b, h);
-        const std::int32_t* lo = std::lower_bound(row, row + cfg.budget, sen.start);
+        const std::int32_t* lo = std::lower_bound(row, row + cfg.rkv.budget, sen.start);
         INFO("b=" << b << " h=" << h << " sentence [" << sen.start << ", " << sen.end << "]");
-        CHECK((lo == row + cfg.budget || *lo > sen.end));
+        CHECK((lo == row + cfg.rkv.budget || *lo > sen.end));
       }
     }
   CHECK(redundant_seen == 3);
   // Without penalties those sentences are (partly) kept: the penalty is what evicts them.
   const KeepPlan plain = scorer.select(g.kv(), g.q(), {});
   const std::int32_t* row = plain.row(0, 0);
-  CHECK(std::any_of(row, row + cfg.budget, [](std::int32_t j) { return j >= 21 && j <= 47; }));
+  CHECK(std::any_of(row, row + cfg.rkv.budget, [](std::int32_t j) { return j >= 21 && j <= 47; }));
 }
 
 TEST_CASE("exclude mode: no pad kept, kept count = min(budget, real tokens)", "[scorer][pads]") {
@@ -156,7 +156,7 @@ TEST_CASE("exclude mode: no pad kept, kept count = min(budget, real tokens)", "[
   for (std::int64_t j = 40; j < 100; ++j) g.mask[2 * g.seq + j] = 0;
   const SentenceScorerConfig faithful_cfg = g.scorer_config(PadMode::faithful);
   const SentenceScorerConfig cfg = g.scorer_config(PadMode::exclude);
-  const std::int64_t n = g.seq - g.window, keep = cfg.budget - g.window;
+  const std::int64_t n = g.seq - g.window, keep = cfg.rkv.budget - g.window;
   KVCacheView kv = g.kv();
   const SentenceScores s = SentenceScorer(cfg).scores(kv, g.q(), {});
   const SentenceScores sf = SentenceScorer(faithful_cfg).scores(kv, g.q(), {});
@@ -164,7 +164,7 @@ TEST_CASE("exclude mode: no pad kept, kept count = min(budget, real tokens)", "[
   plan.validate();
   const std::int64_t real[3] = {160, 143, 60};
   for (std::int64_t b = 0; b < g.batch; ++b) {
-    CHECK(plan.kept_length(b) == std::min<std::int64_t>(cfg.budget, real[b]));
+    CHECK(plan.kept_length(b) == std::min<std::int64_t>(cfg.rkv.budget, real[b]));
     for (std::int64_t h = 0; h < g.kv_heads; ++h) {
       const std::int32_t* row = plan.row(b, h);
       for (std::int64_t i = 0; i < plan.row_size(b, h); ++i) CHECK(kv.is_valid(b, row[i]));
@@ -176,7 +176,7 @@ TEST_CASE("exclude mode: no pad kept, kept count = min(budget, real tokens)", "[
           CHECK(sf.score.at(b, h, j) == kFaithfulPadScore);
         }
       }
-      if (real[b] <= cfg.budget) continue;
+      if (real[b] <= cfg.rkv.budget) continue;
       // Oracle: the real candidates ranked by score (ties: lower index), the best budget − W.
       std::vector<std::int32_t> cand;
       for (std::int32_t j = 0; j < n; ++j)
@@ -191,7 +191,7 @@ TEST_CASE("exclude mode: no pad kept, kept count = min(budget, real tokens)", "[
   }
   compact(kv, plan);
   for (std::int64_t b = 0; b < g.batch; ++b) {
-    CHECK(kv.lengths[b] == std::min<std::int64_t>(cfg.budget, real[b]));
+    CHECK(kv.lengths[b] == std::min<std::int64_t>(cfg.rkv.budget, real[b]));
     for (std::int64_t j = 0; j < kv.lengths[b]; ++j) CHECK(kv.is_valid(b, j));
   }
 }
@@ -206,10 +206,10 @@ TEST_CASE("faithful mode: more pads than budget − W keeps the same pads in eve
   for (std::int64_t h = 0; h < g.kv_heads; ++h) {
     const std::int32_t* row = plan.row(2, h);
     // the first 88 pads
-    for (std::int64_t i = 0; i < cfg.budget - g.window; ++i) CHECK(row[i] == i);
+    for (std::int64_t i = 0; i < cfg.rkv.budget - g.window; ++i) CHECK(row[i] == i);
   }
   compact(kv, plan);
-  CHECK(kv.lengths[2] == cfg.budget);
+  CHECK(kv.lengths[2] == cfg.rkv.budget);
 }
 
 TEST_CASE("the penalty subtracts λ exactly over mapped ranges with lo < hi < S", "[scorer]") {
@@ -237,21 +237,21 @@ TEST_CASE("the penalty subtracts λ exactly over mapped ranges with lo < hi < S"
 
 TEST_CASE("bad configs and penalties raise errors naming the values", "[scorer][errors]") {
   SentenceScorerConfig c;
-  c.budget = 8;
+  c.rkv.budget = 8;
   REQUIRE_THROWS_WITH(SentenceScorer(c),
-                      Catch::Matchers::Contains("budget (8) must exceed window (8)"));
+                      Catch::Matchers::Contains("budget (8) must exceed window + sink (8 + 0)"));
   c = SentenceScorerConfig{};
-  c.window = 0;
+  c.rkv.window = 0;
   REQUIRE_THROWS_WITH(SentenceScorer(c), Catch::Matchers::Contains("window must be >= 1, got 0"));
   c = SentenceScorerConfig{};
-  c.mix_lambda = 1.5f;
+  c.rkv.mix_lambda = 1.5f;
   REQUIRE_THROWS_WITH(SentenceScorer(c),
                       Catch::Matchers::Contains("mix_lambda must be in [0, 1], got 1.5"));
   c = SentenceScorerConfig{};
-  c.kernel = 4;
+  c.rkv.kernel = 4;
   REQUIRE_THROWS_WITH(SentenceScorer(c), Catch::Matchers::Contains("kernel must be odd"));
   c = SentenceScorerConfig{};
-  c.threshold = 2.0f;
+  c.rkv.threshold = 2.0f;
   REQUIRE_THROWS_WITH(SentenceScorer(c),
                       Catch::Matchers::Contains("threshold must be in [-1, 1], got 2"));
   REQUIRE_THROWS_WITH(parse_pad_mode("keep"), Catch::Matchers::Contains("got 'keep'"));

@@ -29,9 +29,9 @@ SkipKVConfig scenario_config(PadMode mode) {
   c.batch = kBatch;
   c.layers = kLayers;
   c.kv_heads = kHeads;
-  c.scorer.budget = 64;
-  c.scorer.window = 4;
-  c.buffer = 32;
+  c.scorer.rkv.budget = 64;
+  c.scorer.rkv.window = 4;
+  c.scorer.rkv.buffer = 32;
   c.scorer.pad_mode = mode;
   c.sentences.tokens = SentenceTokens{{kDelim}, {kKeyword}};
   c.sentences.hidden_size = kHidden;
@@ -175,7 +175,7 @@ void run_scenario(PadMode mode) {
     for (std::int64_t i = 0; i < streams[b].pads; ++i) e.append(b, i, false);
   }
   std::normal_distribution<float> noise(0.0f, 0.05f);
-  std::vector<float> queries(kBatch * kQHeads * cfg.scorer.window * kDim);
+  std::vector<float> queries(kBatch * kQHeads * cfg.scorer.rkv.window * kDim);
   std::vector<bool> evicted_whole(3, false);
   int triggers = 0;
   const std::int64_t steps = sentences * kSentenceLen;
@@ -206,7 +206,7 @@ void run_scenario(PadMode mode) {
       for (float& x : queries) x = g(rng);
       StepInputs in{static_cast<int>(l), e.view(l),
                     TensorView::contiguous(queries.data(), DType::f32, Device::cpu,
-                                           {kBatch, kQHeads, cfg.scorer.window, kDim})};
+                                           {kBatch, kQHeads, cfg.scorer.rkv.window, kDim})};
       const KeepPlan plan = p.select(in);
       compact(in.kv, plan);
       e.apply(l, plan);
@@ -219,9 +219,10 @@ void run_scenario(PadMode mode) {
       for (std::int64_t l = 0; l < kLayers; ++l) {
         if (mode == PadMode::exclude) {
           // Pads leave at the first compression of their sequence and never count.
-          if (held > cfg.scorer.budget) CHECK(e.lengths[l][b] <= std::min<std::int64_t>(cfg.scorer.budget, real));
+          if (held > cfg.scorer.rkv.budget)
+            CHECK(e.lengths[l][b] <= std::min<std::int64_t>(cfg.scorer.rkv.budget, real));
           for (std::int64_t h = 0; h < kHeads; ++h)
-            if (held > cfg.scorer.budget) CHECK(e.pos(l, b, h).front() >= streams[b].pads);
+            if (held > cfg.scorer.rkv.budget) CHECK(e.pos(l, b, h).front() >= streams[b].pads);
         } else {
           // Force-kept: every pad is still the first slots of every head.
           for (std::int64_t h = 0; h < kHeads; ++h)
@@ -270,9 +271,9 @@ TEST_CASE("pipeline: a plan not applied, tokens not observed, pads not declared 
           "[skipkv][errors]") {
   SkipKVConfig cfg = scenario_config(PadMode::exclude);
   cfg.sentences.hidden_size = 0;
-  std::vector<float> queries(kBatch * kQHeads * cfg.scorer.window * kDim, 0.1f);
+  std::vector<float> queries(kBatch * kQHeads * cfg.scorer.rkv.window * kDim, 0.1f);
   auto q = TensorView::contiguous(queries.data(), DType::f32, Device::cpu,
-                                  {kBatch, kQHeads, cfg.scorer.window, kDim});
+                                  {kBatch, kQHeads, cfg.scorer.rkv.window, kDim});
   Engine e;
   SkipKV p(cfg);
   for (std::int64_t b = 0; b < kBatch; ++b)
@@ -286,14 +287,14 @@ TEST_CASE("pipeline: a plan not applied, tokens not observed, pads not declared 
                           Catch::Matchers::Contains("observe() every token"));
   p.observe(1, ids.data(), 1);
   const KeepPlan plan = p.select(StepInputs{0, e.view(0), q});
-  CHECK(plan.kept_length(0) == cfg.scorer.budget);
+  CHECK(plan.kept_length(0) == cfg.scorer.rkv.budget);
   // Not compacted: the next select of layer 0 sees 100 tokens where 64 were planned.
   REQUIRE_THROWS_WITH(
       p.select(StepInputs{0, e.view(0), q}),
       Catch::Matchers::Contains("layer 0 sequence 0 holds 100 tokens, expected 64") &&
           Catch::Matchers::Contains("was the plan applied"));
   // Layer 1 has its own bookkeeping: still uncompressed, so 100 is right there.
-  CHECK(p.select(StepInputs{1, e.view(1), q}).kept_length(1) == cfg.scorer.budget);
+  CHECK(p.select(StepInputs{1, e.view(1), q}).kept_length(1) == cfg.scorer.rkv.budget);
   REQUIRE_THROWS_WITH(p.select(StepInputs{2, e.view(1), q}),
                       Catch::Matchers::Contains("layer 2 outside [0, 2)"));
 
@@ -325,12 +326,13 @@ TEST_CASE("pipeline config: validation names the values", "[skipkv][errors]") {
   REQUIRE_THROWS_WITH(SkipKV(c, v),
                       Catch::Matchers::Contains("steering needs a fixed batch, config batch is 0"));
   c = SkipKVConfig{};
-  c.buffer = 4;
-  c.scorer.window = 8;
+  c.scorer.rkv.buffer = 4;
+  c.scorer.rkv.window = 8;
   REQUIRE_THROWS_WITH(SkipKV(c), Catch::Matchers::Contains("buffer (4) must be >= window (8)"));
   c = SkipKVConfig{};
-  c.scorer.budget = 8;
-  REQUIRE_THROWS_WITH(SkipKV(c), Catch::Matchers::Contains("budget (8) must exceed window (8)"));
+  c.scorer.rkv.budget = 8;
+  REQUIRE_THROWS_WITH(SkipKV(c),
+                      Catch::Matchers::Contains("budget (8) must exceed window + sink (8 + 0)"));
   c = SkipKVConfig{};
   c.sentences.tau = 1.5f;
   REQUIRE_THROWS_WITH(SkipKV(c), Catch::Matchers::Contains("tau (1.5)"));
@@ -349,11 +351,11 @@ TEST_CASE("pipeline config: validation names the values", "[skipkv][errors]") {
   c.kv_heads = 4;
   SkipKV p(c);
   Engine e;
-  std::vector<float> queries(kBatch * kQHeads * c.scorer.window * kDim, 0.1f);
+  std::vector<float> queries(kBatch * kQHeads * c.scorer.rkv.window * kDim, 0.1f);
   REQUIRE_THROWS_WITH(
       p.select(StepInputs{0, e.view(0),
                           TensorView::contiguous(queries.data(), DType::f32, Device::cpu,
-                                                 {kBatch, kQHeads, c.scorer.window, kDim})}),
+                                                 {kBatch, kQHeads, c.scorer.rkv.window, kDim})}),
       Catch::Matchers::Contains("cache has 2 kv heads, expected 4"));
 }
 
@@ -383,12 +385,12 @@ TEST_CASE("pipeline steering: α updates only at triggers, applied where gated",
   // A trigger (a select after new tokens) updates α = 1.25 + 0.02 · 2.
   std::vector<float> keys(1 * kHeads * 8 * kDim, 0.5f), values(keys);
   std::vector<std::int32_t> len = {6};
-  std::vector<float> queries(1 * kQHeads * c.scorer.window * kDim, 0.1f);
+  std::vector<float> queries(1 * kQHeads * c.scorer.rkv.window * kDim, 0.1f);
   p.select(StepInputs{0,
                       make_kv_cache_view(keys.data(), values.data(), DType::f32, Device::cpu, 1,
                                          kHeads, 8, kDim, len.data()),
                       TensorView::contiguous(queries.data(), DType::f32, Device::cpu,
-                                             {1, kQHeads, c.scorer.window, kDim})});
+                                             {1, kQHeads, c.scorer.rkv.window, kDim})});
   CHECK(std::fabs(p.steering_strength(0) - 1.29f) < 1e-6f);
   p.observe(0, {kPlain});
   CHECK(p.apply_steering(3, hv) == 0);  // not at a boundary
@@ -398,9 +400,9 @@ TEST_CASE("pipeline with batch 0 sizes itself from the sequences observed", "[sk
   SkipKVConfig cfg = scenario_config(PadMode::exclude);
   cfg.batch = 0;
   cfg.sentences.hidden_size = 0;
-  std::vector<float> queries(kBatch * kQHeads * cfg.scorer.window * kDim, 0.1f);
+  std::vector<float> queries(kBatch * kQHeads * cfg.scorer.rkv.window * kDim, 0.1f);
   auto q = TensorView::contiguous(queries.data(), DType::f32, Device::cpu,
-                                  {kBatch, kQHeads, cfg.scorer.window, kDim});
+                                  {kBatch, kQHeads, cfg.scorer.rkv.window, kDim});
   Engine e;
   for (std::int64_t b = 0; b < kBatch; ++b)
     for (std::int64_t i = 0; i < 70; ++i) e.append(b, i, true);
@@ -412,8 +414,8 @@ TEST_CASE("pipeline with batch 0 sizes itself from the sequences observed", "[sk
                       Catch::Matchers::Contains("sequence 0 holds 70 tokens, expected 0"));
   p.observe(0, std::vector<std::int32_t>(70, kPlain));
   const KeepPlan plan = p.select(StepInputs{0, e.view(0), q});
-  CHECK(plan.kept_length(0) == cfg.scorer.budget);
-  CHECK(plan.kept_length(1) == cfg.scorer.budget);
+  CHECK(plan.kept_length(0) == cfg.scorer.rkv.budget);
+  CHECK(plan.kept_length(1) == cfg.scorer.rkv.budget);
   // Sized at the first select: a third sequence is now out of range.
   REQUIRE_THROWS_WITH(p.observe(2, {kPlain}),
                       Catch::Matchers::Contains("sequence 2 outside [0, batch = 2)"));

@@ -95,7 +95,7 @@ namespace {
 SkipKVConfig cadence_config(std::int64_t hidden) {
   SkipKVConfig c;
   c.batch = 1;
-  c.scorer.budget = 1024;
+  c.scorer.rkv.budget = 1024;
   c.sentences.hidden_size = hidden;
   c.steering = SteeringConfig::r1_qwen_7b();
   return c;
@@ -193,10 +193,10 @@ TEST_CASE("SkipKV rejects NaN and inf hidden states with a clear error", "[skipk
 
 TEST_CASE("SkipKV refuses a layer index of INT_MAX instead of allocating for it", "[skipkv]") {
   SkipKVConfig c = cadence_config(0);
-  c.scorer.budget = 4;
-  c.scorer.window = 2;
-  c.buffer = 2;
-  c.scorer.kernel = 1;
+  c.scorer.rkv.budget = 4;
+  c.scorer.rkv.window = 2;
+  c.scorer.rkv.buffer = 2;
+  c.scorer.rkv.kernel = 1;
   SkipKV p(c);
   std::vector<float> k(1 * 1 * 8 * 4, 0.5f), v(k);
   std::int32_t len[1] = {0};

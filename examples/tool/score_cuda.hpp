@@ -198,19 +198,19 @@ inline RKVRun run_skipkv_cuda(const KVCacheView& kv, const TensorView& queries,
                               const SentenceScorerConfig& sc, const SentencePenalties& penalties,
                               bool fp32_search = false) {
   sc.validate();
-  const RKVConfig r = sc.rkv_config();
+  const RKVConfig r = sc.rkv;
   check_rkv_run_inputs(kv, queries, r);
   SentenceScorerConfig c = sc;
-  c.tensor_core_search = cuda_rkv_config(r, kv, queries, fp32_search).tensor_core_search;
+  c.rkv.tensor_core_search = cuda_rkv_config(r, kv, queries, fp32_search).tensor_core_search;
   require_cuda_device();
-  RKVRun run = shaped_run(kv, sc.window);
+  RKVRun run = shaped_run(kv, sc.rkv.window);
   DeviceRKVInputs dev(kv, queries);
   const cuda::SentencePenaltyCsr csr = cuda::build_penalty_csr(penalties, run.batch, run.kv_heads);
   DeviceBytes penalty_ws(cuda::sentence_penalty_workspace_bytes(csr));
   cudaStream_t stream = nullptr;
   const cuda::SentencePenaltiesDevice dev_penalties =
       cuda::upload_sentence_penalties(csr, penalty_ws.get(), penalty_ws.size(), stream);
-  DeviceScores out(run, c.budget);
+  DeviceScores out(run, c.rkv.budget);
   DeviceBytes workspace(cuda::skipkv_workspace_bytes(dev.kv, dev.q, c));
 
   cuda::skipkv_score(dev.kv, dev.q, c, dev_penalties, out.outputs(), workspace.get(),
@@ -218,7 +218,7 @@ inline RKVRun run_skipkv_cuda(const KVCacheView& kv, const TensorView& queries,
   run.compressed =
       cuda::skipkv_select(dev.kv, dev.q, c, dev_penalties, out.slots.get<std::int32_t>(), nullptr,
                           workspace.get(), workspace.size(), stream);
-  finish_cuda_run(run, dev, out, c.budget, c.window, stream);
+  finish_cuda_run(run, dev, out, c.rkv.budget, c.rkv.window, stream);
   return run;
 }
 

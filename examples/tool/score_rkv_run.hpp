@@ -131,9 +131,9 @@ inline RKVRun run_rkv_cpu(const KVCacheView& kv, const TensorView& queries, cons
 //   penalties  [batch * kv_heads] penalty ranges per (b, h), or empty: none
 inline RKVRun run_skipkv_cpu(const KVCacheView& kv, const TensorView& queries,
                              const SentenceScorerConfig& sc, const SentencePenalties& penalties) {
-  check_rkv_run_inputs(kv, queries, sc.rkv_config());
+  check_rkv_run_inputs(kv, queries, sc.rkv);
   const SentenceScorer scorer(sc);
-  RKVRun run = shaped_run(kv, sc.window);
+  RKVRun run = shaped_run(kv, sc.rkv.window);
   take_dense_scores(run, scorer.scores(kv, queries, penalties));
   run.plan = scorer.select(kv, queries, penalties);
   run.plan.validate();

@@ -88,17 +88,17 @@ int run_score_skipkv(const std::vector<std::string>& argv) {
 
   // Numbers parse as reals here (a fractional flag truncates), as this scorer always has.
   SentenceScorerConfig sc;
-  sc.window = static_cast<int>(
+  sc.rkv.window = static_cast<int>(
       setting<double>(a, "window", cfg, "window", static_cast<double>(input.window)));
-  KVSIFT_CHECK(sc.window == input.window, "window (", sc.window, ") must equal the queries' W (",
-               input.window, ")");
-  sc.budget = static_cast<int>(setting<double>(a, "budget", cfg, "budget", sc.budget));
-  sc.kernel = static_cast<int>(setting<double>(a, "kernel", cfg, "kernel", sc.kernel));
-  sc.mix_lambda =
-      static_cast<float>(setting<double>(a, "lambda", cfg, "mix_lambda", sc.mix_lambda));
-  sc.threshold =
-      static_cast<float>(setting<double>(a, "threshold", cfg, "threshold", sc.threshold));
-  sc.redundancy = redundancy_setting(a, cfg);
+  KVSIFT_CHECK(sc.rkv.window == input.window, "window (", sc.rkv.window,
+               ") must equal the queries' W (", input.window, ")");
+  sc.rkv.budget = static_cast<int>(setting<double>(a, "budget", cfg, "budget", sc.rkv.budget));
+  sc.rkv.kernel = static_cast<int>(setting<double>(a, "kernel", cfg, "kernel", sc.rkv.kernel));
+  sc.rkv.mix_lambda =
+      static_cast<float>(setting<double>(a, "lambda", cfg, "mix_lambda", sc.rkv.mix_lambda));
+  sc.rkv.threshold =
+      static_cast<float>(setting<double>(a, "threshold", cfg, "threshold", sc.rkv.threshold));
+  sc.rkv.redundancy = redundancy_setting(a, cfg);
   sc.pad_mode = parse_pad_mode(a.str("pad-mode", "exclude"));
 
   // Sentence marks: every listed sentence mapped at its generation range (§2.3 before any
@@ -143,9 +143,9 @@ int run_score_skipkv(const std::vector<std::string>& argv) {
     if (a.has("compare-cpu")) {
       // Faithful pads compete for the budget (+100), so the cut is taken over every slot.
       const bool pads_compete = sc.pad_mode == PadMode::faithful || input.mask.empty();
-      agrees = print_rkv_comparison(compare_rkv_runs(run, run_skipkv_cpu(kv, q, sc, penalties),
-                                                     sc.rkv_config(),
-                                                     pads_compete ? nullptr : input.valid_mask()));
+      agrees =
+          print_rkv_comparison(compare_rkv_runs(run, run_skipkv_cpu(kv, q, sc, penalties), sc.rkv,
+                                                pads_compete ? nullptr : input.valid_mask()));
     }
 #endif
   } else {
@@ -153,14 +153,14 @@ int run_score_skipkv(const std::vector<std::string>& argv) {
   }
   SafetensorsFile out;
   put_run_scores(out, run);
-  put_plan(out, input, run.plan, sc.window, run.keys, run.values);
+  put_plan(out, input, run.plan, sc.rkv.window, run.keys, run.values);
   nlohmann::json echo = {{"policy", "skipkv"},
-                         {"budget", sc.budget},
-                         {"window", sc.window},
-                         {"kernel", sc.kernel},
-                         {"mix_lambda", sc.mix_lambda},
-                         {"threshold", sc.threshold},
-                         {"redundancy", redundancy_name(sc.redundancy)},
+                         {"budget", sc.rkv.budget},
+                         {"window", sc.rkv.window},
+                         {"kernel", sc.rkv.kernel},
+                         {"mix_lambda", sc.rkv.mix_lambda},
+                         {"threshold", sc.rkv.threshold},
+                         {"redundancy", redundancy_name(sc.rkv.redundancy)},
                          {"pad_mode", pad_mode_name(sc.pad_mode)},
                          {"marked_sentences", marked},
                          {"source", in_path},

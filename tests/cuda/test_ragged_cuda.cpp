@@ -503,16 +503,16 @@ void check_skipkv_ragged(Ragged<T>& c, const SentenceScorerConfig& cfg,
   CHECK(count_off(
             g_score, pitch, ref.score, [](std::int64_t) { return true; }, "score") == 0);
 
-  DeviceBuffer<std::int32_t> slots(rows * cfg.budget);
+  DeviceBuffer<std::int32_t> slots(rows * cfg.rkv.budget);
   DeviceBuffer<float> sel(rows * pitch);
   const bool compressed = cuda::skipkv_select(c.dev_kv(), c.dev_q(), cfg, pen, slots.get(),
                                               sel.get(), ws.get(), ws.size(), nullptr);
-  REQUIRE(compressed == c.any_over(cfg.budget));
+  REQUIRE(compressed == c.any_over(cfg.rkv.budget));
   const KeepPlan plan =
-      cuda::download_keep_plan(c.dev_kv(), slots.get(), cfg.budget, cfg.window, nullptr);
+      cuda::download_keep_plan(c.dev_kv(), slots.get(), cfg.rkv.budget, cfg.rkv.window, nullptr);
   const std::vector<float> g_sel = sel.download();
   for (std::int64_t b = 0; b < c.B; ++b) {
-    if (c.lengths[b] <= cfg.budget) continue;
+    if (c.lengths[b] <= cfg.rkv.budget) continue;
     for (std::int64_t h = 0; h < c.H; ++h)
       CHECK(std::memcmp(g_sel.data() + (b * c.H + h) * pitch,
                         g_score.data() + (b * c.H + h) * pitch,
@@ -523,8 +523,8 @@ void check_skipkv_ragged(Ragged<T>& c, const SentenceScorerConfig& cfg,
   CHECK(plan.indptr() == rule.indptr());
   CHECK(plan.slots() == rule.slots());
   const KeepPlan cpu_plan = SentenceScorer(cfg).select(c.host_kv(), c.host_q(), penalties);
-  check_against_cpu_plan(plan, cpu_plan, ref.score, c.host_mask(), c.C, c.lengths, cfg.budget,
-                         cfg.window, !faithful);
+  check_against_cpu_plan(plan, cpu_plan, ref.score, c.host_mask(), c.C, c.lengths, cfg.rkv.budget,
+                         cfg.rkv.window, !faithful);
 
   // Each sequence alone gives the same eq. 6 bits (its penalties are its own rows).
   for (std::int64_t b = 0; b < c.B; ++b) {
@@ -559,18 +559,18 @@ TEST_CASE("cuda SkipKV on a ragged, left-padded batch equals the CPU reference",
     SECTION(std::string("bf16, pads ") + pad_mode_name(mode)) {
       Ragged<bf16_t> c(2, 2, 320, 64, 8, lengths, pads, 301);
       SentenceScorerConfig cfg;
-      cfg.budget = 128;
-      cfg.window = 8;
+      cfg.rkv.budget = 128;
+      cfg.rkv.window = 8;
       cfg.pad_mode = mode;
       check_skipkv_ragged(c, cfg, random_penalties(lengths, 2, rng));
     }
     SECTION(std::string("f32, fp32 search, pads ") + pad_mode_name(mode)) {
       Ragged<float> c(2, 3, 320, 32, 8, lengths, pads, 302);
       SentenceScorerConfig cfg;
-      cfg.budget = 128;
-      cfg.window = 8;
+      cfg.rkv.budget = 128;
+      cfg.rkv.window = 8;
       cfg.pad_mode = mode;
-      cfg.tensor_core_search = false;
+      cfg.rkv.tensor_core_search = false;
       check_skipkv_ragged(c, cfg, random_penalties(lengths, 2, rng));
     }
   }
@@ -624,8 +624,8 @@ TEST_CASE("linking kvsift::cuda registers the DeviceBackend; its selections equa
   }
   SECTION("skipkv_select") {
     SentenceScorerConfig cfg;
-    cfg.budget = 128;
-    cfg.window = 8;
+    cfg.rkv.budget = 128;
+    cfg.rkv.window = 8;
     std::mt19937 rng(9);
     const SentencePenalties penalties = random_penalties(lengths, 2, rng);
     DeviceBuffer<char> ws(backend.skipkv_workspace_bytes(c.dev_kv(), c.dev_q(), cfg, penalties));
@@ -633,8 +633,8 @@ TEST_CASE("linking kvsift::cuda registers the DeviceBackend; its selections equa
                                                 ExecContext{ws.get(), ws.size(), stream});
     const SentenceScores ref = cpu::sentence_scores(c.host_kv(), c.host_q(), cfg, penalties);
     const KeepPlan cpu_plan = SentenceScorer(cfg).select(c.host_kv(), c.host_q(), penalties);
-    check_against_cpu_plan(plan, cpu_plan, ref.score, c.host_mask(), c.C, c.lengths, cfg.budget,
-                           cfg.window, true);
+    check_against_cpu_plan(plan, cpu_plan, ref.score, c.host_mask(), c.C, c.lengths, cfg.rkv.budget,
+                           cfg.rkv.window, true);
   }
   SECTION("at or below the budget: the plan keeps everything without touching the device") {
     const RKVConfig cfg = rkv_config(400, 8, true);

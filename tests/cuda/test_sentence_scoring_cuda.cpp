@@ -117,7 +117,7 @@ GpuRun run_gpu(Case<T>& c, const SentenceScorerConfig& cfg,
       cuda::upload_sentence_penalties(csr, pen_ws.get(), pen_ws.size(), nullptr);
   DeviceBuffer<char> ws(cuda::skipkv_workspace_bytes(kv, c.dev_q(), cfg));
   DeviceBuffer<float> score(rows * n), rkv(rows * n), sel_scores(rows * n);
-  DeviceBuffer<std::int32_t> slots(rows * cfg.budget);
+  DeviceBuffer<std::int32_t> slots(rows * cfg.rkv.budget);
   for (void* p : {static_cast<void*>(score.get()), static_cast<void*>(rkv.get()),
                   static_cast<void*>(sel_scores.get())})
     KVSIFT_CUDA_CHECK(cudaMemset(p, 0xFF, rows * n * sizeof(float)));
@@ -128,15 +128,15 @@ GpuRun run_gpu(Case<T>& c, const SentenceScorerConfig& cfg,
     cuda::RKVScoreOutputs out;
     out.score = score.get();
     cuda::skipkv_score(kv, c.dev_q(), cfg, pen, out, ws.get(), ws.size(), nullptr);
-    DeviceBuffer<char> rkv_ws(cuda::rkv_workspace_bytes(kv, c.dev_q(), cfg.rkv_config()));
+    DeviceBuffer<char> rkv_ws(cuda::rkv_workspace_bytes(kv, c.dev_q(), cfg.rkv));
     cuda::RKVScoreOutputs plain;
     plain.score = rkv.get();
-    cuda::rkv_score(kv, c.dev_q(), cfg.rkv_config(), plain, rkv_ws.get(), rkv_ws.size(), nullptr);
+    cuda::rkv_score(kv, c.dev_q(), cfg.rkv, plain, rkv_ws.get(), rkv_ws.size(), nullptr);
     KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
   }
   r.compressed = cuda::skipkv_select(kv, c.dev_q(), cfg, pen, slots.get(), sel_scores.get(),
                                      ws.get(), ws.size(), nullptr);
-  r.plan = cuda::download_keep_plan(kv, slots.get(), cfg.budget, cfg.window, nullptr);
+  r.plan = cuda::download_keep_plan(kv, slots.get(), cfg.rkv.budget, cfg.rkv.window, nullptr);
   r.score = score.download();
   r.rkv = rkv.download();
   r.select_scores = sel_scores.download();
@@ -251,7 +251,7 @@ void check_compact(Case<T>& c, const KeepPlan& plan, bool faithful_pads, int bud
 template <class T>
 void check_case(Case<T>& c, const SentenceScorerConfig& cfg,
                 const std::vector<std::vector<PenaltyRange>>& penalties) {
-  const std::int64_t n = c.S - c.W, keep = cfg.budget - cfg.window;
+  const std::int64_t n = c.S - c.W, keep = cfg.rkv.budget - cfg.rkv.window;
   const SentenceScorerConfig ccfg = cpu_config(cfg);
   const GpuRun g = run_gpu(c, cfg, penalties);
 
@@ -267,7 +267,7 @@ void check_case(Case<T>& c, const SentenceScorerConfig& cfg,
   CHECK(inexact == 0);
 
   // Selection.
-  REQUIRE(g.compressed == (c.S > cfg.budget));
+  REQUIRE(g.compressed == (c.S > cfg.rkv.budget));
   REQUIRE_NOTHROW(g.plan.validate());
   const KeepPlan cpu_plan = SentenceScorer(ccfg).select(c.host_kv(), c.host_q(), penalties);
   REQUIRE(g.plan.kept_lengths() == cpu_plan.kept_lengths());
@@ -286,7 +286,7 @@ void check_case(Case<T>& c, const SentenceScorerConfig& cfg,
         [](float x, float cut) { return within_tolerance(x, cut); });
     UNSCOPED_INFO(swaps << " near-cut slots differ from the CPU plan");
   }
-  check_compact(c, g.plan, (cfg.pad_mode == PadMode::faithful), cfg.budget);
+  check_compact(c, g.plan, (cfg.pad_mode == PadMode::faithful), cfg.rkv.budget);
 
   // Determinism: the scores of a second run are bit-identical.
   const GpuRun again = run_gpu(c, cfg, penalties);
@@ -363,9 +363,9 @@ void run_random(std::int64_t B, std::int64_t H, std::int64_t G, std::int64_t S, 
   Case<T> c(B, H, H * G, S, D, W, make_keys(B, H, S, D, rng),
             normal_values(static_cast<std::size_t>(B * H * G * W * D), rng), mask);
   SentenceScorerConfig cfg;
-  cfg.budget = budget;
-  cfg.window = static_cast<int>(W);
-  cfg.redundancy = faithful_redundancy ? RedundancyMode::faithful : RedundancyMode::sound;
+  cfg.rkv.budget = budget;
+  cfg.rkv.window = static_cast<int>(W);
+  cfg.rkv.redundancy = faithful_redundancy ? RedundancyMode::faithful : RedundancyMode::sound;
   cfg.pad_mode = faithful_pads ? PadMode::faithful : PadMode::exclude;
   INFO("B=" << B << " H=" << H << " G=" << G << " S=" << S << " D=" << D << " W=" << W
             << " budget=" << budget << " pads_step=" << pads_step << " pads "
@@ -410,12 +410,12 @@ struct Golden {
   // The reference's settings: the column-0 redundancy fallback and +100 pads.
   SentenceScorerConfig gpu_config() const {
     SentenceScorerConfig c;
-    c.budget = config.at("budget").get<int>();
-    c.window = config.at("window").get<int>();
-    c.kernel = config.at("kernel").get<int>();
-    c.mix_lambda = config.at("mix_lambda").get<float>();
-    c.threshold = config.at("threshold").get<float>();
-    c.redundancy = RedundancyMode::faithful;
+    c.rkv.budget = config.at("budget").get<int>();
+    c.rkv.window = config.at("window").get<int>();
+    c.rkv.kernel = config.at("kernel").get<int>();
+    c.rkv.mix_lambda = config.at("mix_lambda").get<float>();
+    c.rkv.threshold = config.at("threshold").get<float>();
+    c.rkv.redundancy = RedundancyMode::faithful;
     c.pad_mode = PadMode::faithful;
     return c;
   }
@@ -455,7 +455,7 @@ std::vector<std::vector<PenaltyRange>> golden_penalties(const Golden& g,
 void check_golden(Golden& g, const std::vector<std::vector<PenaltyRange>>& pen, GpuRun* out) {
   Case<float> c(g.B, g.H, g.Hq, g.S, g.D, g.W, g.k, g.q, g.mask);
   const SentenceScorerConfig cfg = g.gpu_config();
-  const std::int64_t n = g.S - g.W, keep = cfg.budget - g.W;
+  const std::int64_t n = g.S - g.W, keep = cfg.rkv.budget - g.W;
   const GpuRun r = run_gpu(c, cfg, pen);
   REQUIRE(r.compressed);
   const cpu::ScoreTensor ref =
@@ -467,7 +467,7 @@ void check_golden(Golden& g, const std::vector<std::vector<PenaltyRange>>& pen, 
   const std::vector<std::int64_t> ref_keep = g.file.get("keep_sorted", {g.B, g.H, keep}).to_i64();
   // The reference's kept set as a plan (its top-k, then the window).
   std::vector<std::int32_t> lengths(static_cast<std::size_t>(g.B), static_cast<std::int32_t>(g.S));
-  std::vector<std::int32_t> kept(static_cast<std::size_t>(g.B), cfg.budget);
+  std::vector<std::int32_t> kept(static_cast<std::size_t>(g.B), cfg.rkv.budget);
   KeepPlan ref_plan(g.B, g.H, g.S, lengths, kept, static_cast<std::int32_t>(g.W));
   for (std::int64_t r2 = 0; r2 < g.B * g.H; ++r2) {
     std::vector<std::int32_t> row(ref_keep.begin() + r2 * keep, ref_keep.begin() + (r2 + 1) * keep);
@@ -479,7 +479,7 @@ void check_golden(Golden& g, const std::vector<std::vector<PenaltyRange>>& pen, 
   for (std::int64_t b = 0; b < g.B; ++b)
     for (std::int64_t h = 0; h < g.H; ++h)
       for (std::int64_t w = 0; w < g.W; ++w) CHECK(r.plan.row(b, h)[keep + w] == n + w);
-  check_compact(c, r.plan, true, cfg.budget);
+  check_compact(c, r.plan, true, cfg.rkv.budget);
   *out = r;
 }
 
@@ -516,7 +516,7 @@ TEST_CASE("cuda SkipKV golden skipkv_sentences: the penalty and its eviction mat
   // Independent of the reference: each redundant sentence (more than one token) is gone whole in
   // every head.
   std::int64_t redundant_seen = 0;
-  const int budget = g.gpu_config().budget;
+  const int budget = g.gpu_config().rkv.budget;
   for (std::int64_t b = 0; b < g.B; ++b)
     for (const Sentence& s : trackers[b].sentences()) {
       if (!s.redundant() || s.end <= s.start) continue;
@@ -567,7 +567,7 @@ TEST_CASE("cuda SkipKV at or below the budget keeps everything, pads included", 
       Case<bf16_t> c(2, 2, 4, S, 16, 8, make_keys(2, 2, S, 16, rng),
                      normal_values(2 * 4 * 8 * 16, rng), mask);
       SentenceScorerConfig cfg;
-      cfg.budget = 100;
+      cfg.rkv.budget = 100;
       cfg.pad_mode = faithful ? PadMode::faithful : PadMode::exclude;
       const GpuRun r = run_gpu(c, cfg, random_penalties(2, 2, S, 8, rng, false));
       CHECK_FALSE(r.compressed);
@@ -584,7 +584,7 @@ TEST_CASE("cuda SkipKV rejects bad penalties and calls with messages naming the 
   Case<float> c(2, 2, 4, 64, 8, 8, make_keys(2, 2, 64, 8, rng), normal_values(2 * 4 * 8 * 8, rng),
                 {});
   SentenceScorerConfig cfg;
-  cfg.budget = 32;
+  cfg.rkv.budget = 32;
   const KVCacheView kv = c.dev_kv();
   DeviceBuffer<float> score(2 * 2 * 56);
   DeviceBuffer<std::int32_t> slots(2 * 2 * 32);
@@ -655,18 +655,18 @@ TEST_CASE("cuda SkipKV rejects bad penalties and calls with messages naming the 
         Catch::Matchers::Contains("slots must be a device pointer"));
     REQUIRE_THROWS_WITH(cuda::skipkv_workspace_bytes(c.host_kv(), c.dev_q(), cfg),
                         Catch::Matchers::Contains("the cache is in host memory"));
-    cfg.gqa = GqaReduce::mean;
+    cfg.rkv.gqa = GqaReduce::mean;
     REQUIRE_THROWS_WITH(
         cuda::skipkv_score(kv, c.dev_q(), cfg, {}, out, ws.get(), ws.size(), nullptr),
         Catch::Matchers::Contains("RKVConfig.gqa = mean is not supported by the CUDA backend"));
-    cfg.gqa = GqaReduce::max;
+    cfg.rkv.gqa = GqaReduce::max;
     c.dev_lengths[1] = 8;
     REQUIRE_THROWS_WITH(
         cuda::skipkv_score(c.dev_kv(), c.dev_q(), cfg, {}, out, ws.get(), ws.size(), nullptr),
         Catch::Matchers::Contains("lengths[1] (8) must exceed the window (8)"));
   }
   SECTION("bad config") {
-    cfg.budget = 8;
+    cfg.rkv.budget = 8;
     REQUIRE_THROWS_WITH(cfg.validate(),
                         Catch::Matchers::Contains("budget (8) must exceed window (8)"));
   }

@@ -19,9 +19,9 @@ struct SkipKVConfig {
   std::int64_t batch = 1;
   std::int64_t layers = 0;    // decoder layers; 0: any layer index >= 0 is accepted
   std::int64_t kv_heads = 0;  // KV heads per layer; 0: taken from the first cache seen
-  // Eviction (§2.4): budget, window, kernel, λ, threshold, redundancy, GQA, pad mode.
+  // Eviction (§2.4): the R-KV knobs (budget, window, buffer = the trigger, kernel, λ, threshold,
+  // redundancy, GQA) in scorer.rkv, and the pad mode.
   SentenceScorerConfig scorer;
-  int buffer = 128;  // decode steps between compressions (>= scorer.window)
   // Sentences (§2.1-2.2): delimiter and keyword ids, hidden_size (0: no embeddings), τ.
   SentenceTrackerConfig sentences;
   // Steering (§2.5): α0, γ, the steered layer and the gate's token ids.
@@ -34,8 +34,6 @@ struct SkipKVConfig {
                  kMaxLayers, "] (0: any), got ", layers);
     KVSIFT_CHECK(kv_heads >= 0, "SkipKVConfig: kv_heads must be >= 0 (0: from the cache), got ",
                  kv_heads);
-    KVSIFT_CHECK(buffer >= scorer.window, "SkipKVConfig: buffer (", buffer, ") must be >= window (",
-                 scorer.window, ")");
     scorer.validate();
     sentences.validate();
     steering.validate();

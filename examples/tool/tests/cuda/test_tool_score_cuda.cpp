@@ -268,12 +268,12 @@ SentencePenalties golden_penalties(const std::string& name, HostCase<float>& c) 
 
 SentenceScorerConfig skipkv_config(const HostCase<float>& c, PadMode pads) {
   SentenceScorerConfig sc;
-  sc.budget = c.config.at("budget").get<int>();
-  sc.window = static_cast<int>(c.W);
-  sc.kernel = c.config.at("kernel").get<int>();
-  sc.mix_lambda = c.config.at("mix_lambda").get<float>();
-  sc.threshold = c.config.at("threshold").get<float>();
-  sc.redundancy = RedundancyMode::faithful;
+  sc.rkv.budget = c.config.at("budget").get<int>();
+  sc.rkv.window = static_cast<int>(c.W);
+  sc.rkv.kernel = c.config.at("kernel").get<int>();
+  sc.rkv.mix_lambda = c.config.at("mix_lambda").get<float>();
+  sc.rkv.threshold = c.config.at("threshold").get<float>();
+  sc.rkv.redundancy = RedundancyMode::faithful;
   sc.pad_mode = pads;
   return sc;
 }
@@ -293,17 +293,17 @@ TEST_CASE("tool score --policy skipkv --device cuda matches the SkipKV reference
     CHECK(outside_tolerance(gpu.importance, f.get("importance").to_f32()) == 0);
     CHECK(outside_tolerance(gpu.redundancy, f.get("redundancy").to_f32()) == 0);
     CHECK(outside_tolerance(gpu.score, ref_s) == 0);
-    test::check_kept_sets(gpu.plan, f.get("keep_sorted").to_i64(), ref_s, c.H, c.S, sc.budget,
-                          sc.window);
+    test::check_kept_sets(gpu.plan, f.get("keep_sorted").to_i64(), ref_s, c.H, c.S, sc.rkv.budget,
+                          sc.rkv.window);
     check_compacted_rows(gpu, c);
     const RKVRun cpu = tool::run_skipkv_cpu(c.kv(), c.q(), sc, penalties);
-    CHECK(tool::compare_rkv_runs(gpu, cpu, sc.rkv_config(), nullptr).ok());
+    CHECK(tool::compare_rkv_runs(gpu, cpu, sc.rkv, nullptr).ok());
 
     // The library default, pads excluded: never kept, and the CPU agrees.
     const SentenceScorerConfig ex = skipkv_config(c, PadMode::exclude);
     const RKVRun gpu_ex = tool::run_skipkv_cuda(c.kv(), c.q(), ex, penalties);
     const RKVRun cpu_ex = tool::run_skipkv_cpu(c.kv(), c.q(), ex, penalties);
-    CHECK(tool::compare_rkv_runs(gpu_ex, cpu_ex, ex.rkv_config(), c.mask.data()).ok());
+    CHECK(tool::compare_rkv_runs(gpu_ex, cpu_ex, ex.rkv, c.mask.data()).ok());
     for (std::int64_t b = 0; b < c.B; ++b)
       for (std::int64_t i = 0; i < gpu_ex.plan.row_size(b, 0); ++i)
         CHECK(c.mask[b * c.S + gpu_ex.plan.row(b, 0)[i]] == 1);

@@ -46,7 +46,7 @@ inline SentenceScores sentence_scores(const KVCacheView& kv, const TensorView& q
   KVSIFT_CHECK(penalties.empty() || static_cast<std::int64_t>(penalties.size()) == batch * heads,
                "sentence_scores: penalties has ", penalties.size(),
                " lists, expected 0 or batch * kv_heads = ", batch, " * ", heads);
-  RKVScores r = rkv_scores(kv, queries, cfg.rkv_config(), active);
+  RKVScores r = rkv_scores(kv, queries, cfg.rkv, active);
   SentenceScores s{std::move(r.importance), std::move(r.redundancy_full), std::move(r.redundancy),
                    std::move(r.score)};
   for (std::int64_t b = 0; b < batch; ++b) {

@@ -49,7 +49,7 @@ class SentenceScorer {
   KeepPlan select(const KVCacheView& kv, const TensorView& queries,
                   const SentencePenalties& penalties) const {
     kv.validate();
-    const std::vector<std::uint8_t> over = cpu::sequences_over_budget(kv, cfg_.budget);
+    const std::vector<std::uint8_t> over = cpu::sequences_over_budget(kv, cfg_.rkv.budget);
     bool any = false;
     for (std::uint8_t o : over) any = any || o != 0;
     if (!any) return KeepPlan::keep_all(kv);

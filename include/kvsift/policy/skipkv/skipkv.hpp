@@ -150,14 +150,14 @@ class SkipKV final : public Policy {
     KVSIFT_CHECK(n >= 0 && (n == 0 || lengths != nullptr),
                  "SkipKV::should_compress: bad lengths (n = ", n, ")");
     for (std::int64_t b = 0; b < n; ++b)
-      if (lengths[b] >= cfg_.scorer.budget + cfg_.buffer) return true;
+      if (lengths[b] >= cfg_.scorer.rkv.budget + cfg_.scorer.rkv.buffer) return true;
     return false;
   }
   bool should_compress(const std::vector<std::int32_t>& lengths) const {
     return should_compress(lengths.data(), static_cast<std::int64_t>(lengths.size()));
   }
   bool should_compress(const KVCacheView& kv) const override {
-    return reaches_budget_plus_buffer(kv, cfg_.scorer.budget, cfg_.buffer);
+    return reaches_budget_plus_buffer(kv, cfg_.scorer.rkv.budget, cfg_.scorer.rkv.buffer);
   }
 
   // ---- per layer ---------------------------------------------------------------------------
@@ -317,7 +317,7 @@ class SkipKV final : public Policy {
 
   bool any_over_budget(const KVCacheView& kv) const {
     for (std::int64_t b = 0; b < kv.batch(); ++b)
-      if (kv.length(b) > cfg_.scorer.budget) return true;
+      if (kv.length(b) > cfg_.scorer.rkv.budget) return true;
     return false;
   }
 
