@@ -230,6 +230,15 @@ TEST_CASE("tool: a failed write exits 1 and leaves no partial file") {
   REQUIRE(bad.exit_code == 1);
   REQUIRE_THAT(bad.output, Contains("error: ") && Contains("missing/t.json"));
   REQUIRE_THAT(bad.output, !Contains("wrote"));
+  // /dev/full: the old std::ofstream path opened it, lost the write in the buffer and printed
+  // "wrote". Refused now (a device), before the calibration runs.
+  if (fs::exists("/dev/full")) {
+    const ToolRun full =
+        run_tool({"calibrate", "--samples", dir / "samples.safetensors", "--out", "/dev/full"},
+                 dir / "capture");
+    require_refused(full, "is a character device");
+    REQUIRE_THAT(full.output, !Contains("wrote"));
+  }
   REQUIRE(names_in(dir.path) == std::vector<std::string>{"case.safetensors", "samples.safetensors",
                                                          "t.json", "target_dir"});
 }
