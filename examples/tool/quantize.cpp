@@ -98,6 +98,19 @@ int run_quantize(const std::vector<std::string>& argv) {
   const std::string name = args.str("tensor", "x");
   check_output_path(out_path, {in_path});  // before any work (output_path.hpp)
 
+  // --global-factor before any work: a number (positive and finite in float: g multiplies every
+  // scale; nvfp4 only) or 'calibrated' (from the tensor, below).
+  const std::string gs = args.str("global-factor", "1");
+  const bool calibrated = gs == "calibrated";
+  float g =
+      calibrated
+          ? 1.0f
+          : static_cast<float>(args.real("global-factor", 1.0, std::numeric_limits<float>::min(),
+                                         std::numeric_limits<float>::max()));
+  KVSIFT_CHECK(format == QuantFormat::nvfp4 || (!calibrated && g == 1.0f),
+               "--global-factor applies to nvfp4 only (format ", quant_format_name(format),
+               ", got ", gs, ")");
+
   const SafetensorsFile in = SafetensorsFile::load(in_path);
   const StTensor& t = in.get(name);
   KVSIFT_CHECK(t.shape.size() == 2, in_path, ": tensor '", name,
@@ -105,17 +118,9 @@ int run_quantize(const std::vector<std::string>& argv) {
   const std::vector<float> x = t.to_f32();
   const std::int64_t tokens = t.shape[0], channels = t.shape[1];
 
-  float g = 1.0f;
-  const std::string gs = args.str("global-factor", "1");
-  if (gs == "calibrated") {
+  if (calibrated) {
     g = nvfp4_calibrated_global_factor(abs_max(x.data(), static_cast<std::int64_t>(x.size())));
-  } else {
-    // Positive and finite in float: g multiplies every scale.
-    g = static_cast<float>(args.real("global-factor", 1.0, std::numeric_limits<float>::min(),
-                                     std::numeric_limits<float>::max()));
   }
-  KVSIFT_CHECK(format == QuantFormat::nvfp4 || g == 1.0f, "--global-factor applies to nvfp4 only (",
-               "format ", quant_format_name(format), ", got ", gs, ")");
 
   const QuantizedTensor q = quantize_tensor(x.data(), tokens, channels, format, axis, g);
   const std::vector<float> back = dequantize_tensor(q);

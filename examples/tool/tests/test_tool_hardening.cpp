@@ -291,6 +291,20 @@ TEST_CASE("tool: real flags must be finite and in range (nan, inf, 1e20)") {
   REQUIRE_FALSE(fs::exists(dir / "o.safetensors"));
 }
 
+TEST_CASE(
+    "tool: quantize --global-factor must be a positive finite float, checked before reading") {
+  TempDir dir;
+  const std::string absent = dir / "absent.safetensors";  // never read: the flag fails first
+  for (const char* text : {"nan", "inf", "1e39", "0", "-2"}) {
+    INFO(text);
+    require_refused(run_tool({"quantize", "--format", "nvfp4", "--group-axis", "token", "--case",
+                              absent, "--out", dir / "q.safetensors", "--global-factor", text},
+                             dir / "capture"),
+                    std::string("flag --global-factor: "));
+  }
+  REQUIRE_FALSE(fs::exists(dir / "q.safetensors"));
+}
+
 TEST_CASE("tool: config values are strict: a case's budget 16.7 is an error, not 16") {
   TempDir dir;
   write_case(dir / "frac.safetensors", {{"budget", 16.7}, {"window", 4}});
