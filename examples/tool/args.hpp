@@ -1,14 +1,17 @@
 // A small `--flag value` parser for the tool's subcommands. Unknown flags, missing values and
 // malformed numbers are kvsift::Errors naming the flag, so every subcommand fails the same way.
+// Numbers go through the library's strict parser (core/parse_number.hpp): an integer flag never
+// truncates ("16.7") or wraps ("4294967312" for an int), a real flag is finite and in range.
 #pragma once
 
-#include <cstdlib>
+#include <limits>
 #include <map>
 #include <set>
 #include <string>
 #include <vector>
 
 #include "kvsift/core/error.hpp"
+#include "kvsift/core/parse_number.hpp"
 
 namespace kvsift::tool {
 
@@ -47,23 +50,22 @@ class Args {
     KVSIFT_CHECK(it != values_.end() && !it->second.empty(), "missing required flag --", key);
     return it->second;
   }
-  long integer(const std::string& key, long fallback) const {
+  // The flag as an Int within [min, max], else `fallback` when absent. Errors name the flag
+  // ("flag --budget") and quote the text as given.
+  template <class Int>
+  Int integer(const std::string& key, Int fallback, Int min = std::numeric_limits<Int>::lowest(),
+              Int max = std::numeric_limits<Int>::max()) const {
     auto it = values_.find(key);
     if (it == values_.end()) return fallback;
-    char* end = nullptr;
-    const long v = std::strtol(it->second.c_str(), &end, 10);
-    KVSIFT_CHECK(end != it->second.c_str() && *end == '\0', "flag --", key,
-                 " expects an integer, got '", it->second, "'");
-    return v;
+    return parse_integer<Int>(it->second, "flag --" + key, min, max);
   }
-  double real(const std::string& key, double fallback) const {
+  // The flag as a finite real within [min, max], else `fallback` when absent.
+  double real(const std::string& key, double fallback,
+              double min = -std::numeric_limits<double>::max(),
+              double max = std::numeric_limits<double>::max()) const {
     auto it = values_.find(key);
     if (it == values_.end()) return fallback;
-    char* end = nullptr;
-    const double v = std::strtod(it->second.c_str(), &end);
-    KVSIFT_CHECK(end != it->second.c_str() && *end == '\0', "flag --", key,
-                 " expects a number, got '", it->second, "'");
-    return v;
+    return parse_real(it->second, "flag --" + key, min, max);
   }
 
  private:

@@ -1,6 +1,6 @@
-// `kvsift calibrate`: ThinKV's offline calibration (docs/algorithms.md §3.1). Reads per-step attention
-// sparsities recorded on calibration prompts, and prints the thought thresholds θ1 < θ2 and the
-// calibrated layers L* (optionally writing them as JSON for ThoughtClassifierConfig).
+// `kvsift calibrate`: ThinKV's offline calibration (docs/algorithms.md §3.1). Reads per-step
+// attention sparsities recorded on calibration prompts, and prints the thought thresholds θ1 < θ2
+// and the calibrated layers L* (optionally writing them as JSON for ThoughtClassifierConfig).
 //
 // Input format: a safetensors file with one tensor `sparsity`, dtype F32 (F16/BF16 accepted),
 // shape [prompts, layers, steps]: sparsity[p, l, s] is the attention sparsity (averaged over
@@ -8,15 +8,17 @@
 // steps: pad the tail with NaN. Values must lie in [0, 1].
 #include <cmath>
 #include <cstdio>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
 #include "args.hpp"
 #include "command.hpp"
+#include "kvsift/core/file_io.hpp"
+#include "kvsift/core/limits.hpp"
 #include "kvsift/core/safetensors.hpp"
 #include "kvsift/policy/thinkv/sparsity_calibration.hpp"
+#include "output_path.hpp"
 
 namespace kvsift::tool {
 namespace {
@@ -47,10 +49,16 @@ int run_calibrate(const std::vector<std::string>& argv) {
   }
   const Args args(argv, {"samples", "out", "top-layers", "grid", "stability-ratio"});
   const std::string path = args.required("samples");
+  const std::string out = args.str("out", "");
+  KVSIFT_CHECK(!args.has("out") || !out.empty(), "flag --out needs a file name");
+  if (!out.empty()) check_output_path(out, {path});  // before any work (output_path.hpp)
   CalibrationConfig config;
-  config.top_layers = static_cast<int>(args.integer("top-layers", config.top_layers));
-  config.grid_points = static_cast<int>(args.integer("grid", config.grid_points));
-  config.stability_ratio = args.real("stability-ratio", config.stability_ratio);
+  // Bounded up front: the KDE costs grid² per (prompt, layer), so --grid beyond
+  // kMaxCalibrationGridPoints is refused before the samples are even read.
+  config.top_layers =
+      args.integer<int>("top-layers", config.top_layers, 1, static_cast<int>(kMaxLayers));
+  config.grid_points = args.integer<int>("grid", config.grid_points, 16, kMaxCalibrationGridPoints);
+  config.stability_ratio = args.real("stability-ratio", config.stability_ratio, 1.0, 1e6);
   config.validate();
 
   const SafetensorsFile file = SafetensorsFile::load(path);
@@ -77,7 +85,7 @@ int run_calibrate(const std::vector<std::string>& argv) {
   for (int l : r.layers) std::printf(" %d", l);
   std::printf("\n");
 
-  if (args.has("out")) {
+  if (!out.empty()) {
     nlohmann::json j;
     j["theta1"] = r.theta1;
     j["theta2"] = r.theta2;
@@ -86,11 +94,9 @@ int run_calibrate(const std::vector<std::string>& argv) {
     j["prompts"] = prompts;
     j["grid_points"] = config.grid_points;
     j["stability_ratio"] = config.stability_ratio;
-    const std::string out = args.required("out");
-    std::ofstream f(out);
-    KVSIFT_CHECK(f.good(), "cannot open '", out, "' for writing");
-    f << j.dump(2) << "\n";
-    KVSIFT_CHECK(f.good(), "failed writing '", out, "'");
+    // Atomic: a failed write throws (the tool exits 1) and leaves neither a partial file nor a
+    // changed target.
+    write_file_atomically(out, j.dump(2) + "\n");
     std::printf("wrote %s\n", out.c_str());
   }
   return 0;

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -17,6 +18,8 @@
 #include "args.hpp"
 #include "kvsift/backend/cpu/key_redundancy.hpp"
 #include "kvsift/core/error.hpp"
+#include "kvsift/core/file_io.hpp"
+#include "kvsift/core/json_number.hpp"
 #include "kvsift/core/keep_plan.hpp"
 #include "kvsift/core/kv_cache_view.hpp"
 #include "kvsift/core/safetensors.hpp"
@@ -24,6 +27,11 @@
 #include "score_rkv_run.hpp"
 
 namespace kvsift::tool {
+
+// Upper bounds of the scorers' integer knobs, refused up front with the flag or key named: a
+// budget or window beyond any cache a case can hold, a pooling kernel wider than that.
+inline constexpr int kMaxBudget = 1 << 24;
+inline constexpr int kMaxKernel = 1 << 16;
 
 // A case's inputs as owned buffers the views point into.
 struct ScoreCase {
@@ -95,23 +103,20 @@ inline ScoreCase read_score_case(const SafetensorsFile& f, const std::string& pa
   return c;
 }
 
-// A numeric parameter: the flag, else the config key, else `fallback`. An integral T parses the
-// flag as an integer (strict), a floating T as a number.
+// A numeric parameter: the flag, else the config key, else `fallback`, within [min, max]. An
+// integral T must be written as an integer in both places (a flag "16.7" or a config 16.7 is an
+// error, never truncated); a floating T must be finite. One parser for flags
+// (core/parse_number.hpp) and config values (core/json_number.hpp), so both fail alike.
 template <class T>
-T setting(const Args& a, const char* flag, const nlohmann::json& cfg, const char* key, T fallback) {
-  if (a.has(flag)) {
-    if constexpr (std::is_integral_v<T>) {
-      return static_cast<T>(a.integer(flag, 0));
-    } else {
-      return static_cast<T>(a.real(flag, 0));
-    }
+T setting(const Args& a, const char* flag, const nlohmann::json& cfg, const char* key, T fallback,
+          T min = std::numeric_limits<T>::lowest(), T max = std::numeric_limits<T>::max()) {
+  if constexpr (std::is_integral_v<T>) {
+    if (a.has(flag)) return a.integer<T>(flag, fallback, min, max);
+    return config_integer<T>(cfg, key, fallback, min, max);
+  } else {
+    if (a.has(flag)) return static_cast<T>(a.real(flag, fallback, min, max));
+    return static_cast<T>(config_real(cfg, key, fallback, min, max));
   }
-  if (cfg.contains(key)) {
-    KVSIFT_CHECK(cfg[key].is_number(), "config key '", key, "' must be a number, got ",
-                 cfg[key].dump());
-    return cfg[key].get<T>();
-  }
-  return fallback;
 }
 
 // --redundancy, else the config key 'redundancy', else 'faithful' for a case that names a
@@ -169,10 +174,15 @@ inline void put_plan(SafetensorsFile& out, const ScoreCase& c, const KeepPlan& p
     t.dtype = st_dtype_of(c.dtype);
     t.shape = {c.batch, c.kv_heads, longest, c.dim};
     t.bytes.assign(static_cast<std::size_t>(c.batch * c.kv_heads * longest) * row, 0);
-    for (std::int64_t b = 0; b < c.batch; ++b)
+    // A sequence that keeps nothing (all pads) copies nothing: with every sequence so, t.bytes is
+    // empty and indexing it, even for a zero-byte copy, would be undefined.
+    for (std::int64_t b = 0; b < c.batch; ++b) {
+      const std::size_t kept = static_cast<std::size_t>(plan.kept_length(b)) * row;
+      if (kept == 0) continue;
       for (std::int64_t h = 0; h < c.kv_heads; ++h)
-        std::memcpy(&t.bytes[(b * c.kv_heads + h) * longest * row],
-                    &src[(b * c.kv_heads + h) * c.seq * row], plan.kept_length(b) * row);
+        std::memcpy(t.bytes.data() + (b * c.kv_heads + h) * longest * row,
+                    src.data() + (b * c.kv_heads + h) * c.seq * row, kept);
+    }
     out.put(name, std::move(t));
   };
   put_compacted("compacted_keys", keys);

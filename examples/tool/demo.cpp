@@ -128,9 +128,7 @@ std::unique_ptr<demo::DemoPolicy> make_demo_policy(const std::string& name,
 }
 
 int positive_flag(const Args& args, const std::string& key, long fallback, long max) {
-  const long v = args.integer(key, fallback);
-  KVSIFT_CHECK(v >= 1 && v <= max, "flag --", key, " must be in [1, ", max, "], got ", v);
-  return static_cast<int>(v);
+  return static_cast<int>(args.integer<long>(key, fallback, 1, max));
 }
 
 struct SentenceSource {
@@ -257,8 +255,7 @@ int run_demo_command(const std::vector<std::string>& argv) {
   const std::int64_t length = positive_flag(args, "length", 2048, 1 << 22);
   cfg.generator.batch = positive_flag(args, "batch", 2, 4096);
   cfg.generator.layers = positive_flag(args, "layers", 4, 1024);
-  const long seed = args.integer("seed", 1);
-  KVSIFT_CHECK(seed >= 0, "flag --seed must be >= 0, got ", seed);
+  const long seed = args.integer<long>("seed", 1, 0);
   cfg.generator.seed = static_cast<std::uint64_t>(seed);
   cfg.dtype = parse_dtype(args.str("dtype", "f16"));
   cfg.validate();

@@ -5,18 +5,19 @@
 #pragma once
 
 #include <cstdint>
-#include <cstdlib>
-#include <fstream>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "kvsift/core/error.hpp"
+#include "kvsift/core/file_io.hpp"
+#include "kvsift/core/parse_number.hpp"
 
 namespace kvsift::demo {
 
 // Last token id of "\n" ".\n" ")\n" "\n\n" ".\n\n" ")\n\n" "?\n\n" in the R1-Distill-Qwen
-// vocabulary (shared/data/README.md; docs/algorithms.md §2.1: a delimiter closes the sentence it ends).
+// vocabulary (shared/data/README.md; docs/algorithms.md §2.1: a delimiter closes the sentence it
+// ends).
 inline const std::vector<std::int32_t>& r1qwen_sentence_delimiters() {
   static const std::vector<std::int32_t> ids = {198, 624, 340, 271, 382, 692, 1939};
   return ids;
@@ -36,8 +37,9 @@ struct SentencePlan {
   }
 };
 
-// Cuts `tokens` (already `length` long) after every delimiter id (docs/algorithms.md §2.1: the delimiter
-// belongs to the sentence it closes). An unfinished last sentence ends at the stream's end.
+// Cuts `tokens` (already `length` long) after every delimiter id (docs/algorithms.md §2.1: the
+// delimiter belongs to the sentence it closes). An unfinished last sentence ends at the stream's
+// end.
 inline SentencePlan sentence_plan_from_tokens(std::vector<std::int32_t> tokens,
                                               const std::vector<std::int32_t>& delimiters) {
   SentencePlan plan;
@@ -77,8 +79,9 @@ inline SentencePlan synthetic_sentence_plan(std::int64_t length, std::uint64_t s
 // The MATH-500 token file: one problem per line, prompt ids, a tab, solution ids (space-separated).
 // Returns each problem's prompt followed by its solution, as one id list per problem.
 inline std::vector<std::vector<std::int32_t>> load_token_streams(const std::string& path) {
-  std::ifstream in(path);
-  KVSIFT_CHECK(in.good(), "cannot open token file '", path, "'");
+  // A regular file of bounded size (read_file_bytes refuses directories, devices, FIFOs).
+  const std::vector<std::uint8_t> bytes = read_file_bytes(path);
+  std::istringstream in(std::string(bytes.begin(), bytes.end()));
   std::vector<std::vector<std::int32_t>> problems;
   std::string line;
   std::int64_t line_no = 0;
@@ -92,11 +95,8 @@ inline std::vector<std::vector<std::int32_t>> load_token_streams(const std::stri
     std::vector<std::int32_t> ids;
     std::string field;
     while (fields >> field) {
-      char* end = nullptr;
-      const long v = std::strtol(field.c_str(), &end, 10);
-      KVSIFT_CHECK(*end == '\0' && v >= 0, "token file '", path, "' line ", line_no,
-                   ": bad token id '", field, "'");
-      ids.push_back(static_cast<std::int32_t>(v));
+      ids.push_back(parse_integer<std::int32_t>(
+          field, "token file '" + path + "' line " + std::to_string(line_no) + ": token id", 0));
     }
     problems.push_back(std::move(ids));
   }

@@ -1,5 +1,5 @@
-// `kvsift group`: SkipKV batch grouping (docs/algorithms.md §2.6) of a prefill-lengths file. Prints how
-// much left padding batching in data-set order costs, how much sorting by prefill length saves,
+// `kvsift group`: SkipKV batch grouping (docs/algorithms.md §2.6) of a prefill-lengths file. Prints
+// how much left padding batching in data-set order costs, how much sorting by prefill length saves,
 // the first few batches, and (with --budget) the effective budget per request when pads are
 // force-kept as in the SkipKV reference.
 #include <algorithm>
@@ -79,13 +79,13 @@ int run_group(const std::vector<std::string>& argv) {
   const Args args(argv, {"lengths", "batch-size", "budget", "window", "show-groups"});
   const std::string path = args.required("lengths");
   KVSIFT_CHECK(args.has("batch-size"), "missing required flag --batch-size");
-  const long batch_size = args.integer("batch-size", 0);
-  const long show = args.integer("show-groups", kDefaultShowGroups);
-  const long window = args.integer("window", kDefaultWindow);
-  KVSIFT_CHECK(show >= 0, "--show-groups must be >= 0, got ", show);
-  KVSIFT_CHECK(window >= 0, "--window must be >= 0, got ", window);
+  // Bounded so that B - pad and the totals stay far from int64's limits.
+  constexpr long kMaxFlag = 1L << 40;
+  const long batch_size = args.integer<long>("batch-size", 0, 1, kMaxFlag);
+  const long show = args.integer<long>("show-groups", kDefaultShowGroups, 0, kMaxFlag);
+  const long window = args.integer<long>("window", kDefaultWindow, 0, kMaxFlag);
   const bool has_budget = args.has("budget");
-  const long budget = args.integer("budget", 0);
+  const long budget = args.integer<long>("budget", 0, 1, kMaxFlag);
   KVSIFT_CHECK(!has_budget || budget > window, "--budget (", budget, ") must exceed --window (",
                window, ")");
 

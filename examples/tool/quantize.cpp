@@ -1,16 +1,21 @@
-// `kvsift quantize` and `kvsift dequantize`: ThinKV's group codecs (docs/algorithms.md §3.2) applied to
-// a whole [tokens, channels] tensor in the KIVI layout (include/kvsift/quant/quantized_tensor.hpp).
-// quantize writes the decoded tensor plus the packed codes and scales, so other implementations
-// can be compared with ours byte for byte; dequantize decodes (and validates) such a file.
+// `kvsift quantize` and `kvsift dequantize`: ThinKV's group codecs (docs/algorithms.md §3.2)
+// applied to a whole [tokens, channels] tensor in the KIVI layout
+// (include/kvsift/quant/quantized_tensor.hpp). quantize writes the decoded tensor plus the packed
+// codes and scales, so other implementations can be compared with ours byte for byte; dequantize
+// decodes (and validates) such a file.
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <string>
 #include <vector>
 
 #include "args.hpp"
 #include "command.hpp"
+#include "kvsift/core/file_io.hpp"
+#include "kvsift/core/parse_number.hpp"
 #include "kvsift/core/safetensors.hpp"
 #include "kvsift/quant/quantized_tensor.hpp"
+#include "output_path.hpp"
 
 namespace kvsift::tool {
 namespace {
@@ -52,14 +57,13 @@ std::string metadata_of(const SafetensorsFile& f, const std::string& key, const 
   return it->second;
 }
 
+// A positive extent stated in the file's metadata; the strict parser refuses "16.7", "1e3",
+// negative and overflowing values (the codec's own checks then bound tokens x channels by the
+// packed data actually present).
 std::int64_t metadata_int(const SafetensorsFile& f, const std::string& key,
                           const std::string& path) {
-  const std::string v = metadata_of(f, key, path);
-  char* end = nullptr;
-  const long long n = std::strtoll(v.c_str(), &end, 10);
-  KVSIFT_CHECK(end != v.c_str() && *end == '\0', path, ": metadata '", key,
-               "' is not an integer ('", v, "')");
-  return n;
+  return parse_integer<std::int64_t>(metadata_of(f, key, path), path + ": metadata '" + key + "'",
+                                     0);
 }
 
 std::vector<std::uint8_t> u8_data(const StTensor& t, const char* name) {
@@ -92,6 +96,20 @@ int run_quantize(const std::vector<std::string>& argv) {
   const GroupAxis axis = parse_group_axis(args.required("group-axis"));
   const std::string in_path = args.required("case"), out_path = args.required("out");
   const std::string name = args.str("tensor", "x");
+  check_output_path(out_path, {in_path});  // before any work (output_path.hpp)
+
+  // --global-factor before any work: a number (positive and finite in float: g multiplies every
+  // scale; nvfp4 only) or 'calibrated' (from the tensor, below).
+  const std::string gs = args.str("global-factor", "1");
+  const bool calibrated = gs == "calibrated";
+  float g =
+      calibrated
+          ? 1.0f
+          : static_cast<float>(args.real("global-factor", 1.0, std::numeric_limits<float>::min(),
+                                         std::numeric_limits<float>::max()));
+  KVSIFT_CHECK(format == QuantFormat::nvfp4 || (!calibrated && g == 1.0f),
+               "--global-factor applies to nvfp4 only (format ", quant_format_name(format),
+               ", got ", gs, ")");
 
   const SafetensorsFile in = SafetensorsFile::load(in_path);
   const StTensor& t = in.get(name);
@@ -100,15 +118,9 @@ int run_quantize(const std::vector<std::string>& argv) {
   const std::vector<float> x = t.to_f32();
   const std::int64_t tokens = t.shape[0], channels = t.shape[1];
 
-  float g = 1.0f;
-  const std::string gs = args.str("global-factor", "1");
-  if (gs == "calibrated") {
+  if (calibrated) {
     g = nvfp4_calibrated_global_factor(abs_max(x.data(), static_cast<std::int64_t>(x.size())));
-  } else {
-    g = static_cast<float>(args.real("global-factor", 1.0));
   }
-  KVSIFT_CHECK(format == QuantFormat::nvfp4 || g == 1.0f, "--global-factor applies to nvfp4 only (",
-               "format ", quant_format_name(format), ", got ", gs, ")");
 
   const QuantizedTensor q = quantize_tensor(x.data(), tokens, channels, format, axis, g);
   const std::vector<float> back = dequantize_tensor(q);
@@ -138,6 +150,7 @@ int run_dequantize(const std::vector<std::string>& argv) {
   }
   const Args args(argv, {"case", "out"});
   const std::string in_path = args.required("case"), out_path = args.required("out");
+  check_output_path(out_path, {in_path});  // before any work (output_path.hpp)
   const SafetensorsFile in = SafetensorsFile::load(in_path);
   QuantizedTensor q;
   q.format = parse_quant_format(metadata_of(in, "format", in_path));

@@ -19,6 +19,7 @@
 #include "kvsift/core/compact.hpp"
 #include "kvsift/core/safetensors.hpp"
 #include "kvsift/policy/registry.hpp"
+#include "output_path.hpp"
 #include "score_rkv_run.hpp"
 #if defined(KVSIFT_WITH_CUDA)
 #include "demo_cuda.hpp"
@@ -79,11 +80,11 @@ void print_help() {
 nlohmann::json score_knobs(const Args& a, const nlohmann::json& cfg, int budget, int window) {
   nlohmann::json k = {{"budget", budget}, {"window", window}, {"buffer", std::max(128, window)}};
   if (a.has("kernel") || cfg.contains("kernel"))
-    k["kernel"] = setting<int>(a, "kernel", cfg, "kernel", 7);
+    k["kernel"] = setting<int>(a, "kernel", cfg, "kernel", 7, 1, kMaxKernel);
   if (a.has("lambda") || cfg.contains("mix_lambda"))
-    k["mix_lambda"] = setting<float>(a, "lambda", cfg, "mix_lambda", 0.1f);
+    k["mix_lambda"] = setting<float>(a, "lambda", cfg, "mix_lambda", 0.1f, 0.0f, 1.0f);
   if (a.has("threshold") || cfg.contains("threshold"))
-    k["threshold"] = setting<float>(a, "threshold", cfg, "threshold", 0.5f);
+    k["threshold"] = setting<float>(a, "threshold", cfg, "threshold", 0.5f, -1.0f, 1.0f);
   k["redundancy"] = redundancy_name(redundancy_setting(a, cfg));
   return k;
 }
@@ -116,10 +117,12 @@ int run_score(const std::vector<std::string>& argv) {
   KVSIFT_CHECK(!a.has("fp32-search") || (device == "cuda" && policy == "rkv"),
                "--fp32-search is a GPU R-KV option: it needs --policy rkv and --device cuda");
   const std::string in_path = a.required("case"), out_path = a.required("out");
+  check_output_path(out_path, {in_path});  // before any work (output_path.hpp)
   ScoreCase c = read_score_case(SafetensorsFile::load(in_path), in_path);
   const nlohmann::json& cfg = c.config;
-  const int budget = setting<int>(a, "budget", cfg, "budget", 1024);
-  const int window = setting<int>(a, "window", cfg, "window", static_cast<int>(c.window));
+  const int budget = setting<int>(a, "budget", cfg, "budget", 1024, 1, kMaxBudget);
+  const int window =
+      setting<int>(a, "window", cfg, "window", static_cast<int>(c.window), 1, kMaxBudget);
   KVSIFT_CHECK(window == c.window, "window (", window, ") must equal the queries' W (", c.window,
                ")");
   const std::string config = filter_config(policy, score_knobs(a, cfg, budget, window).dump());

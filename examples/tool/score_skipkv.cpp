@@ -13,6 +13,7 @@
 #include "args.hpp"
 #include "case_io.hpp"
 #include "device_flag.hpp"
+#include "output_path.hpp"
 #include "score_rkv_run.hpp"
 #if defined(KVSIFT_WITH_CUDA)
 #include "score_cuda.hpp"
@@ -79,6 +80,7 @@ int run_score_skipkv(const std::vector<std::string>& argv) {
   KVSIFT_CHECK(!a.has("fp32-search") || device == "cuda",
                "--fp32-search is a GPU option: it needs --device cuda");
   const std::string in_path = a.required("case"), out_path = a.required("out");
+  check_output_path(out_path, {in_path});  // before any work (output_path.hpp)
   const SafetensorsFile f = SafetensorsFile::load(in_path);
   ScoreCase input = read_score_case(f, in_path);
   const nlohmann::json& cfg = input.config;
@@ -86,18 +88,18 @@ int run_score_skipkv(const std::vector<std::string>& argv) {
   KVCacheView kv = input.kv();
   const TensorView q = input.q();
 
-  // Numbers parse as reals here (a fractional flag truncates), as this scorer always has.
+  // Strict numbers (case_io.hpp setting()): a fractional, non-finite or out-of-range budget,
+  // window or kernel is an error, never truncated or cast from NaN.
   SentenceScorerConfig sc;
-  sc.rkv.window = static_cast<int>(
-      setting<double>(a, "window", cfg, "window", static_cast<double>(input.window)));
+  sc.rkv.window =
+      setting<int>(a, "window", cfg, "window", static_cast<int>(input.window), 1, kMaxBudget);
   KVSIFT_CHECK(sc.rkv.window == input.window, "window (", sc.rkv.window,
                ") must equal the queries' W (", input.window, ")");
-  sc.rkv.budget = static_cast<int>(setting<double>(a, "budget", cfg, "budget", sc.rkv.budget));
-  sc.rkv.kernel = static_cast<int>(setting<double>(a, "kernel", cfg, "kernel", sc.rkv.kernel));
-  sc.rkv.mix_lambda =
-      static_cast<float>(setting<double>(a, "lambda", cfg, "mix_lambda", sc.rkv.mix_lambda));
+  sc.rkv.budget = setting<int>(a, "budget", cfg, "budget", sc.rkv.budget, 1, kMaxBudget);
+  sc.rkv.kernel = setting<int>(a, "kernel", cfg, "kernel", sc.rkv.kernel, 1, kMaxKernel);
+  sc.rkv.mix_lambda = setting<float>(a, "lambda", cfg, "mix_lambda", sc.rkv.mix_lambda, 0.0f, 1.0f);
   sc.rkv.threshold =
-      static_cast<float>(setting<double>(a, "threshold", cfg, "threshold", sc.rkv.threshold));
+      setting<float>(a, "threshold", cfg, "threshold", sc.rkv.threshold, -1.0f, 1.0f);
   sc.rkv.redundancy = redundancy_setting(a, cfg);
   sc.pad_mode = parse_pad_mode(a.str("pad-mode", "exclude"));
 
