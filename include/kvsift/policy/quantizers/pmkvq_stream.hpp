@@ -255,6 +255,9 @@ class PmkvqFakeStream : public PmkvqStreamBase {
 
     const std::int64_t H = cfg_.kv_heads, D = cfg_.head_dim;
     const std::int64_t first_new = tokens();
+    // The flush moves the oldest window positions [flush_begin, flush_end) to the body.
+    const std::int64_t flush_begin = counts_.sink + counts_.body;
+    const std::int64_t flush_end = flush_begin + next.flushed;
     for (std::int64_t t = 0; t < u; ++t) {
       for (int kv = 0; kv < 2; ++kv) {
         const float* x = kv == 0 ? keys : values;
@@ -262,16 +265,18 @@ class PmkvqFakeStream : public PmkvqStreamBase {
           for (std::int64_t d = 0; d < D; ++d) cache_[kv].push_back(x[(h * src_seq + t) * D + d]);
       }
       nbits_pos_.push_back(16);
-      quantize_position(first_new + t, 16);  // sinks and arriving window tokens: bf16(Q16(x))
+      // Sinks and arriving window tokens: bf16(Q16(x)); a token flushed in the update it arrives
+      // in is quantized once, directly at the body width from its own values (the reference
+      // quantizes the flushed block from the values attention saw).
+      const std::int64_t p = first_new + t;
+      if (p < flush_begin || p >= flush_end) quantize_position(p, 16);
     }
     // Flush: the oldest window tokens become body tokens at the current width, from current values.
-    const std::int64_t body_end_old = counts_.sink + counts_.body;  // body grows in place
-    for (std::int64_t p = body_end_old; p < body_end_old + next.flushed; ++p)
-      quantize_position(p, n_bits_);
-    // A multi-token update that flushed re-quantizes the tokens left in its window at 16 bits.
+    for (std::int64_t p = flush_begin; p < flush_end; ++p) quantize_position(p, n_bits_);
+    // A multi-token update that flushed re-quantizes the older tokens left in its window at 16
+    // bits (docs/algorithms.md §5.2; golden/README "Fake backend").
     if (next.flushed > 0 && u > 1)
-      for (std::int64_t p = body_end_old + next.flushed; p < first_new + u; ++p)
-        quantize_position(p, 16);
+      for (std::int64_t p = flush_end; p < first_new; ++p) quantize_position(p, 16);
     counts_ = next;
     counts_.flushed = 0;
 
