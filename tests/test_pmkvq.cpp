@@ -244,7 +244,7 @@ TEST_CASE("PM-KVQ fake backend matches pmkvq_fake (reference_exact)", "[pmkvq][g
           UNSCOPED_INFO("update " << i << ": bits " << r.n_bits << "/" << nbits[i] << " mem "
                                   << r.mem_bytes << "/" << mem[i]);
       }
-    } catch (const Error& e) {
+    } catch (const PmkvqBudgetError& e) {
       CHECK(i == error_step);
       CHECK(std::string(e.what()).find("exceed the budget") != std::string::npos);
       raised = true;
@@ -273,6 +273,7 @@ TEST_CASE("PM-KVQ library mode degrades instead of raising, and reports the over
   const std::vector<float> dk = floats(g, "decode_keys"), dv = floats(g, "decode_values");
   const std::int64_t P = g.get("prefill_keys").shape[2], N = g.get("decode_keys").shape[2];
   std::int64_t evicted = 0;
+  bool flagged = false;
   for (std::int64_t i = 0; i <= N; ++i) {
     const PmkvqUpdateResult r =
         i == 0 ? s.update(pk.data(), pv.data(), P, P)
@@ -280,7 +281,9 @@ TEST_CASE("PM-KVQ library mode degrades instead of raising, and reports the over
     CHECK(r.fits);                                   // every update ends within the budget
     CHECK(s.memory_bytes() <= cfg.budget_bytes(0));  // scales and zeros included
     evicted += r.evicted;
+    flagged = flagged || r.reference_would_raise;
   }
+  CHECK(flagged);  // the overrun where the reference raises is still reported
   CHECK(s.n_bits() == 2);
   CHECK(evicted > 0);
   // Tokens: sink + body + window, the evicted ones gone.
@@ -351,4 +354,25 @@ TEST_CASE("PM-KVQ reference_exact raises on an empty body over budget", "[pmkvq]
   CHECK_THROWS_WITH(s.update(x.data(), x.data(), 1, 1),
                     Catch::Matchers::Contains("with an empty body"));
   CHECK(s.tokens() == 0);  // unchanged
+}
+
+TEST_CASE("PM-KVQ 16-bit quantizer by hand: bf16 scale, fp32 quotient, scale floor", "[pmkvq]") {
+  // Group {0, 64, 1, 0.5, 0...}: s = bf16(bf16(64)/65535) = bf16(2^-10·1.0000153) = 2^-10;
+  // codes (x + 0)/2^-10 in fp32: 65536 → clamped 65535, 1024, 512.
+  std::vector<float> x(128, 0.f);
+  x[1] = 64.f, x[2] = 1.f, x[3] = 0.5f;
+  std::vector<std::uint16_t> q(128);
+  const GroupParams p = pmkvq::quantize_group(x.data(), 128, 16, pmkvq::Arith::bf16, q.data());
+  CHECK(p.scale == std::ldexp(1.0f, -10));
+  CHECK(p.zero == 0.f);
+  CHECK(q[0] == 0);
+  CHECK(q[1] == 65535);
+  CHECK(q[2] == 1024);
+  CHECK(q[3] == 512);
+  // A constant group: the scale floor 1e-5 stored as bf16 (1.00135803e-05), every code 0.
+  std::vector<float> c(128, 0.5f);
+  const GroupParams pc = pmkvq::quantize_group(c.data(), 128, 16, pmkvq::Arith::bf16, q.data());
+  CHECK(pc.scale == 1.0013580322265625e-05f);
+  CHECK(pc.zero == -0.5f);
+  CHECK(q[0] == 0);
 }

@@ -33,6 +33,9 @@ struct AsymmetricQuantSpec {
   DType arith = DType::f16;    // every operation of s and q rounded to this
   float scale_min = 0.0f;      // 0 and +inf: no clamp (KIVI)
   float scale_max = INFINITY;  // PM-KVQ: [1e-5, 1e5]
+  // PM-KVQ's 16-bit path computes s in `arith` but the quotient (x − m)/s in fp32 (its codes
+  // reach 65535, beyond bf16's integers); false: the quotient is rounded to `arith` as well.
+  bool fp32_quotient = false;
 
   int max_code() const { return (1 << bits) - 1; }
   void validate() const {
@@ -77,7 +80,9 @@ inline GroupParams asym_quantize_group(const AsymmetricQuantSpec& spec,
   const float qmax = static_cast<float>(spec.max_code());
   for (int i = 0; i < count; ++i) {
     float u = 0.0f;  // s == 0: constant group, code 0 (documented deviation, §5.1)
-    if (s > 0.0f) u = round_to_dtype(a, round_to_dtype(a, x[i * stride] - lo) / s);
+    if (s > 0.0f)
+      u = spec.fp32_quotient ? (x[i * stride] - lo) / s
+                             : round_to_dtype(a, round_to_dtype(a, x[i * stride] - lo) / s);
     u = std::fmin(std::fmax(u, 0.0f), qmax);
     codes[i] = static_cast<std::uint16_t>(std::nearbyint(u));  // default mode: half to even
   }

@@ -11,6 +11,7 @@
 
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/error.hpp"
+#include "kvsift/quant/asymmetric_group.hpp"
 
 namespace kvsift::pmkvq {
 
@@ -19,62 +20,39 @@ inline bool is_valid_bits(int n) { return n == 16 || n == 8 || n == 4 || n == 2;
 
 inline float round_bf16(float x) { return bf16_bits_to_float(float_to_bf16_bits(x)); }
 
-// The reference clamps scales to [1e-5, 1e5] (quantizer.py) so a constant group never divides by 0.
-constexpr float kMinScale = 1e-5f;
-constexpr float kMaxScale = 1e5f;
-
 // Arithmetic of one quantization: the input dtype of the reference tensors.
 enum class Arith : std::uint8_t { bf16, f32 };
 
-struct GroupParams {
-  float scale = 0.f;  // s (a bf16 value when Arith::bf16)
-  float zero = 0.f;   // z = −min
-};
-
-// s and z of one group of `g` values (docs/algorithms.md §5.2):
-// s = clamp((M − m)/(2^n − 1), 1e-5, 1e5), z = −m. In bf16 each operation rounds once to bf16:
-// s = bf16(bf16(M − m)/(2^n − 1)), then the clamp (computed in fp32 and rounded, as PyTorch does).
-inline GroupParams group_params(const float* x, std::int64_t g, int n_bits, Arith arith) {
-  KVSIFT_CHECK(g > 0, "pmkvq group_params: group size must be > 0, got ", g);
-  KVSIFT_CHECK(n_bits >= 1 && n_bits <= 16, "pmkvq group_params: n_bits must be in [1, 16], got ",
-               n_bits);
-  float m = x[0], M = x[0];
-  for (std::int64_t i = 1; i < g; ++i) {
-    m = std::fmin(m, x[i]);
-    M = std::fmax(M, x[i]);
-  }
-  const float levels = static_cast<float>((1u << n_bits) - 1u);
-  GroupParams p;
-  if (arith == Arith::bf16) {
-    const float range = round_bf16(M - m);
-    const float s = round_bf16(range / levels);
-    p.scale = round_bf16(std::fmin(std::fmax(s, kMinScale), kMaxScale));
-  } else {
-    p.scale = std::fmin(std::fmax((M - m) / levels, kMinScale), kMaxScale);
-  }
-  p.zero = -m;
-  return p;
+// PM-KVQ's quantizer Q_n as a configuration of the shared asymmetric group quantizer
+// (quant/asymmetric_group.hpp): z = −m (subtract_zero), s clamped to [1e-5, 1e5] — the bounds
+// rounded to the arithmetic dtype, as PyTorch's clamp of a bf16 tensor stores them — and for
+// n = 16 the quotient (x + z)/s in fp32 (the reference upcasts its 16-bit path).
+inline AsymmetricQuantSpec quant_spec(int n_bits, Arith arith) {
+  AsymmetricQuantSpec spec;
+  spec.bits = n_bits;
+  spec.zero = ZeroConvention::subtract_zero;
+  spec.arith = arith == Arith::bf16 ? DType::bf16 : DType::f32;
+  spec.scale_min = round_to_dtype(spec.arith, 1e-5f);
+  spec.scale_max = round_to_dtype(spec.arith, 1e5f);
+  spec.fp32_quotient = n_bits == 16;
+  return spec;
 }
 
-// Code of one value: clamp(round-half-even((x + z)/s), 0, 2^n − 1). The quotient is in fp32 for
-// n = 16 (the reference upcasts its 16-bit path) and in the input dtype otherwise.
-inline std::uint16_t quantize_value(float x, GroupParams p, int n_bits, Arith arith) {
-  float u;
-  if (arith == Arith::bf16 && n_bits < 16)
-    u = round_bf16(round_bf16(x + p.zero) / p.scale);
-  else
-    u = (x + p.zero) / p.scale;
-  float q = std::nearbyint(u);  // default rounding mode: half to even, as torch.round
-  const float qmax = static_cast<float>((1u << n_bits) - 1u);
-  q = std::fmin(std::fmax(q, 0.f), qmax);
-  return static_cast<std::uint16_t>(q);
+// Codes of one group of `g` values (already representable in `arith`) at n bits; returns s, z.
+inline GroupParams quantize_group(const float* x,  // [g]
+                                  std::int64_t g, int n_bits, Arith arith,
+                                  std::uint16_t* codes) {  // [g]
+  KVSIFT_CHECK(g > 0 && g <= (std::int64_t{1} << 30),
+               "pmkvq quantize_group: group size must be in [1, 2^30], got ", g);
+  const AsymmetricQuantSpec spec = quant_spec(n_bits, arith);
+  spec.validate();
+  return asym_quantize_group(spec, x, 1, static_cast<int>(g), codes);
 }
 
-// x̂ = q·s − z in fp32 (the fake backend's body values; the product is kept as a separate
-// rounding so no fused multiply-add can change the result on any compiler).
+// x̂ = q·s − z in fp32 (the fake backend's values; the golden cases are built so that contracting
+// this into a fused multiply-add changes no result).
 inline float dequantize_f32(std::uint16_t q, GroupParams p) {
-  volatile float prod = static_cast<float>(q) * p.scale;
-  return prod - p.zero;
+  return asym_dequantize(quant_spec(16, Arith::f32), q, p);
 }
 
 // The real backend's dequantization for attention: bf16(bf16(bf16(q)·s) − z).
@@ -112,34 +90,26 @@ inline std::int64_t packed_words(std::int64_t count, int n_bits) {
 }
 
 // int16 words (as 0…65535), 16/n codes per word, the first code in the most significant bits
-// (pack_funcs.py). A short last word is padded with zero codes in its low bits.
-inline std::vector<std::uint16_t> pack_msb_first(const std::uint16_t* codes, std::int64_t count,
-                                                 int n_bits) {
-  const std::int64_t per = 16 / n_bits;
-  std::vector<std::uint16_t> words(static_cast<std::size_t>(packed_words(count, n_bits)), 0);
-  const std::uint32_t mask = (n_bits == 16) ? 0xffffu : ((1u << n_bits) - 1u);
-  for (std::int64_t i = 0; i < count; ++i) {
+// (pack_funcs.py): the shared packer with 16-bit words, MSB first. A short last word is padded
+// with zero codes in its low bits.
+inline std::vector<std::uint16_t> pack_msb_first(const std::uint16_t* codes,  // [count]
+                                                 std::int64_t count, int n_bits) {
+  KVSIFT_CHECK(is_valid_bits(n_bits), "pmkvq pack_msb_first: n_bits must be 16, 8, 4 or 2, got ",
+               n_bits);
+  const std::uint32_t mask = n_bits == 16 ? 0xffffu : ((1u << n_bits) - 1u);
+  for (std::int64_t i = 0; i < count; ++i)
     KVSIFT_CHECK(codes[i] <= mask, "pmkvq pack_msb_first: code ", codes[i], " at index ", i,
                  " does not fit in ", n_bits, " bits");
-    const int shift = 16 - n_bits * static_cast<int>(i % per + 1);
-    words[static_cast<std::size_t>(i / per)] |= static_cast<std::uint16_t>(codes[i] << shift);
-  }
-  return words;
+  const std::vector<std::uint32_t> w = pack_codes(codes, count, n_bits, 16, PackOrder::msb_first);
+  return std::vector<std::uint16_t>(w.begin(), w.end());
 }
 
-inline std::vector<std::uint16_t> unpack_msb_first(const std::uint16_t* words, std::int64_t count,
-                                                   int n_bits) {
+inline std::vector<std::uint16_t> unpack_msb_first(const std::uint16_t* words,  // [words]
+                                                   std::int64_t count, int n_bits) {
   KVSIFT_CHECK(is_valid_bits(n_bits), "pmkvq unpack_msb_first: n_bits must be 16, 8, 4 or 2, got ",
                n_bits);
-  const std::int64_t per = 16 / n_bits;
-  const std::uint32_t mask = (n_bits == 16) ? 0xffffu : ((1u << n_bits) - 1u);
-  std::vector<std::uint16_t> codes(static_cast<std::size_t>(count));
-  for (std::int64_t i = 0; i < count; ++i) {
-    const int shift = 16 - n_bits * static_cast<int>(i % per + 1);
-    codes[static_cast<std::size_t>(i)] =
-        static_cast<std::uint16_t>((words[i / per] >> shift) & mask);
-  }
-  return codes;
+  const std::vector<std::uint32_t> w(words, words + packed_words(count, n_bits));
+  return unpack_codes(w.data(), count, n_bits, 16, PackOrder::msb_first);
 }
 
 }  // namespace kvsift::pmkvq

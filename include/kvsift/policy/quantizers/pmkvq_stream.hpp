@@ -26,6 +26,16 @@ struct PmkvqUpdateResult {
   int halvings = 0;          // 0 or 1 with reference_exact, any number otherwise
   std::int64_t evicted = 0;  // body tokens evicted (library mode, below 2 bits only)
   bool fits = true;          // memory after the update is within the budget
+  // Over budget where the reference raises (an empty body, or already at 2 bits): reported in
+  // library mode too, which degrades (evicts) instead.
+  bool reference_would_raise = false;
+};
+
+// The reference's MemoryError (reference_exact only): the layer is over its budget and cannot
+// halve further. The stream is left at its last successful update.
+class PmkvqBudgetError : public Error {
+ public:
+  using Error::Error;
 };
 
 namespace pmkvq_detail {
@@ -86,10 +96,14 @@ class PmkvqStreamBase {
   // last successful update: over budget with an empty body, or no width left to halve to.
   void check_reference_error(const pmkvq_detail::Counts& c, std::int64_t mem) const {
     if (!cfg_.reference_exact || static_cast<double>(mem) <= budget_) return;
-    KVSIFT_CHECK(c.body > 0, "PM-KVQ layer ", layer_, ": ", mem, " bytes exceed the budget of ",
-                 budget_, " bytes with an empty body (nothing to requantize)");
-    KVSIFT_CHECK(n_bits_ > 2, "PM-KVQ layer ", layer_, ": ", mem, " bytes exceed the budget of ",
-                 budget_, " bytes at ", n_bits_, " bits (no narrower width than 2 bits)");
+    if (c.body == 0)
+      throw PmkvqBudgetError(detail::concat("PM-KVQ layer ", layer_, ": ", mem,
+                                            " bytes exceed the budget of ", budget_,
+                                            " bytes with an empty body (nothing to requantize)"));
+    if (n_bits_ <= 2)
+      throw PmkvqBudgetError(detail::concat("PM-KVQ layer ", layer_, ": ", mem,
+                                            " bytes exceed the budget of ", budget_, " bytes at ",
+                                            n_bits_, " bits (no narrower width than 2 bits)"));
   }
 
   PmkvqConfig cfg_;
@@ -128,6 +142,7 @@ class PmkvqRealStream : public PmkvqStreamBase {
     PmkvqUpdateResult r;
     r.mem_bytes = memory_bytes(next, n_bits_);
     r.over_budget = static_cast<double>(r.mem_bytes) > budget_;
+    r.reference_would_raise = r.over_budget && (next.body == 0 || n_bits_ <= 2);
     check_reference_error(next, r.mem_bytes);
 
     for (std::int64_t t = 0; t < u; ++t) {
@@ -158,9 +173,9 @@ class PmkvqRealStream : public PmkvqStreamBase {
     for (std::int64_t h = 0; h < H; ++h)
       for (std::int64_t g = 0; g < groups(); ++g) {
         const float* grp = x + (h * src_seq + t) * D + g * G;
-        const pmkvq::GroupParams p = pmkvq::group_params(grp, G, 16, pmkvq::Arith::bf16);
-        for (std::int64_t i = 0; i < G; ++i)
-          s.codes.push_back(pmkvq::quantize_value(grp[i], p, 16, pmkvq::Arith::bf16));
+        const std::size_t at = s.codes.size();
+        s.codes.resize(at + static_cast<std::size_t>(G));
+        const GroupParams p = pmkvq::quantize_group(grp, G, 16, pmkvq::Arith::bf16, &s.codes[at]);
         s.scales.push_back(p.scale);
         s.zeros.push_back(p.zero);
       }
@@ -251,6 +266,7 @@ class PmkvqFakeStream : public PmkvqStreamBase {
     PmkvqUpdateResult r;
     r.mem_bytes = memory_bytes(next, n_bits_);
     r.over_budget = static_cast<double>(r.mem_bytes) > budget_;
+    r.reference_would_raise = r.over_budget && (next.body == 0 || n_bits_ <= 2);
     check_reference_error(next, r.mem_bytes);
 
     const std::int64_t H = cfg_.kv_heads, D = cfg_.head_dim;
@@ -295,14 +311,14 @@ class PmkvqFakeStream : public PmkvqStreamBase {
   // results are rounded to bf16 (docs/algorithms.md §5.2).
   void quantize_position(std::int64_t p, int n) {
     const std::int64_t H = cfg_.kv_heads, D = cfg_.head_dim, G = cfg_.group_size;
+    std::vector<std::uint16_t> codes(static_cast<std::size_t>(G));
     for (int kv = 0; kv < 2; ++kv)
       for (std::int64_t h = 0; h < H; ++h)
         for (std::int64_t g = 0; g < D / G; ++g) {
           float* grp = cache_[kv].data() + (p * H + h) * D + g * G;
-          const pmkvq::GroupParams gp = pmkvq::group_params(grp, G, n, pmkvq::Arith::f32);
+          const GroupParams gp = pmkvq::quantize_group(grp, G, n, pmkvq::Arith::f32, codes.data());
           for (std::int64_t i = 0; i < G; ++i) {
-            const float y =
-                pmkvq::dequantize_f32(pmkvq::quantize_value(grp[i], gp, n, pmkvq::Arith::f32), gp);
+            const float y = pmkvq::dequantize_f32(codes[static_cast<std::size_t>(i)], gp);
             grp[i] = n == 16 ? pmkvq::round_bf16(y) : y;
           }
         }
