@@ -88,7 +88,8 @@ TEST_CASE("replay pmkvq config errors name the key and value", "[replay][pmkvq][
   c["n_init_kv_bits"] = 6;
   f.metadata()["config"] = c.dump();
   CHECK_THROWS_WITH(tool::replay_pmkvq(f, "case.st"),
-                    Catch::Matchers::Contains("n_init_kv_bits must be 16, 8, 4 or 2, got 6"));
+                    Catch::Matchers::Contains(
+                        "case.st: config key 'n_init_kv_bits' must be 16, 8, 4 or 2, got 6"));
   c["n_init_kv_bits"] = 16;
   c["backend"] = "hybrid";
   f.metadata()["config"] = c.dump();
