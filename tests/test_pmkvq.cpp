@@ -376,3 +376,21 @@ TEST_CASE("PM-KVQ 16-bit quantizer by hand: bf16 scale, fp32 quotient, scale flo
   CHECK(pc.zero == -0.5f);
   CHECK(q[0] == 0);
 }
+
+TEST_CASE("PM-KVQ library mode: sinks and window alone over budget keep everything, reported",
+          "[pmkvq]") {
+  PmkvqConfig cfg;
+  cfg.kv_heads = 1;
+  cfg.n_window = 4;
+  cfg.kv_budget_mb = {1e-4};  // 104 bytes; one 16-bit token of K and V costs 512 + 8 bytes
+  PmkvqRealStream s(cfg, 0);
+  std::vector<float> x(128);
+  for (int i = 0; i < 128; ++i) x[i] = static_cast<float>(i) / 8;
+  const PmkvqUpdateResult r = s.update(x.data(), x.data(), 1, 1);
+  CHECK(r.mem_bytes == 2 * 128 * 2 + 2 * 2 * 2);  // codes + bf16 scale and zero, K and V
+  CHECK(r.over_budget);
+  CHECK(r.reference_would_raise);
+  CHECK_FALSE(r.fits);
+  CHECK(r.evicted == 0);
+  CHECK(s.tokens() == 1);
+}
