@@ -197,6 +197,10 @@ SafetensorsFile replay_pmkvq(const SafetensorsFile& in, const std::string& what)
   const auto it = in.metadata().find("config");
   KVSIFT_CHECK(it != in.metadata().end(), what, ": missing metadata 'config'");
   const nlohmann::json c = nlohmann::json::parse(it->second);
+  KVSIFT_CHECK(!c.contains("kind") || c.at("kind") == "stream", what, ": config key 'kind' is ",
+               c.contains("kind") ? c.at("kind").dump() : "",
+               ", not a stream case (replay runs "
+               "streams: a prefill, then decode steps)");
   const PmkvqConfig cfg = parse_config(c, what);
   return cfg.backend == PmkvqBackend::real ? run<PmkvqRealStream>(in, c, cfg, what)
                                            : run<PmkvqFakeStream>(in, c, cfg, what);

@@ -106,3 +106,10 @@ TEST_CASE("replay pmkvq config errors name the key and value", "[replay][pmkvq][
   CHECK_THROWS_WITH(tool::replay_pmkvq(f, "case.st"),
                     Catch::Matchers::Contains("missing config key 'kv_budget_mb'"));
 }
+
+TEST_CASE("replay refuses the pmkvq_ers tables case by name", "[replay][pmkvq][errors]") {
+  const std::string in_path = std::string(KVSIFT_GOLDEN_DIR) + "/pmkvq_ers.safetensors";
+  CHECK_THROWS_WITH(tool::replay_pmkvq(SafetensorsFile::load(in_path), "ers.st"),
+                    Catch::Matchers::Contains("ers.st: config key 'kind' is \"tables\", not a "
+                                              "stream case"));
+}
