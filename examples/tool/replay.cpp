@@ -1,4 +1,5 @@
-// `kvsift replay --case FILE --out OUT`: the dispatch over stream-case methods (replay.hpp).
+// `kvsift replay` (replay.hpp): reads the case, picks the method from its config's "method" key in
+// the table below, runs it and writes OUT atomically (never over the case itself).
 #include "replay.hpp"
 
 #include <cstdio>
@@ -15,23 +16,38 @@ namespace kvsift::tool {
 namespace {
 
 struct ReplayMethod {
-  const char* method;  // the case's config key "method"
-  SafetensorsFile (*run)(const SafetensorsFile& in, const std::string& what);
+  const char* method;  // the value of __metadata__.config "method"
+  ReplayFn run;
 };
 
 // One line per method.
 const ReplayMethod kReplayMethods[] = {
+    {"kivi", &replay_kivi},
     {"pm-kvq", &replay_pmkvq},
 };
+
+std::string method_names() {
+  std::string s;
+  for (const ReplayMethod& m : kReplayMethods) s += (s.empty() ? "" : ", ") + std::string(m.method);
+  return s;
+}
+
+void print_help() {
+  std::printf(
+      "usage: kvsift replay --case FILE --out OUT\n\n"
+      "Runs the stream case FILE (safetensors; the method and every parameter come from its\n"
+      "__metadata__.config, the inputs from its tensors) and writes OUT with every output tensor\n"
+      "the golden README lists for that method, same names, shapes and dtypes.\n"
+      "methods: %s\n",
+      method_names().c_str());
+}
+
+}  // namespace
 
 int run_replay(const std::vector<std::string>& argv) {
   for (const std::string& a : argv)
     if (a == "--help" || a == "-h") {
-      std::printf(
-          "usage: kvsift replay --case FILE --out OUT\n\n"
-          "Runs a stream case (method and parameters from its __metadata__.config, inputs by the\n"
-          "golden README's names) and writes every output tensor the README lists for that\n"
-          "method, under the same names, shapes and dtypes.\n");
+      print_help();
       return 0;
     }
   const Args args(argv, {"case", "out"});
@@ -39,31 +55,22 @@ int run_replay(const std::vector<std::string>& argv) {
   check_output_not_input(out_path, {in_path});
   const SafetensorsFile in = SafetensorsFile::load(in_path);
   const auto it = in.metadata().find("config");
-  KVSIFT_CHECK(it != in.metadata().end(), in_path, ": missing metadata 'config'");
-  nlohmann::json cfg;
-  try {
-    cfg = nlohmann::json::parse(it->second);
-  } catch (const nlohmann::json::exception& e) {
-    KVSIFT_FAIL(in_path, ": metadata 'config' is not JSON (", e.what(), ")");
-  }
+  KVSIFT_CHECK(it != in.metadata().end(), in_path, ": missing __metadata__.config");
+  const nlohmann::json cfg = nlohmann::json::parse(it->second, nullptr, false);
   KVSIFT_CHECK(cfg.is_object() && cfg.contains("method") && cfg.at("method").is_string(), in_path,
-               ": config key 'method' must name the case's method");
+               ": __metadata__.config has no string \"method\"");
   const std::string method = cfg.at("method").get<std::string>();
-  std::string known;
   for (const ReplayMethod& m : kReplayMethods) {
-    if (method == m.method) {
-      const SafetensorsFile out = m.run(in, in_path);
-      out.save(out_path);
-      std::printf("replayed %s case %s -> %s\n", m.method, in_path.c_str(), out_path.c_str());
-      return 0;
-    }
-    known += known.empty() ? m.method : std::string(", ") + m.method;
+    if (method != m.method) continue;
+    m.run(in).save(out_path);
+    return 0;
   }
-  KVSIFT_FAIL(in_path, ": config key 'method' is '", method, "', replay knows ", known);
+  KVSIFT_FAIL(in_path, ": unknown method '", method, "' (replay knows ", method_names(), ")");
 }
 
-const RegisterCommand register_replay{
-    {"replay", "run a stream case (KV quantizer/evictor) and write its outputs", &run_replay}};
-
+namespace {
+const RegisterCommand reg{
+    {"replay", "run a quantizer stream case, write its outputs", &run_replay}};
 }  // namespace
+
 }  // namespace kvsift::tool

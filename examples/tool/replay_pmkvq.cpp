@@ -206,4 +206,6 @@ SafetensorsFile replay_pmkvq(const SafetensorsFile& in, const std::string& what)
                                            : run<PmkvqFakeStream>(in, c, cfg, what);
 }
 
+SafetensorsFile replay_pmkvq(const SafetensorsFile& in) { return replay_pmkvq(in, "case"); }
+
 }  // namespace kvsift::tool
