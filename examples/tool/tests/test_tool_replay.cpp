@@ -51,3 +51,20 @@ TEST_CASE("kvsift replay: errors name the problem") {
                     Catch::Matchers::Contains("missing config key 'v_bits'"));
   std::remove(bad.c_str());
 }
+
+TEST_CASE("kvsift replay dispatches pm-kvq cases to replay_pmkvq") {
+  // The full README comparison of PM-KVQ outputs is test_tool_replay_pmkvq; here: the command's
+  // table line, its written file and one exact tensor of each backend.
+  for (const char* name : {"pmkvq_real.safetensors", "pmkvq_fake.safetensors"}) {
+    INFO(name);
+    const std::string out = temp_out(name);
+    REQUIRE(tool::run_replay({"--case", golden(name), "--out", out}) == 0);
+    const SafetensorsFile got = SafetensorsFile::load(out);
+    std::remove(out.c_str());
+    const SafetensorsFile ref = SafetensorsFile::load(golden(name));
+    const std::string nbits =
+        std::string(name).find("real") != std::string::npos ? "real.nbits" : "fake.nbits";
+    REQUIRE(got.has(nbits));
+    CHECK(got.get(nbits).bytes == ref.get(nbits).bytes);
+  }
+}
