@@ -394,3 +394,66 @@ TEST_CASE("PM-KVQ library mode: sinks and window alone over budget keep everythi
   CHECK(r.evicted == 0);
   CHECK(s.tokens() == 1);
 }
+
+TEST_CASE("PM-KVQ real flush shrinks 16-bit codes to the body width by repeated rounding",
+          "[pmkvq]") {
+  // Body starts at 4 bits: a flushed token's codes go 16 → 8 → 4 through ⌊q/(2^n + 1) + ½⌋ twice
+  // (the closed form, an oracle independent of the shift formula), its scale ·257 then ·17 with a
+  // bf16 rounding each; the zero point is kept.
+  PmkvqConfig cfg;
+  cfg.kv_heads = 1;
+  cfg.n_sink = 1;
+  cfg.n_window = 2;
+  cfg.n_init_bits = 4;
+  cfg.kv_budget_mb = {1.0};
+  cfg.reference_exact = true;
+  PmkvqRealStream s(cfg, 0);
+  std::vector<float> x(4 * 128);  // [1 head, 4 tokens, 128]
+  for (int t = 0; t < 4; ++t)
+    for (int i = 0; i < 128; ++i)
+      x[t * 128 + i] = pmkvq::round_bf16(std::sin(0.37f * i + t) * (1 + t));
+  const PmkvqUpdateResult r = s.update(x.data(), x.data(), 3, 4);  // sink + 2 → flush 2
+  CHECK(r.n_bits == 4);
+  REQUIRE(s.n_body() == 2);
+  CHECK(s.n_window() == 0);
+  for (int t = 1; t <= 2; ++t) {
+    std::vector<std::uint16_t> q16(128);
+    const GroupParams p =
+        pmkvq::quantize_group(&x[t * 128], 128, 16, pmkvq::Arith::bf16, q16.data());
+    for (int i = 0; i < 128; ++i) {
+      const std::uint32_t q8 = (2u * q16[i] + 257u) / (2u * 257u);
+      const std::uint32_t q4 = (2u * q8 + 17u) / (2u * 17u);
+      CHECK(s.body(0).codes[(t - 1) * 128 + i] == q4);
+    }
+    CHECK(s.body(0).scales[t - 1] == pmkvq::round_bf16(pmkvq::round_bf16(p.scale * 257) * 17));
+    CHECK(s.body(0).zeros[t - 1] == p.zero);
+  }
+  // The fourth token enters the window; 2·H·D·(16·(1 + 1) + 4·2)/8 bytes of codes, H = 1.
+  const PmkvqUpdateResult r2 = s.update(x.data() + 3 * 128, x.data() + 3 * 128, 1, 4);
+  CHECK(r2.mem_bytes == 2 * 128 * (16 * 2 + 4 * 2) / 8);
+}
+
+TEST_CASE("PM-KVQ library mode on the real stream stays within budget", "[pmkvq]") {
+  const SafetensorsFile g = SafetensorsFile::load(golden("pmkvq_real"));
+  PmkvqConfig cfg = config_of(nlohmann::json::parse(g.metadata().at("config")));
+  cfg.reference_exact = false;
+  cfg.kv_budget_mb = {0.16};  // sinks + window take up to 133120 bytes: the body must evict
+  PmkvqRealStream s(cfg, 0);
+  const std::int64_t D = cfg.head_dim;
+  const std::vector<float> pk = floats(g, "prefill_keys"), pv = floats(g, "prefill_values");
+  const std::vector<float> dk = floats(g, "decode_keys"), dv = floats(g, "decode_values");
+  const std::int64_t P = g.get("prefill_keys").shape[2], N = g.get("decode_keys").shape[2];
+  std::int64_t evicted = 0;
+  for (std::int64_t i = 0; i <= N; ++i) {
+    const PmkvqUpdateResult r =
+        i == 0 ? s.update(pk.data(), pv.data(), P, P)
+               : s.update(dk.data() + (i - 1) * D, dv.data() + (i - 1) * D, 1, N);
+    CHECK(r.fits);
+    evicted += r.evicted;
+  }
+  CHECK(s.n_bits() == 2);
+  CHECK(evicted > 0);
+  CHECK(s.tokens() == P + N - evicted);
+  CHECK(s.body(0).tokens == s.n_body());
+  CHECK(static_cast<double>(s.memory_bytes()) <= cfg.budget_bytes(0));
+}
