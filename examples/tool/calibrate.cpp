@@ -1,6 +1,6 @@
-// `kvsift calibrate`: ThinKV's offline calibration (docs/algorithms.md §3.1). Reads per-step
-// attention sparsities recorded on calibration prompts, and prints the thought thresholds θ1 < θ2
-// and the calibrated layers L* (optionally writing them as JSON for ThoughtClassifierConfig).
+// `kvsift calibrate`: ThinKV's offline calibration (docs/algorithms.md §3.1). Reads per-step attention
+// sparsities recorded on calibration prompts, and prints the thought thresholds θ1 < θ2 and the
+// calibrated layers L* (optionally writing them as JSON for ThoughtClassifierConfig).
 //
 // Input format: a safetensors file with one tensor `sparsity`, dtype F32 (F16/BF16 accepted),
 // shape [prompts, layers, steps]: sparsity[p, l, s] is the attention sparsity (averaged over

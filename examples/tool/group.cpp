@@ -1,5 +1,5 @@
-// `kvsift group`: SkipKV batch grouping (docs/algorithms.md §2.6) of a prefill-lengths file. Prints
-// how much left padding batching in data-set order costs, how much sorting by prefill length saves,
+// `kvsift group`: SkipKV batch grouping (docs/algorithms.md §2.6) of a prefill-lengths file. Prints how
+// much left padding batching in data-set order costs, how much sorting by prefill length saves,
 // the first few batches, and (with --budget) the effective budget per request when pads are
 // force-kept as in the SkipKV reference.
 #include <algorithm>

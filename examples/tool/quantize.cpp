@@ -1,8 +1,7 @@
-// `kvsift quantize` and `kvsift dequantize`: ThinKV's group codecs (docs/algorithms.md §3.2)
-// applied to a whole [tokens, channels] tensor in the KIVI layout
-// (include/kvsift/quant/quantized_tensor.hpp). quantize writes the decoded tensor plus the packed
-// codes and scales, so other implementations can be compared with ours byte for byte; dequantize
-// decodes (and validates) such a file.
+// `kvsift quantize` and `kvsift dequantize`: ThinKV's group codecs (docs/algorithms.md §3.2) applied to
+// a whole [tokens, channels] tensor in the KIVI layout (include/kvsift/quant/quantized_tensor.hpp).
+// quantize writes the decoded tensor plus the packed codes and scales, so other implementations
+// can be compared with ours byte for byte; dequantize decodes (and validates) such a file.
 #include <cmath>
 #include <cstdio>
 #include <string>
