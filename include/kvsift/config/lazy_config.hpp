@@ -23,7 +23,7 @@ enum class LazyScope {
 struct LazyConfig {
   int budget = 1024;    // B_cap: cache size after an eviction
   int window = 128;     // W: eviction period in steps, and the most recent tokens always kept
-  double alpha = 1e-3;  // hit threshold on a softmax weight
+  float alpha = 1e-3f;  // hit threshold on a softmax weight
   LazyCounters counters = LazyCounters::int32;
   LazyScope scope = LazyScope::kv_head;
 

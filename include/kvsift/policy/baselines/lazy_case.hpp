@@ -45,7 +45,7 @@ inline Case load_case(const SafetensorsFile& f) {
   c.shape.steps = integer("decode_steps", 1);
   c.cfg.budget = int(integer("budget", 2));
   c.cfg.window = int(integer("window", 1));
-  c.cfg.alpha = json_real(req("alpha"), "config key 'alpha'", 0.0, 1.0);
+  c.cfg.alpha = json_float(req("alpha"), "config key 'alpha'", 0.0f, 1.0f);
   const nlohmann::json& dt = req("dtype");
   KVSIFT_CHECK(dt.is_string() && (dt == "float32" || dt == "float16"),
                "lazy case: config key 'dtype' must be \"float32\" or \"float16\", got ", dt.dump());
