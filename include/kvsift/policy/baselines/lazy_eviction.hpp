@@ -3,7 +3,9 @@
 // recurrence interval (the longest gap between consecutive hits). Every `window` decode steps,
 // when a sequence holds more than `budget` tokens, the cache keeps the budget − window tokens
 // most likely to recur by the released code's score (lazy_counters.hpp) plus the `window` most
-// recent; ties go to the lower position, pads are never kept (budget counts real tokens).
+// recent; ties go to the lower position. Pads are never kept by a compression (the budget counts
+// real tokens; a sequence over budget only by its pads keeps its real tokens), as in the other
+// baselines (docs/algorithms.md §2.4).
 //
 // needs() == kNeedsQueries. Per decode step and layer, after the step's key/value is appended:
 //   lazy.observe(obs);   // obs.layer, obs.kv, obs.queries [batch, q_heads, 1, head_dim]
@@ -51,11 +53,17 @@ class LazyEviction final : public Policy {
   unsigned needs() const override { return kNeedsQueries; }
 
   bool should_compress(const KVCacheView& kv) const override {
-    const std::vector<std::uint8_t> over = cpu::sequences_over_budget(kv, cfg_.budget);
+    const std::vector<std::uint8_t> over = over_budget(kv);
     if (std::find(over.begin(), over.end(), 1) == over.end()) return false;
     if (layers_.empty() || !layers_[0].observed) return true;  // select() will say why not
     const std::int64_t t = layers_[0].step;
     return t > 0 && t % cfg_.window == 0;
+  }
+
+  // [batch] 1 where the sequence holds more than `budget` slots, as every score-based baseline
+  // (cpu::sequences_over_budget); a compression then drops its pads (docs/algorithms.md §2.4).
+  std::vector<std::uint8_t> over_budget(const KVCacheView& kv) const {
+    return cpu::sequences_over_budget(kv, cfg_.budget);
   }
 
   void observe(const Observation& obs) override {
@@ -124,7 +132,7 @@ class LazyEviction final : public Policy {
                     ExecContext{});
     }
     const KVCacheView& kv = in.kv;
-    const std::vector<std::uint8_t> over = cpu::sequences_over_budget(kv, cfg_.budget);
+    const std::vector<std::uint8_t> over = over_budget(kv);
     if (std::find(over.begin(), over.end(), 1) == over.end()) return KeepPlan::keep_all(kv);
     KVSIFT_CHECK(in.layer >= 0 && in.layer < static_cast<int>(layers_.size()) &&
                      layers_[std::size_t(in.layer)].observed,
@@ -136,28 +144,46 @@ class LazyEviction final : public Policy {
                  "LazyEviction::select: layer ", in.layer, " counters are for batch ", L.batch,
                  ", kv_heads ", L.kv_heads, ", the cache is ", kv.keys.shape_string(),
                  " (call reset() for a new cache)");
-    cpu::ScoreTensor scores(kv.batch(), kv.kv_heads(), kv.capacity());
+    // Per row: the budget − window highest-scoring real candidates (all but the `window` most
+    // recent slots; ties: the lower slot) plus the window; rows of sequences within budget keep
+    // everything.
+    std::vector<std::int32_t> source(kv.lengths, kv.lengths + kv.batch()), kept(source);
+    std::vector<std::vector<std::int32_t>> rows(std::size_t(kv.batch() * kv.kv_heads()));
+    std::vector<float> sc;
     for (std::int64_t b = 0; b < kv.batch(); ++b) {
+      const std::int32_t s = kv.length(b);
+      const std::uint8_t* valid = kv.valid_mask ? kv.valid_mask + b * kv.capacity() : nullptr;
       for (std::int64_t h = 0; h < kv.kv_heads(); ++h) {
         const lazy::Row& row = L.rows[std::size_t(b * kv.kv_heads() + h)];
-        KVSIFT_CHECK(row.size() == kv.length(b), "LazyEviction::select: layer ", in.layer,
-                     " sequence ", b, " holds ", kv.length(b), " tokens but its counters ",
-                     row.size(), " (a plan from select() not applied, or a step not observed)");
-        if (!over[std::size_t(b)]) continue;
-        float* out = scores.row(b, h);
-        for (std::int64_t j = 0; j < row.size(); ++j)
-          out[j] =
+        KVSIFT_CHECK(row.size() == s, "LazyEviction::select: layer ", in.layer, " sequence ", b,
+                     " holds ", s, " tokens but its counters ", row.size(),
+                     " (a plan from select() not applied, or a step not observed)");
+        std::vector<std::int32_t>& out = rows[std::size_t(b * kv.kv_heads() + h)];
+        if (!over[std::size_t(b)]) {
+          for (std::int32_t j = 0; j < s; ++j) out.push_back(j);
+          continue;
+        }
+        if (valid != nullptr && std::count(valid, valid + s, std::uint8_t{0}) >= s - cfg_.budget) {
+          // Without its pads the sequence fits the budget: keep every real token.
+          for (std::int32_t j = 0; j < s; ++j)
+            if (valid[j]) out.push_back(j);
+          continue;
+        }
+        const std::int32_t n = s - cfg_.window;
+        sc.resize(std::size_t(n));
+        for (std::int32_t j = 0; j < n; ++j)
+          sc[std::size_t(j)] =
               lazy::score(row.ts[std::size_t(j)], row.mri[std::size_t(j)], L.step, cfg_.counters);
+        cpu::top_k_slots(sc.data(), n, valid, 0, cfg_.budget - cfg_.window, out);
+        for (std::int32_t j = n; j < s; ++j) out.push_back(j);
       }
-      if (over[std::size_t(b)]) scores.set_count(b, kv.length(b));
+      kept[std::size_t(b)] = std::int32_t(rows[std::size_t(b * kv.kv_heads())].size());
     }
-    const KeepPlan plan = cpu::plan_from_scores(kv, &scores, {cfg_.budget, cfg_.window, 0});
-    for (std::int64_t b = 0; b < kv.batch(); ++b)
-      for (std::int64_t h = 0; h < kv.kv_heads(); ++h) {
-        const std::int32_t* slots = plan.row(b, h);
-        lazy::follow(L.rows[std::size_t(b * kv.kv_heads() + h)],
-                     std::vector<std::int32_t>(slots, slots + plan.row_size(b, h)));
-      }
+    KeepPlan plan(kv.batch(), kv.kv_heads(), kv.capacity(), source, kept, cfg_.window);
+    for (std::size_t r = 0; r < rows.size(); ++r) {
+      plan.append_row(rows[r]);
+      lazy::follow(L.rows[r], rows[r]);
+    }
     return plan;
   }
 
