@@ -196,3 +196,39 @@ TEST_CASE("LazyEviction errors name the problem", "[lazy][policy][errors]") {
   REQUIRE_THROWS_WITH(per_query.observe(obs),
                       Contains("scope query_head") && Contains("kv_heads 1 and q_heads 2"));
 }
+
+TEST_CASE("LazyEviction fires every window steps over budget, never on the prompt",
+          "[lazy][policy]") {
+  LazyConfig cfg;
+  cfg.budget = 4, cfg.window = 3;
+  LazyEviction policy(cfg);
+  MiniEngine e(1, 32, 2);
+  const float k[2] = {1, 0};
+  float q[2] = {0, 1};
+  for (int p = 0; p < 6; ++p) e.append(p, [&](std::int64_t) { return k; });
+  // The prompt (6 > 4 tokens) observed as one chunk of 6 queries: step 0, no trigger.
+  std::vector<float> prompt_q(12, 0.0f);
+  Observation obs;
+  obs.layer = 0;
+  obs.kv = e.view();
+  obs.queries = TensorView::contiguous(prompt_q.data(), DType::f32, Device::cpu, {1, 1, 6, 2});
+  policy.observe(obs);
+  CHECK(policy.step(0) == 0);
+  CHECK_FALSE(policy.should_compress(e.view()));
+  obs.queries = TensorView::contiguous(q, DType::f32, Device::cpu, {1, 1, 1, 2});
+  for (int t = 1; t <= 6; ++t) {
+    e.append(5 + t, [&](std::int64_t) { return k; });
+    obs.kv = e.view();
+    policy.observe(obs);
+    INFO("step " << t);
+    CHECK(policy.should_compress(e.view()) == (t % 3 == 0));
+    if (t % 3 == 0) {
+      const KeepPlan plan = policy.select({0, e.view(), TensorView{}});
+      CHECK(plan.kept_length(0) == 4);
+      e.apply(plan);
+    }
+  }
+  // At budget (4 tokens) on a trigger step: nothing to do.
+  CHECK(e.len[0] == 4);
+  CHECK_FALSE(policy.should_compress(e.view()));
+}
