@@ -5,6 +5,7 @@
 
 #include "config_json.hpp"
 #include "kvsift/config/h2o_config.hpp"
+#include "kvsift/config/lazy_config.hpp"
 #include "kvsift/config/options.hpp"
 #include "kvsift/config/rkv_config.hpp"
 #include "kvsift/config/skipkv_config.hpp"
@@ -53,6 +54,22 @@ struct H2OFields {
     v("recent", c.recent);
     v("buffer", c.buffer);
     v("mode", c.mode, kH2ONames);
+  }
+};
+
+inline const EnumNames<LazyCounters> kLazyCounterNames{{"int32", LazyCounters::int32},
+                                                       {"fp16", LazyCounters::fp16}};
+inline const EnumNames<LazyScope> kLazyScopeNames{{"kv_head", LazyScope::kv_head},
+                                                  {"query_head", LazyScope::query_head}};
+
+struct LazyFields {
+  template <class V>
+  void operator()(V& v, LazyConfig& c) const {
+    v("budget", c.budget);
+    v("window", c.window);
+    v("alpha", c.alpha);
+    v("counters", c.counters, kLazyCounterNames);
+    v("scope", c.scope, kLazyScopeNames);
   }
 };
 

@@ -10,6 +10,7 @@
 #include "kvsift/core/error.hpp"
 #include "kvsift/policy/baselines/full_kv.hpp"
 #include "kvsift/policy/baselines/h2o.hpp"
+#include "kvsift/policy/baselines/lazy_eviction.hpp"
 #include "kvsift/policy/baselines/rkv.hpp"
 #include "kvsift/policy/baselines/snapkv.hpp"
 #include "kvsift/policy/baselines/streaming_llm.hpp"
@@ -57,9 +58,10 @@ std::string skipkv_default_json() {
 }
 
 constexpr char kFullKV[] = "fullkv", kStreaming[] = "streaming", kH2O[] = "h2o",
-               kSnapKV[] = "snapkv", kRKV[] = "rkv", kSkipKV[] = "skipkv", kThinKV[] = "thinkv";
-using detail::H2OFields, detail::RKVFields, detail::SnapKVFields, detail::StreamingFields,
-    detail::ThinKVFields, detail::EmptyConfig, detail::EmptyFields;
+               kSnapKV[] = "snapkv", kRKV[] = "rkv", kSkipKV[] = "skipkv", kThinKV[] = "thinkv",
+               kLazy[] = "lazy";
+using detail::H2OFields, detail::LazyFields, detail::RKVFields, detail::SnapKVFields,
+    detail::StreamingFields, detail::ThinKVFields, detail::EmptyConfig, detail::EmptyFields;
 
 // A ThinKV config that validates: its thresholds and calibrated layers have no defaults.
 constexpr std::string_view kThinKVExample =
@@ -79,6 +81,9 @@ const std::vector<MethodInfo>& registered_methods() {
       {kH2O, "baseline", "H2O: heavy hitters by attention accumulated over the decode steps",
        kNeedsQueries, false, create<kH2O, H2O, H2OConfig, H2OFields>, nullptr,
        defaults<H2OConfig, H2OFields>, "{}"},
+      {kLazy, "baseline", "LazyEviction: recurrence-aware eviction every window steps",
+       kNeedsQueries, false, create<kLazy, LazyEviction, LazyConfig, LazyFields>, nullptr,
+       defaults<LazyConfig, LazyFields>, "{}"},
       {kSnapKV, "baseline", "SnapKV: observation-window attention, pooled", kNeedsNothing, false,
        create<kSnapKV, SnapKV, SnapKVConfig, SnapKVFields>, nullptr,
        defaults<SnapKVConfig, SnapKVFields>, "{}"},

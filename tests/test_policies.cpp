@@ -160,6 +160,7 @@ TEST_CASE("should_compress fires at budget + buffer", "[policies]") {
   std::mt19937 rng(4);
   RandomCache c(DType::f32, 2, 1, 64, 8, rng);
   for (const std::string& name : planning_methods()) {
+    if (name == "lazy") continue;  // triggered by the step count: tests/test_lazy_policy.cpp
     INFO(name);
     std::unique_ptr<Policy> p =
         make_policy(name, filter_config(name, R"({"budget": 40, "buffer": 16, "window": 8})"));

@@ -39,7 +39,8 @@ TEST_CASE("every registered method creates from its example config", "[registry]
       REQUIRE_THROWS_WITH(make_cache_owning_policy(m.name), Contains("make_policy"));
     }
   }
-  for (const char* expected : {"fullkv", "streaming", "h2o", "snapkv", "rkv", "skipkv", "thinkv"})
+  for (const char* expected :
+       {"fullkv", "streaming", "h2o", "lazy", "snapkv", "rkv", "skipkv", "thinkv"})
     CHECK(names.count(expected) == 1);
   CHECK(policy_names().size() == registered_methods().size());
 }
@@ -64,6 +65,10 @@ TEST_CASE("registry errors name the problem", "[registry][errors]") {
                       Contains("'pooling' must be one of max, avg") && Contains("median"));
   REQUIRE_THROWS_WITH(make_policy("rkv", R"({"budget": 4})"),
                       Contains("budget (4)") && Contains("window"));
+  REQUIRE_THROWS_WITH(make_policy("lazy", R"({"counters": "fp8"})"),
+                      Contains("'counters' must be one of int32, fp16") && Contains("fp8"));
+  REQUIRE_THROWS_WITH(make_policy("lazy", R"({"budget": 16, "window": 16})"),
+                      Contains("budget (16) must exceed window (16)"));
   REQUIRE_THROWS_WITH(make_policy("rkv", "[1, 2]"), Contains("expected a JSON object"));
   REQUIRE_THROWS_WITH(make_policy("rkv", "{budget: 3"), Contains("not valid JSON"));
   REQUIRE_THROWS_WITH(

@@ -1,5 +1,6 @@
 // `kvsift replay` (replay.hpp): reads the case, picks the method from its config's "method" key in
-// the table below, runs it and writes OUT atomically (never over the case itself).
+// the table below, runs it and writes OUT atomically (never over the case itself), so that an
+// unseen case can be checked by the golden README's rule alone.
 #include "replay.hpp"
 
 #include <cstdio>
@@ -24,6 +25,7 @@ struct ReplayMethod {
 const ReplayMethod kReplayMethods[] = {
     {"kivi", &replay_kivi},
     {"pm-kvq", &replay_pmkvq},
+    {"lazyeviction", &replay_lazy},
 };
 
 std::string method_names() {
@@ -70,7 +72,7 @@ int run_replay(const std::vector<std::string>& argv) {
 
 namespace {
 const RegisterCommand reg{
-    {"replay", "run a quantizer stream case, write its outputs", &run_replay}};
+    {"replay", "run a stream case from its config and write its output tensors", &run_replay}};
 }  // namespace
 
 }  // namespace kvsift::tool

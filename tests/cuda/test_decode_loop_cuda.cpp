@@ -33,7 +33,8 @@ constexpr std::int32_t kDelimiter = 271;     // "\n\n" in the R1-Distill-Qwen vo
 std::string config_for(const std::string& name) {
   if (name == "fullkv") return "{}";
   if (name == "streaming" || name == "h2o") return R"({"budget": 64, "buffer": 16})";
-  return R"({"budget": 64, "buffer": 16, "window": 8})";
+  // Each method takes the keys its config has (LazyEviction: budget and window, no buffer).
+  return filter_config(name, R"({"budget": 64, "buffer": 16, "window": 8})");
 }
 
 // One layer's cache in both places: host vectors and their device mirror.
