@@ -11,7 +11,8 @@ SAN_DIR=${SANITIZE_BUILD_DIR:-"$KVSIFT_ROOT/build-sanitize"}
 SAN_FLAGS="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
 args=(-DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVSIFT_CUDA=OFF -DKVSIFT_BUILD_TESTS=ON
       -DKVSIFT_BUILD_EXAMPLES=OFF -DKVSIFT_BUILD_BENCH=OFF
-      "-DCMAKE_CXX_FLAGS=$SAN_FLAGS" "-DCMAKE_EXE_LINKER_FLAGS=$SAN_FLAGS")
+      "-DCMAKE_CXX_FLAGS=$SAN_FLAGS" "-DCMAKE_C_FLAGS=$SAN_FLAGS"
+      "-DCMAKE_EXE_LINKER_FLAGS=$SAN_FLAGS" "-DCMAKE_SHARED_LINKER_FLAGS=$SAN_FLAGS")
 if command -v clang++ >/dev/null 2>&1; then
   args+=(-DCMAKE_CXX_COMPILER=clang++ -DKVSIFT_BUILD_FUZZERS=ON)
 fi
@@ -30,5 +31,8 @@ echo "== CPU tests and fuzz runs under ASan + UBSan"
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1:strict_string_checks=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 # shellcheck disable=SC2086
-ctest --test-dir "$SAN_DIR" --output-on-failure -j "$JOBS" -LE slow ${SANITIZE_CTEST_ARGS:-}
+# test_c_api_ctypes loads the instrumented libkvsift_c into an uninstrumented Python, which ASan
+# refuses (its runtime must come first); the C test program covers the same library here.
+ctest --test-dir "$SAN_DIR" --output-on-failure -j "$JOBS" -LE slow -E '^test_c_api_ctypes$' \
+  ${SANITIZE_CTEST_ARGS:-}
 echo "== sanitizers clean ($(($(date +%s) - start)) s)"
