@@ -43,7 +43,7 @@ TEST_CASE("LazyEviction counters: fp16 rounds odd steps past 2048 to even", "[la
   CHECK(lazy::counter_of_step(LazyCounters::fp16, 2051) == 2052);
   CHECK(lazy::counter_of_step(LazyCounters::int32, 2049) == 2049);
   CHECK_THROWS_WITH(lazy::counter_of_step(LazyCounters::fp16, 70000),
-                    Catch::Contains("step 70000") && Catch::Contains("fp16"));
+                    Catch::Matchers::Contains("step 70000") && Catch::Matchers::Contains("fp16"));
 }
 
 TEST_CASE("LazyEviction kept slots: top scores, ties to the lower slot, window kept", "[lazy]") {
@@ -58,7 +58,7 @@ TEST_CASE("LazyEviction kept slots: top scores, ties to the lower slot, window k
 TEST_CASE("LazyConfig validation names the field and value", "[lazy]") {
   LazyConfig c;
   c.budget = 8, c.window = 8;
-  CHECK_THROWS_WITH(c.validate(), Catch::Contains("budget (8) must exceed window (8)"));
+  CHECK_THROWS_WITH(c.validate(), Catch::Matchers::Contains("budget (8) must exceed window (8)"));
   c.budget = 16, c.alpha = 0.0;
-  CHECK_THROWS_WITH(c.validate(), Catch::Contains("alpha must be in (0, 1], got 0"));
+  CHECK_THROWS_WITH(c.validate(), Catch::Matchers::Contains("alpha must be in (0, 1], got 0"));
 }

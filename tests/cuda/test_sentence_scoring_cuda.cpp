@@ -668,6 +668,6 @@ TEST_CASE("cuda SkipKV rejects bad penalties and calls with messages naming the 
   SECTION("bad config") {
     cfg.rkv.budget = 8;
     REQUIRE_THROWS_WITH(cfg.validate(),
-                        Catch::Matchers::Contains("budget (8) must exceed window (8)"));
+                        Catch::Matchers::Contains("budget (8) must exceed window + sink (8 + 0)"));
   }
 }
