@@ -455,4 +455,17 @@ void SafetensorsFile::save(const std::string& path) const {
   write_file_atomically(path, serialize());
 }
 
+StTensor StTensor::from_i32(std::vector<std::int64_t> shape,
+                            const std::vector<std::int32_t>& values) {
+  StTensor t;
+  t.dtype = StDType::i32;
+  t.shape = std::move(shape);
+  KVSIFT_CHECK(t.numel() == static_cast<std::int64_t>(values.size()),
+               "StTensor::from_i32: ", values.size(), " values for a shape of ", t.numel(),
+               " elements");
+  t.bytes.resize(values.size() * sizeof(std::int32_t));
+  if (!values.empty()) std::memcpy(t.bytes.data(), values.data(), t.bytes.size());
+  return t;
+}
+
 }  // namespace kvsift

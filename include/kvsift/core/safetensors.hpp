@@ -39,6 +39,10 @@ struct StTensor {
   // losslessly (floats from F32/F16/BF16; integers from I64/I32/U8).
   std::vector<float> to_f32() const;
   std::vector<std::int64_t> to_i64() const;
+
+  // An I32 tensor of `shape` holding `values` (their count must match the shape).
+  static StTensor from_i32(std::vector<std::int64_t> shape,
+                           const std::vector<std::int32_t>& values);
 };
 
 class SafetensorsFile {

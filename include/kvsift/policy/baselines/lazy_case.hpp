@@ -68,15 +68,6 @@ inline Case load_case(const SafetensorsFile& f) {
   return c;
 }
 
-inline StTensor i32_tensor(std::vector<std::int64_t> shape, const std::vector<std::int32_t>& v) {
-  StTensor t;
-  t.dtype = StDType::i32;
-  t.shape = std::move(shape);
-  t.bytes.resize(v.size() * 4);
-  if (!v.empty()) std::memcpy(t.bytes.data(), v.data(), t.bytes.size());
-  return t;
-}
-
 // Rows [rows][width] padded with `pad`; width = the longest row.
 template <class T>
 std::vector<T> padded(const std::vector<std::vector<T>>& rows, std::int64_t width, T pad) {
@@ -99,8 +90,8 @@ inline SafetensorsFile write_outputs(const StreamResult& r, const Case& c) {
     for (const auto& p : e.cand_pos) C = std::max<std::int64_t>(C, std::int64_t(p.size()));
     for (const auto& p : e.kept_pos) K = std::max<std::int64_t>(K, std::int64_t(p.size()));
   }
-  f.put("evict_steps", i32_tensor({E}, steps));
-  f.put("hit_count", i32_tensor({c.shape.steps, H}, r.hit_count));
+  f.put("evict_steps", StTensor::from_i32({E}, steps));
+  f.put("hit_count", StTensor::from_i32({c.shape.steps, H}, r.hit_count));
   std::vector<std::int32_t> cp, kp;
   std::vector<float> cs, ct, cm, kt, km;
   for (const auto& e : r.evictions) {
@@ -112,16 +103,16 @@ inline SafetensorsFile write_outputs(const StreamResult& r, const Case& c) {
     for (const auto& x : padded(e.kept_ts, K, -1.0f)) kt.push_back(x);
     for (const auto& x : padded(e.kept_mri, K, -1.0f)) km.push_back(x);
   }
-  f.put("cand_pos", i32_tensor({E, H, C}, cp));
+  f.put("cand_pos", StTensor::from_i32({E, H, C}, cp));
   f.put_f32("cand_score", {E, H, C}, cs.data());
   f.put_f32("cand_ts", {E, H, C}, ct.data());
   f.put_f32("cand_mri", {E, H, C}, cm.data());
-  f.put("kept_pos", i32_tensor({E, H, K}, kp));
+  f.put("kept_pos", StTensor::from_i32({E, H, K}, kp));
   f.put_f32("kept_ts", {E, H, K}, kt.data());
   f.put_f32("kept_mri", {E, H, K}, km.data());
   std::int64_t F = 0;
   for (const auto& p : r.final_pos) F = std::max<std::int64_t>(F, std::int64_t(p.size()));
-  f.put("final_pos", i32_tensor({H, F}, padded(r.final_pos, F, -1)));
+  f.put("final_pos", StTensor::from_i32({H, F}, padded(r.final_pos, F, -1)));
   f.put_f32("final_ts", {H, F}, padded(r.final_ts, F, -1.0f).data());
   f.put_f32("final_mri", {H, F}, padded(r.final_mri, F, -1.0f).data());
   return f;

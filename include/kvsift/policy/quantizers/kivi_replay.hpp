@@ -25,15 +25,6 @@ inline int required_int(const nlohmann::json& cfg, const char* key, int min, int
   return json_integer<int>(cfg.at(key), std::string("config key '") + key + "'", min, max);
 }
 
-inline StTensor i32_tensor(std::vector<std::int64_t> shape, const std::vector<std::int32_t>& v) {
-  StTensor t;
-  t.dtype = StDType::i32;
-  t.shape = std::move(shape);
-  t.bytes.resize(v.size() * 4);
-  if (!v.empty()) std::memcpy(t.bytes.data(), v.data(), t.bytes.size());
-  return t;
-}
-
 inline StTensor f16_tensor(std::vector<std::int64_t> shape, const std::vector<float>& v) {
   StTensor t;
   t.dtype = StDType::f16;
@@ -166,17 +157,17 @@ inline SafetensorsFile kivi_replay(const SafetensorsFile& in) {
 
   SafetensorsFile out;
   out.metadata() = in.metadata();
-  out.put("dump_steps", i32_tensor({static_cast<std::int64_t>(dumps.size())}, dumps));
-  out.put("lengths", i32_tensor({static_cast<std::int64_t>(dumps.size()), 4}, lengths));
-  out.put("Kq", i32_tensor({B, H, D, Tqk * kc.k_bits / 32}, Kq));
+  out.put("dump_steps", StTensor::from_i32({static_cast<std::int64_t>(dumps.size())}, dumps));
+  out.put("lengths", StTensor::from_i32({static_cast<std::int64_t>(dumps.size()), 4}, lengths));
+  out.put("Kq", StTensor::from_i32({B, H, D, Tqk * kc.k_bits / 32}, Kq));
   out.put("sK", f16_tensor({B, H, D, Tqk / G}, sK));
   out.put("mK", f16_tensor({B, H, D, Tqk / G}, mK));
   if (Tfk > 0) out.put("K_full", f16_tensor({B, H, Tfk, D}, Kf));
-  out.put("Vq", i32_tensor({B, H, Tqv, D * kc.v_bits / 32}, Vq));
+  out.put("Vq", StTensor::from_i32({B, H, Tqv, D * kc.v_bits / 32}, Vq));
   out.put("sV", f16_tensor({B, H, Tqv, D / G}, sV));
   out.put("mV", f16_tensor({B, H, Tqv, D / G}, mV));
   out.put("V_full", f16_tensor({B, H, Tfv, D}, Vf));
-  out.put("attn_steps", i32_tensor({A}, attn_steps));
+  out.put("attn_steps", StTensor::from_i32({A}, attn_steps));
   out.put_f32("attn_out", {B, Hq, A, D}, attn_out.data());
   return out;
 }

@@ -93,6 +93,21 @@ class PmkvqStreamBase {
   std::int64_t memory_bytes() const { return memory_bytes(counts_, n_bits_); }
 
  protected:
+  // What every update does first: checks u and src_seq, the counts after appending u tokens, the
+  // memory they would take at the current width and whether the reference would raise there
+  // (raising now in reference_exact mode, before anything changes).
+  pmkvq_detail::Counts begin_update(std::int64_t u, std::int64_t src_seq, const char* who,
+                                    PmkvqUpdateResult& r) const {
+    KVSIFT_CHECK(u > 0, who, ".update: u must be > 0, got ", u);
+    KVSIFT_CHECK(src_seq >= u, who, ".update: src_seq (", src_seq, ") must be >= u (", u, ")");
+    const pmkvq_detail::Counts next =
+        pmkvq_detail::next_counts(counts_, u, cfg_.n_sink, cfg_.n_window);
+    r.mem_bytes = memory_bytes(next, n_bits_);
+    r.over_budget = static_cast<double>(r.mem_bytes) > budget_;
+    r.reference_would_raise = r.over_budget && (next.body == 0 || n_bits_ <= 2);
+    check_reference_error(next, r.mem_bytes);
+    return next;
+  }
   // The reference's error (MemoryError) before any state changes, so the stream stays at its
   // last successful update: over budget with an empty body, or no width left to halve to.
   void check_reference_error(const pmkvq_detail::Counts& c, std::int64_t mem) const {
@@ -135,16 +150,8 @@ class PmkvqRealStream : public PmkvqStreamBase {
   // src_seq, head_dim] tensor whose first u positions are this update's tokens.
   PmkvqUpdateResult update(const float* keys, const float* values, std::int64_t u,
                            std::int64_t src_seq) {
-    KVSIFT_CHECK(u > 0, "PmkvqRealStream.update: u must be > 0, got ", u);
-    KVSIFT_CHECK(src_seq >= u, "PmkvqRealStream.update: src_seq (", src_seq, ") must be >= u (", u,
-                 ")");
-    const pmkvq_detail::Counts next =
-        pmkvq_detail::next_counts(counts_, u, cfg_.n_sink, cfg_.n_window);
     PmkvqUpdateResult r;
-    r.mem_bytes = memory_bytes(next, n_bits_);
-    r.over_budget = static_cast<double>(r.mem_bytes) > budget_;
-    r.reference_would_raise = r.over_budget && (next.body == 0 || n_bits_ <= 2);
-    check_reference_error(next, r.mem_bytes);
+    const pmkvq_detail::Counts next = begin_update(u, src_seq, "PmkvqRealStream", r);
 
     for (std::int64_t t = 0; t < u; ++t) {
       const bool to_sink = counts_.sink + t < cfg_.n_sink;
@@ -259,16 +266,8 @@ class PmkvqFakeStream : public PmkvqStreamBase {
   // Appends u fp32 tokens; layout as PmkvqRealStream::update.
   PmkvqUpdateResult update(const float* keys, const float* values, std::int64_t u,
                            std::int64_t src_seq) {
-    KVSIFT_CHECK(u > 0, "PmkvqFakeStream.update: u must be > 0, got ", u);
-    KVSIFT_CHECK(src_seq >= u, "PmkvqFakeStream.update: src_seq (", src_seq, ") must be >= u (", u,
-                 ")");
-    const pmkvq_detail::Counts next =
-        pmkvq_detail::next_counts(counts_, u, cfg_.n_sink, cfg_.n_window);
     PmkvqUpdateResult r;
-    r.mem_bytes = memory_bytes(next, n_bits_);
-    r.over_budget = static_cast<double>(r.mem_bytes) > budget_;
-    r.reference_would_raise = r.over_budget && (next.body == 0 || n_bits_ <= 2);
-    check_reference_error(next, r.mem_bytes);
+    const pmkvq_detail::Counts next = begin_update(u, src_seq, "PmkvqFakeStream", r);
 
     const std::int64_t H = cfg_.kv_heads, D = cfg_.head_dim;
     const std::int64_t first_new = tokens();
