@@ -371,6 +371,53 @@ static void test_streaming_by_hand(void) {
 }
 
 /* ------------------------------------------------------------------------------------------- */
+/* kvsift_policy_compress_step over two layers: the same hand-computed StreamingLLM slots as above
+ * in both layers (each layer its own values), lengths rewritten, and its argument errors. */
+static void test_compress_step_by_hand(void) {
+  enum { SL = 2, SB = 2, SH = 2, SC = 12, SD = 4 };
+  static uint16_t keys[SL][SB * SH * SC * SD], values[SL][SB * SH * SC * SD];
+  const int64_t shape[4] = {SB, SH, SC, SD};
+  const int32_t expect_slots[SB * SH * 6] = {0, 1, 6, 7, 8, 9,  0, 1, 6, 7, 8, 9,
+                                             0, 1, 2, 3, 4, -1, 0, 1, 2, 3, 4, -1};
+  int32_t lengths[SL][SB] = {{10, 5}, {10, 5}};
+  kvsift_cache_view kv[SL];
+  kvsift_policy* p = NULL;
+  size_t ws = 99;
+  int64_t i, l, b, h, k;
+  memset(kv, 0, sizeof kv);
+  for (l = 0; l < SL; ++l) {
+    for (i = 0; i < SB * SH * SC * SD; ++i) keys[l][i] = (uint16_t)(i + 7 * l);
+    for (i = 0; i < SB * SH * SC * SD; ++i) values[l][i] = (uint16_t)(60000 - i - 7 * l);
+    CHECK_OK(kvsift_tensor_contiguous(&kv[l].keys, keys[l], KVSIFT_DTYPE_BF16, KVSIFT_DEVICE_CPU, 4,
+                                      shape));
+    CHECK_OK(kvsift_tensor_contiguous(&kv[l].values, values[l], KVSIFT_DTYPE_BF16,
+                                      KVSIFT_DEVICE_CPU, 4, shape));
+    kv[l].lengths = lengths[l];
+  }
+  CHECK_OK(kvsift_policy_create("streaming", "{\"budget\": 6, \"sink\": 2, \"buffer\": 1}", &p));
+  CHECK_OK(kvsift_policy_step_workspace_bytes(p, SL, kv, NULL, &ws));
+  CHECK(ws == 0); /* host views */
+  CHECK_ERROR(kvsift_policy_compress_step(p, 0, kv, NULL, NULL, 0, NULL),
+              KVSIFT_ERROR_INVALID_ARGUMENT, "n_layers must be >= 1, got 0");
+  CHECK_ERROR(kvsift_policy_compress_step(p, SL, NULL, NULL, NULL, 0, NULL),
+              KVSIFT_ERROR_INVALID_ARGUMENT, "layers is NULL");
+  CHECK(lengths[0][0] == 10 && lengths[1][0] == 10); /* the failures moved nothing */
+  CHECK_OK(kvsift_policy_compress_step(p, SL, kv, NULL, NULL, 0, NULL));
+  for (l = 0; l < SL; ++l) {
+    CHECK(lengths[l][0] == 6 && lengths[l][1] == 5);
+    for (b = 0; b < SB; ++b)
+      for (h = 0; h < SH; ++h)
+        for (k = 0; k < lengths[l][b]; ++k) {
+          const int64_t s = expect_slots[(b * SH + h) * 6 + k];
+          const int64_t at = ((b * SH + h) * SC + k) * SD + 1;
+          CHECK(keys[l][at] == (uint16_t)(((b * SH + h) * SC + s) * SD + 1 + 7 * l));
+          CHECK(values[l][at] == (uint16_t)(60000 - (((b * SH + h) * SC + s) * SD + 1) - 7 * l));
+        }
+  }
+  kvsift_policy_destroy(p);
+}
+
+/* ------------------------------------------------------------------------------------------- */
 /* R-KV on the golden GQA case: the C API plan equals the C++ API's slot for slot, matches the
  * reference's kept set up to near-cut swaps, and compaction moves exactly the planned rows. */
 static void test_rkv_golden(const char* golden_dir) {
@@ -589,6 +636,7 @@ int main(int argc, char** argv) {
   test_registry();
   test_round_trip_every_method();
   test_streaming_by_hand();
+  test_compress_step_by_hand();
   test_rkv_golden(argv[1]);
   test_create_errors();
   test_argument_errors();
