@@ -334,15 +334,19 @@ class KvsiftStepRunner:
         self.views = (_capi_module().CacheView * n)(
             *[lib.cache_view(k, v, ln) for (k, v, _), ln in zip(layer_inputs, self.lengths)])
         self.queries = (_capi_module().Tensor * n)(*[lib.tensor_of(q) for _, _, q in layer_inputs])
+        self._reset_lengths()  # the workspace is sized for the lengths the step will see
         self.ws_bytes = self.policy.step_workspace_bytes(self.views, self.queries)
         self.ws = torch.empty(max(self.ws_bytes, 1), dtype=torch.uint8, device="cuda")
+
+    def _reset_lengths(self):
+        for ln in self.lengths:
+            for i in range(self.batch):
+                ln[i] = self.seq
 
     def step(self):
         import torch
 
-        for ln in self.lengths:  # the last step shortened them
-            for i in range(self.batch):
-                ln[i] = self.seq
+        self._reset_lengths()  # the last step shortened them
         self.policy.compress_step(self.views, self.queries, self.ws.data_ptr(), self.ws_bytes,
                                   torch.cuda.current_stream().cuda_stream)
 
