@@ -181,6 +181,13 @@ def release(*objs):
     torch.cuda.empty_cache()
 
 
+def drop(cache):
+    """Uninstalls a KVSiftCache's hooks (DynamicCache has nothing to undo)."""
+    close = getattr(cache, "close", None)
+    if close is not None:
+        close()
+
+
 def measure(model, method, budget, batch, position, args):
     """One row: dict(tok_s, peak_gib, compress_share, compressions) or raises Oom."""
     import torch
@@ -209,11 +216,14 @@ def measure(model, method, budget, batch, position, args):
             row["resident"] = int(cache.resident_lengths().max())
         return row
     except Exception as e:  # noqa: BLE001
-        if is_oom(e):
-            raise Oom(str(e).splitlines()[0][:120])
-        raise
+        if not is_oom(e):
+            raise
+        message = str(e).splitlines()[0][:120]
     finally:
-        release(cache)
+        drop(cache)
+        cache = None  # its buffers can be returned to the device only once nothing holds them
+        release()
+    raise Oom(message)
 
 
 def fits(model, method, budget, batch, position, args):
@@ -233,7 +243,9 @@ def fits(model, method, budget, batch, position, args):
             return False
         raise
     finally:
-        release(cache)
+        drop(cache)
+        cache = None
+        release()
 
 
 def largest_batch(model, method, budget, position, args, start):
@@ -364,11 +376,18 @@ def main(argv=None):
                 if best == 0:
                     emit(fmt_row(position, method, budget or "-", "max: none fits", None))
                     continue
-                try:
-                    r = measure(model, method, budget, best, position, args)
-                except Oom:
-                    best = largest_batch(model, method, budget, position, args, 1)
-                    r = measure(model, method, budget, best, position, args) if best else None
+                r = None
+                while best > 0 and r is None:
+                    # fits() decodes 2 steps; the timed window can need a little more (allocator
+                    # fragmentation over many steps): step down by 1/8 until it runs. The retry
+                    # happens outside the except clause, so the failed attempt's tensors (held by
+                    # the exception's frames) are gone first.
+                    try:
+                        r = measure(model, method, budget, best, position, args)
+                    except Oom:
+                        r = None
+                    if r is None:
+                        best = best * 7 // 8
                 emit(fmt_row(position, method, budget or "-", "max %d" % best, r))
             except Exception as e:  # noqa: BLE001
                 emit("| %d | %s | %s | max | ERROR: %s | | | | |" % (
