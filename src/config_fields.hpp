@@ -138,9 +138,24 @@ struct ScorerFields {
   }
 };
 
+inline const EnumNames<SteeringPreset> kSteeringPresetNames{{"skipkv", SteeringPreset::skipkv},
+                                                            {"seal", SteeringPreset::seal}};
+inline const EnumNames<SteeringModel> kSteeringModelNames{
+    {"r1-qwen-7b", SteeringModel::r1_qwen_7b},
+    {"r1-llama-8b", SteeringModel::r1_llama_8b},
+    {"r1-qwen-14b", SteeringModel::r1_qwen_14b}};
+
+// "preset" and "model" come first: a change of either rebuilds the config from that preset
+// (SteeringConfig::from_preset: layer, α0, γ, ids), then the keys after them override single
+// fields, e.g. {"preset": "seal", "model": "r1-qwen-14b", "alpha0": 1.25}.
 struct SteeringFields {
   template <class V>
   void operator()(V& v, SteeringConfig& c) const {
+    const SteeringPreset preset = c.preset;
+    const SteeringModel model = c.model;
+    v("preset", c.preset, kSteeringPresetNames);
+    v("model", c.model, kSteeringModelNames);
+    if (c.preset != preset || c.model != model) c = SteeringConfig::from_preset(c.preset, c.model);
     v("layer", c.layer);
     v("alpha0", c.alpha0);
     v("gamma", c.gamma);
