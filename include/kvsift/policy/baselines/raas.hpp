@@ -104,13 +104,14 @@ class RaaS final : public Policy {
         return;
       }
     }
+    for (std::int64_t b = 0; b < kv.batch(); ++b)  // checked before any state changes
+      KVSIFT_CHECK(kv.is_valid(b, kv.length(b) - 1), "RaaS::observe: layer ", obs.layer,
+                   " sequence ", b, " decode token at slot ", kv.length(b) - 1,
+                   " is masked as a pad; RaaS allows pads only in the prompt");
     ++L.step;
     const auto t = static_cast<std::int32_t>(L.step);
     const int unit = cfg_.unit_tokens();
     for (std::int64_t b = 0; b < kv.batch(); ++b) {
-      KVSIFT_CHECK(kv.is_valid(b, kv.length(b) - 1), "RaaS::observe: layer ", obs.layer,
-                   " sequence ", b, " decode token at slot ", kv.length(b) - 1,
-                   " is masked as a pad; RaaS allows pads only in the prompt");
       const bool new_unit = L.decode[std::size_t(b)] % unit == 0;
       ++L.decode[std::size_t(b)];
       for (std::int64_t h = 0; h < kv.kv_heads(); ++h) {
