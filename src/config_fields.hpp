@@ -7,6 +7,7 @@
 #include "kvsift/config/h2o_config.hpp"
 #include "kvsift/config/lazy_config.hpp"
 #include "kvsift/config/options.hpp"
+#include "kvsift/config/raas_config.hpp"
 #include "kvsift/config/rkv_config.hpp"
 #include "kvsift/config/skipkv_config.hpp"
 #include "kvsift/config/snapkv_config.hpp"
@@ -73,6 +74,24 @@ struct LazyFields {
   }
 };
 
+inline const EnumNames<RaasUnit> kRaasUnitNames{{"token", RaasUnit::token},
+                                                {"page", RaasUnit::page}};
+inline const EnumNames<RaasRefresh> kRaasRefreshNames{{"top_half", RaasRefresh::top_half},
+                                                      {"alpha", RaasRefresh::alpha}};
+
+struct RaasFields {
+  template <class V>
+  void operator()(V& v, RaasConfig& c) const {
+    v("budget", c.budget);
+    v("window", c.window);
+    v("buffer", c.buffer);
+    v("unit", c.unit, kRaasUnitNames);
+    v("page_size", c.page_size);
+    v("refresh", c.refresh, kRaasRefreshNames);
+    v("alpha", c.alpha);
+  }
+};
+
 struct SnapKVFields {
   template <class V>
   void operator()(V& v, SnapKVConfig& c) const {
@@ -119,9 +138,24 @@ struct ScorerFields {
   }
 };
 
+inline const EnumNames<SteeringPreset> kSteeringPresetNames{{"skipkv", SteeringPreset::skipkv},
+                                                            {"seal", SteeringPreset::seal}};
+inline const EnumNames<SteeringModel> kSteeringModelNames{
+    {"r1-qwen-7b", SteeringModel::r1_qwen_7b},
+    {"r1-llama-8b", SteeringModel::r1_llama_8b},
+    {"r1-qwen-14b", SteeringModel::r1_qwen_14b}};
+
+// "preset" and "model" come first: a change of either rebuilds the config from that preset
+// (SteeringConfig::from_preset: layer, α0, γ, ids), then the keys after them override single
+// fields, e.g. {"preset": "seal", "model": "r1-qwen-14b", "alpha0": 1.25}.
 struct SteeringFields {
   template <class V>
   void operator()(V& v, SteeringConfig& c) const {
+    const SteeringPreset preset = c.preset;
+    const SteeringModel model = c.model;
+    v("preset", c.preset, kSteeringPresetNames);
+    v("model", c.model, kSteeringModelNames);
+    if (c.preset != preset || c.model != model) c = SteeringConfig::from_preset(c.preset, c.model);
     v("layer", c.layer);
     v("alpha0", c.alpha0);
     v("gamma", c.gamma);
