@@ -94,11 +94,12 @@ int main(int argc, char** argv) {
   const double copy_ms = bench::d2d_copy_ms(
       y.get(), x.get(), static_cast<std::size_t>(tensor_bytes), stream, kWarmup, kReps);
   const Row row{2.0 * tensor_bytes / (copy_ms * 1e-3) / 1e9};
-  std::printf("%s, bf16 [%lld seqs, %lld kv heads, %lld tokens, %lld dims] (%.1f MiB), median of "
-              "%d after %d warm-up\n",
-              prop.name, static_cast<long long>(seqs), static_cast<long long>(kv_heads),
-              static_cast<long long>(tokens), static_cast<long long>(dim),
-              tensor_bytes / (1 << 20), kReps, kWarmup);
+  std::printf(
+      "%s, bf16 [%lld seqs, %lld kv heads, %lld tokens, %lld dims] (%.1f MiB), median of "
+      "%d after %d warm-up\n",
+      prop.name, static_cast<long long>(seqs), static_cast<long long>(kv_heads),
+      static_cast<long long>(tokens), static_cast<long long>(dim), tensor_bytes / (1 << 20), kReps,
+      kWarmup);
   std::printf("D2D copy: %.3f ms, %.0f GB/s (read + write)\n\n", copy_ms, row.copy_gbs);
   std::printf("%-34s | %9s %9s %8s\n", "kernel", "ms", "GB/s", "vs copy");
 
@@ -112,12 +113,12 @@ int main(int argc, char** argv) {
     q.scales = scales.get();
     q.zeros = zeros.get();
     const double packed = static_cast<double>(q.word_bytes() + 8 * q.num_groups());
-    row.print(qname, tensor_bytes + packed,
-              bench::median_ms([&] { cuda::asym_quantize(xv, q, stream); }, stream, kWarmup,
-                               kReps));
+    row.print(
+        qname, tensor_bytes + packed,
+        bench::median_ms([&] { cuda::asym_quantize(xv, q, stream); }, stream, kWarmup, kReps));
     row.print(dname, packed + tensor_bytes,
-              bench::median_ms([&] { cuda::asym_dequantize(q, mode, yv, stream); }, stream,
-                               kWarmup, kReps));
+              bench::median_ms([&] { cuda::asym_dequantize(q, mode, yv, stream); }, stream, kWarmup,
+                               kReps));
   };
   for (int bits : {2, 4}) {
     char qn[64], dn[64];
@@ -145,8 +146,8 @@ int main(int argc, char** argv) {
     row.print("PM-KVQ ERS 16 -> 2 bits", bytes,
               bench::median_ms(
                   [&] {
-                    cuda::pmkvq_requantize(words16.get(), 16, count, words2.get(), 2,
-                                           scales.get(), groups, stream);
+                    cuda::pmkvq_requantize(words16.get(), 16, count, words2.get(), 2, scales.get(),
+                                           groups, stream);
                   },
                   stream, kWarmup, kReps));
   }
@@ -164,8 +165,8 @@ int main(int argc, char** argv) {
           cudaMemcpy(probs.get(), p.data(), p.size() * sizeof(float), cudaMemcpyHostToDevice));
       const std::vector<std::int32_t> len(static_cast<std::size_t>(seqs),
                                           static_cast<std::int32_t>(tokens));
-      KVSIFT_CUDA_CHECK(cudaMemcpy(lengths.get(), len.data(), len.size() * 4,
-                                   cudaMemcpyHostToDevice));
+      KVSIFT_CUDA_CHECK(
+          cudaMemcpy(lengths.get(), len.data(), len.size() * 4, cudaMemcpyHostToDevice));
     }
     const cuda::LazyDeviceCounters c{ts.get(), mri.get(), seqs, kv_heads, tokens};
     const double observe_bytes = 4.0 * static_cast<double>(probs.size()) + 16.0 * cells;

@@ -111,8 +111,8 @@ template <class T, class W>
 __global__ void __launch_bounds__(kThreads)
     asym_quantize_kernel(const T* __restrict__ x,  // [slabs, tokens, channels]
                          Geometry geo,
-                         W* __restrict__ words,       // [slabs, units, words_per_unit]
-                         float* __restrict__ scales,  // [slabs, units, groups_per_unit]
+                         W* __restrict__ words,        // [slabs, units, words_per_unit]
+                         float* __restrict__ scales,   // [slabs, units, groups_per_unit]
                          float* __restrict__ zeros) {  // [slabs, units, groups_per_unit]
   const std::int64_t gid = static_cast<std::int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (gid >= geo.num_groups) return;
@@ -205,7 +205,8 @@ __global__ void __launch_bounds__(kThreads)
   for (int j = 0; j < per_out; ++j) {
     const std::int64_t c = ow * per_out + j;  // code index
     const int k = static_cast<int>(c % per_in);
-    std::uint32_t q = (static_cast<std::uint32_t>(in[c / per_in]) >> (16 - from * (k + 1))) & in_mask;
+    std::uint32_t q =
+        (static_cast<std::uint32_t>(in[c / per_in]) >> (16 - from * (k + 1))) & in_mask;
     for (int w = from / 2; w >= to; w /= 2) q = ers_code(q, w);
     acc |= q << (16 - to * (j + 1));
   }
@@ -231,15 +232,14 @@ unsigned launch_blocks(std::int64_t n, const char* op) {
   return static_cast<unsigned>(blocks);
 }
 
-void check_view(const TensorView& t, const DeviceAsymPacked& q, const char* op,
-                const char* name) {
+void check_view(const TensorView& t, const DeviceAsymPacked& q, const char* op, const char* name) {
   t.validate(name);
   KVSIFT_CHECK(t.device == Device::cuda, op, ": ", name, " is in host memory (device required)");
   KVSIFT_CHECK(t.data != nullptr, op, ": ", name, " is null");
-  KVSIFT_CHECK(t.rank == 3 && t.shape[0] == q.slabs && t.shape[1] == q.tokens &&
-                   t.shape[2] == q.channels,
-               op, ": ", name, " has shape ", t.shape_string(), ", expected [", q.slabs, ", ",
-               q.tokens, ", ", q.channels, "]");
+  KVSIFT_CHECK(
+      t.rank == 3 && t.shape[0] == q.slabs && t.shape[1] == q.tokens && t.shape[2] == q.channels,
+      op, ": ", name, " has shape ", t.shape_string(), ", expected [", q.slabs, ", ", q.tokens,
+      ", ", q.channels, "]");
   KVSIFT_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous, strides [", t.stride[0],
                ", ", t.stride[1], ", ", t.stride[2], "]");
 }
@@ -291,8 +291,7 @@ void asym_dequantize(const DeviceAsymPacked& q, AsymDequantMode mode, const Tens
   check_view(out, q, "cuda::asym_dequantize", "output");
   KVSIFT_CHECK(mode == AsymDequantMode::f32 || mode == AsymDequantMode::pmkvq_bf16,
                "cuda::asym_dequantize: unknown mode code ", static_cast<int>(mode));
-  KVSIFT_CHECK(mode != AsymDequantMode::pmkvq_bf16 ||
-                   q.spec.zero == ZeroConvention::subtract_zero,
+  KVSIFT_CHECK(mode != AsymDequantMode::pmkvq_bf16 || q.spec.zero == ZeroConvention::subtract_zero,
                "cuda::asym_dequantize: mode pmkvq_bf16 needs subtract_zero zero points");
   const Geometry geo = make_geometry(q);
   const unsigned blocks = launch_blocks(geo.num_groups, "cuda::asym_dequantize");
@@ -387,8 +386,8 @@ void pmkvq_requantize(const std::uint16_t* in_words, int from_bits, std::int64_t
     KVSIFT_CUDA_CHECK(cudaGetLastError());
   }
   if (groups > 0) {
-    ers_scales_kernel<<<launch_blocks(groups, op), kThreads, 0, stream>>>(scales, groups,
-                                                                          from_bits, to_bits);
+    ers_scales_kernel<<<launch_blocks(groups, op), kThreads, 0, stream>>>(scales, groups, from_bits,
+                                                                          to_bits);
     KVSIFT_CUDA_CHECK(cudaGetLastError());
   }
 }

@@ -39,13 +39,11 @@ inline HostPacked host_quantize(const cuda::DeviceAsymPacked& q, const std::vect
   for (std::int64_t s = 0; s < q.slabs; ++s)
     for (std::int64_t u = 0; u < units; ++u) {
       // Element e of unit u: token e of channel u (token axis) or channel e of token u.
-      const std::int64_t base =
-          q.axis == GroupAxis::token ? s * T * D + u : (s * T + u) * D;
+      const std::int64_t base = q.axis == GroupAxis::token ? s * T * D + u : (s * T + u) * D;
       for (std::int64_t g0 = 0; g0 < extent; g0 += q.group) {
         const int count = static_cast<int>(std::min<std::int64_t>(q.group, extent - g0));
-        const GroupParams p =
-            asym_quantize_group(q.spec, x.data() + base + g0 * stride, stride, count,
-                                codes.data() + g0);
+        const GroupParams p = asym_quantize_group(q.spec, x.data() + base + g0 * stride, stride,
+                                                  count, codes.data() + g0);
         h.scales.push_back(p.scale);
         h.zeros.push_back(p.zero);
       }
@@ -67,8 +65,8 @@ inline std::vector<float> host_dequantize(const cuda::DeviceAsymPacked& q, const
   for (std::int64_t s = 0; s < q.slabs; ++s)
     for (std::int64_t u = 0; u < units; ++u) {
       const std::int64_t unit = s * units + u;
-      const std::vector<std::uint16_t> codes = unpack_codes(
-          h.words.data() + unit * wpu, extent, q.spec.bits, q.word_bits, q.order);
+      const std::vector<std::uint16_t> codes =
+          unpack_codes(h.words.data() + unit * wpu, extent, q.spec.bits, q.word_bits, q.order);
       for (std::int64_t e = 0; e < extent; ++e) {
         GroupParams p;
         p.scale = h.scales[static_cast<std::size_t>(unit * gpu + e / q.group)];
@@ -77,7 +75,8 @@ inline std::vector<float> host_dequantize(const cuda::DeviceAsymPacked& q, const
         const float y = mode == cuda::AsymDequantMode::f32
                             ? asym_dequantize(q.spec, c, p)
                             : rb(rb(rb(static_cast<float>(c)) * p.scale) - p.zero);
-        const std::int64_t at = q.axis == GroupAxis::token ? (s * T + e) * D + u : (s * T + u) * D + e;
+        const std::int64_t at =
+            q.axis == GroupAxis::token ? (s * T + e) * D + u : (s * T + u) * D + e;
         out[static_cast<std::size_t>(at)] = y;
       }
     }
@@ -133,8 +132,7 @@ inline std::string first_value_difference(const char* what, const std::vector<fl
   for (std::size_t i = 0; i < got.size(); ++i) {
     const bool same = got[i] == want[i] || (std::isnan(got[i]) && std::isnan(want[i]));
     if (!same) {
-      os << what << ": first difference at " << i << ": got " << got[i] << ", expected "
-         << want[i];
+      os << what << ": first difference at " << i << ": got " << got[i] << ", expected " << want[i];
       return os.str();
     }
   }

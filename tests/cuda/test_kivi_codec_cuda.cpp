@@ -40,8 +40,8 @@ void check_layout(const cuda::DeviceAsymPacked& q, std::uint32_t seed) {
 
   const std::vector<float> dec = test::host_dequantize(q, want, cuda::AsymDequantMode::f32);
   const auto mode = cuda::AsymDequantMode::f32;
-  CHECK(test::first_difference("f32 dequant", test::gpu_dequantize<float>(q, want, mode),
-                               dec) == "");
+  CHECK(test::first_difference("f32 dequant", test::gpu_dequantize<float>(q, want, mode), dec) ==
+        "");
   CHECK(test::first_difference("f16 dequant", test::gpu_dequantize<f16_t>(q, want, mode),
                                test::narrowed<f16_t>(dec)) == "");
   CHECK(test::first_difference("bf16 dequant", test::gpu_dequantize<bf16_t>(q, want, mode),
@@ -172,7 +172,8 @@ TEST_CASE("cuda KIVI codec: a constant group gets code 0 and decodes to its valu
   const cuda::DeviceAsymPacked q = cuda::kivi_keys_layout(2, 32, 1, 32, 16);
   std::vector<float> x(32 * 16);
   for (int t = 0; t < 32; ++t)
-    for (int c = 0; c < 16; ++c) x[static_cast<std::size_t>(t * 16 + c)] = static_cast<float>(c) - 4.5f;
+    for (int c = 0; c < 16; ++c)
+      x[static_cast<std::size_t>(t * 16 + c)] = static_cast<float>(c) - 4.5f;
   const test::HostPacked got = test::gpu_quantize<float>(q, x);
   REQUIRE(got.words.size() == 16 * 2);
   for (std::uint32_t w : got.words) CHECK(w == 0u);
@@ -194,18 +195,18 @@ TEST_CASE("cuda KIVI codec: error paths name the argument", "[cuda][kivi]") {
   q.zeros = ze.get();
   std::vector<float> host(64 * 32);
   REQUIRE_THROWS_WITH(
-      cuda::asym_quantize(
-          TensorView::contiguous(host.data(), DType::f32, Device::cpu, {1, 64, 32}), q, nullptr),
+      cuda::asym_quantize(TensorView::contiguous(host.data(), DType::f32, Device::cpu, {1, 64, 32}),
+                          q, nullptr),
       Contains("host memory"));
   REQUIRE_THROWS_WITH(
-      cuda::asym_quantize(
-          TensorView::contiguous(x.get(), DType::f32, Device::cuda, {1, 32, 64}), q, nullptr),
+      cuda::asym_quantize(TensorView::contiguous(x.get(), DType::f32, Device::cuda, {1, 32, 64}), q,
+                          nullptr),
       Contains("expected [1, 64, 32]"));
   cuda::DeviceAsymPacked bad = q;
   bad.group = 8;  // 2-bit codes: 16 per int32 word
   REQUIRE_THROWS_WITH(
-      cuda::asym_quantize(
-          TensorView::contiguous(x.get(), DType::f32, Device::cuda, {1, 64, 32}), bad, nullptr),
+      cuda::asym_quantize(TensorView::contiguous(x.get(), DType::f32, Device::cuda, {1, 64, 32}),
+                          bad, nullptr),
       Contains("group (8)"));
   bad = q;
   bad.zeros = nullptr;

@@ -77,7 +77,8 @@ std::string compare_scores(const Batch& bt, const std::vector<lazy::Row>& rows, 
                            LazyCounters c, const std::vector<float>& got) {
   std::ostringstream os;
   // One rounding of the result apart at most (exp() may differ by one ulp in double).
-  const double rel = c == LazyCounters::fp16 ? 2e-3 : 1e-6, abs = c == LazyCounters::fp16 ? 1e-7 : 1e-30;
+  const double rel = c == LazyCounters::fp16 ? 2e-3 : 1e-6,
+               abs = c == LazyCounters::fp16 ? 1e-7 : 1e-30;
   for (std::int64_t r = 0; r < bt.batch * bt.kv_heads; ++r) {
     const std::int64_t n = bt.lengths[static_cast<std::size_t>(r / bt.kv_heads)] - bt.window;
     const lazy::Row& row = rows[static_cast<std::size_t>(r)];
@@ -112,8 +113,7 @@ void run_stream(LazyCounters c, const std::vector<std::int64_t>& steps, std::uin
   DeviceBuffer<std::int32_t> ts(std::vector<std::int32_t>(cells, kPoison));
   DeviceBuffer<std::int32_t> mri(std::vector<std::int32_t>(cells, kPoison));
   DeviceBuffer<std::uint8_t> valid(bt.valid);
-  const cuda::LazyDeviceCounters counters{ts.get(), mri.get(), bt.batch, bt.kv_heads,
-                                          bt.capacity};
+  const cuda::LazyDeviceCounters counters{ts.get(), mri.get(), bt.batch, bt.kv_heads, bt.capacity};
   std::vector<lazy::Row> rows(static_cast<std::size_t>(bt.batch * bt.kv_heads));
   std::vector<std::int32_t> prev(static_cast<std::size_t>(bt.batch), 0);
 
@@ -150,8 +150,9 @@ void run_stream(LazyCounters c, const std::vector<std::int64_t>& steps, std::uin
         for (std::int64_t j = 0; j < s; ++j) {
           float w = 0.0f;
           for (std::int64_t g = 0; g < group; ++g)
-            w = std::fmax(w, p[static_cast<std::size_t>(((b * bt.q_heads) + h * group + g) *
-                                                         bt.capacity + j)]);
+            w = std::fmax(
+                w,
+                p[static_cast<std::size_t>(((b * bt.q_heads) + h * group + g) * bt.capacity + j)]);
           hit[static_cast<std::size_t>(j)] =
               bt.valid[static_cast<std::size_t>(b * bt.capacity + j)] && w >= bt.alpha;
         }
@@ -168,8 +169,7 @@ void run_stream(LazyCounters c, const std::vector<std::int64_t>& steps, std::uin
 
 }  // namespace
 
-TEST_CASE("cuda LazyEviction counters and scores equal the CPU (int32 counters)",
-          "[cuda][lazy]") {
+TEST_CASE("cuda LazyEviction counters and scores equal the CPU (int32 counters)", "[cuda][lazy]") {
   std::vector<std::int64_t> steps;
   for (std::int64_t t = 1; t <= 24; ++t) steps.push_back(t);
   // Past 2^24 the counters' fp32 rounding shows (16777217 → 16777216).
@@ -246,6 +246,7 @@ TEST_CASE("cuda LazyEviction: error paths name the argument", "[cuda][lazy]") {
   REQUIRE_THROWS_WITH(
       cuda::lazy_scores(empty, len.get(), 1, 1, LazyCounters::int32, sc.get(), nullptr),
       Contains("counters shape [0, 2, 4]"));
-  REQUIRE_THROWS_WITH(cuda::lazy_scores(c, len.get(), -1, 1, LazyCounters::int32, sc.get(), nullptr),
-                      Contains("window"));
+  REQUIRE_THROWS_WITH(
+      cuda::lazy_scores(c, len.get(), -1, 1, LazyCounters::int32, sc.get(), nullptr),
+      Contains("window"));
 }

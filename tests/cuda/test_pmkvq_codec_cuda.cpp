@@ -30,8 +30,8 @@ void check_layout(const cuda::DeviceAsymPacked& q, std::uint32_t seed) {
   for (auto mode : {cuda::AsymDequantMode::f32, cuda::AsymDequantMode::pmkvq_bf16}) {
     INFO("dequantize mode " << (mode == cuda::AsymDequantMode::f32 ? "f32" : "pmkvq_bf16"));
     const std::vector<float> dec = test::host_dequantize(q, want, mode);
-    CHECK(test::first_difference("f32 dequant", test::gpu_dequantize<float>(q, want, mode),
-                                 dec) == "");
+    CHECK(test::first_difference("f32 dequant", test::gpu_dequantize<float>(q, want, mode), dec) ==
+          "");
     CHECK(test::first_difference("bf16 dequant", test::gpu_dequantize<bf16_t>(q, want, mode),
                                  test::narrowed<bf16_t>(dec)) == "");
   }
@@ -112,8 +112,7 @@ TEST_CASE("cuda PM-KVQ exact right shift: every code of every width pair", "[cud
     }
 }
 
-TEST_CASE("cuda PM-KVQ Q16 + ERS reproduces PmkvqRealStream's flush to the body",
-          "[cuda][pmkvq]") {
+TEST_CASE("cuda PM-KVQ Q16 + ERS reproduces PmkvqRealStream's flush to the body", "[cuda][pmkvq]") {
   for (int body_bits : {8, 4, 2}) {
     INFO("body bits " << body_bits);
     PmkvqConfig cfg;

@@ -52,9 +52,9 @@ namespace kvsift::cuda {
 struct DeviceAsymPacked {
   AsymmetricQuantSpec spec;  // bits, zero convention, arithmetic, scale clamp
   GroupAxis axis = GroupAxis::token;
-  int group = 32;                              // G
-  int word_bits = 32;                          // 32 (uint32 words) or 16 (uint16 words)
-  PackOrder order = PackOrder::lsb_first;      // KIVI lsb_first, PM-KVQ msb_first
+  int group = 32;                          // G
+  int word_bits = 32;                      // 32 (uint32 words) or 16 (uint16 words)
+  PackOrder order = PackOrder::lsb_first;  // KIVI lsb_first, PM-KVQ msb_first
   std::int64_t slabs = 0, tokens = 0, channels = 0;
   void* words = nullptr;    // device [slabs, units, words_per_unit()] uint32 or uint16
   float* scales = nullptr;  // device [slabs, units, groups_per_unit()]
