@@ -7,6 +7,7 @@
 #include "kvsift/config/h2o_config.hpp"
 #include "kvsift/config/lazy_config.hpp"
 #include "kvsift/config/options.hpp"
+#include "kvsift/config/raas_config.hpp"
 #include "kvsift/config/rkv_config.hpp"
 #include "kvsift/config/skipkv_config.hpp"
 #include "kvsift/config/snapkv_config.hpp"
@@ -70,6 +71,24 @@ struct LazyFields {
     v("alpha", c.alpha);
     v("counters", c.counters, kLazyCounterNames);
     v("scope", c.scope, kLazyScopeNames);
+  }
+};
+
+inline const EnumNames<RaasUnit> kRaasUnitNames{{"token", RaasUnit::token},
+                                                {"page", RaasUnit::page}};
+inline const EnumNames<RaasRefresh> kRaasRefreshNames{{"top_half", RaasRefresh::top_half},
+                                                      {"alpha", RaasRefresh::alpha}};
+
+struct RaasFields {
+  template <class V>
+  void operator()(V& v, RaasConfig& c) const {
+    v("budget", c.budget);
+    v("window", c.window);
+    v("buffer", c.buffer);
+    v("unit", c.unit, kRaasUnitNames);
+    v("page_size", c.page_size);
+    v("refresh", c.refresh, kRaasRefreshNames);
+    v("alpha", c.alpha);
   }
 };
 

@@ -11,6 +11,7 @@
 #include "kvsift/policy/baselines/full_kv.hpp"
 #include "kvsift/policy/baselines/h2o.hpp"
 #include "kvsift/policy/baselines/lazy_eviction.hpp"
+#include "kvsift/policy/baselines/raas.hpp"
 #include "kvsift/policy/baselines/rkv.hpp"
 #include "kvsift/policy/baselines/snapkv.hpp"
 #include "kvsift/policy/baselines/streaming_llm.hpp"
@@ -59,9 +60,10 @@ std::string skipkv_default_json() {
 
 constexpr char kFullKV[] = "fullkv", kStreaming[] = "streaming", kH2O[] = "h2o",
                kSnapKV[] = "snapkv", kRKV[] = "rkv", kSkipKV[] = "skipkv", kThinKV[] = "thinkv",
-               kLazy[] = "lazy";
-using detail::H2OFields, detail::LazyFields, detail::RKVFields, detail::SnapKVFields,
-    detail::StreamingFields, detail::ThinKVFields, detail::EmptyConfig, detail::EmptyFields;
+               kLazy[] = "lazy", kRaaS[] = "raas";
+using detail::H2OFields, detail::LazyFields, detail::RaasFields, detail::RKVFields,
+    detail::SnapKVFields, detail::StreamingFields, detail::ThinKVFields, detail::EmptyConfig,
+    detail::EmptyFields;
 
 // A ThinKV config that validates: its thresholds and calibrated layers have no defaults.
 constexpr std::string_view kThinKVExample =
@@ -84,6 +86,9 @@ const std::vector<MethodInfo>& registered_methods() {
       {kLazy, "baseline", "LazyEviction: recurrence-aware eviction every window steps",
        kNeedsQueries, false, create<kLazy, LazyEviction, LazyConfig, LazyFields>, nullptr,
        defaults<LazyConfig, LazyFields>, "{}"},
+      {kRaaS, "baseline", "RaaS: oldest-timestamp eviction of tokens or pages, prompt pinned",
+       kNeedsQueries, false, create<kRaaS, RaaS, RaasConfig, RaasFields>, nullptr,
+       defaults<RaasConfig, RaasFields>, R"({"unit": "page", "budget": 256})"},
       {kSnapKV, "baseline", "SnapKV: observation-window attention, pooled", kNeedsNothing, false,
        create<kSnapKV, SnapKV, SnapKVConfig, SnapKVFields>, nullptr,
        defaults<SnapKVConfig, SnapKVFields>, "{}"},

@@ -40,7 +40,7 @@ TEST_CASE("every registered method creates from its example config", "[registry]
     }
   }
   for (const char* expected :
-       {"fullkv", "streaming", "h2o", "lazy", "snapkv", "rkv", "skipkv", "thinkv"})
+       {"fullkv", "streaming", "h2o", "lazy", "raas", "snapkv", "rkv", "skipkv", "thinkv"})
     CHECK(names.count(expected) == 1);
   CHECK(policy_names().size() == registered_methods().size());
 }
