@@ -6,6 +6,8 @@
 //           formula), and the exact right shift 16 → 2 bits (cuda::pmkvq_requantize)
 //   Lazy    cuda::lazy_observe (one decode step's weights of every query head, GQA 4) and
 //           cuda::lazy_scores over the same cache, int32 counters
+//   RaaS    cuda::raas_refresh (top half) over token units and over pages of 16, and page mode's
+//           cuda::raas_page_key_bounds (bf16 keys) and cuda::raas_page_bounds (GQA 4)
 // Default size: 64 sequences × 8 KV heads × 4096 tokens × 128 dims (one layer's keys, bf16,
 // 512 MiB), q_heads = 32.
 //
@@ -15,6 +17,10 @@
 //   ERS         16-bit words + 2-bit words + scales read and written
 //   observe     weights [batch, q_heads, tokens] fp32 + TS/MRI read and written (+ lengths)
 //   scores      TS/MRI read + scores written
+//   refresh     scores read once + timestamps read and written (12 B a unit; the top-half rank
+//               count re-reads a row's scores from cache, O(units²) work a row)
+//   key bounds  bf16 keys read + min/max written (8 B a page channel)
+//   Quest       min/max read + queries + one fp32 bound a page written
 //   copy        bf16 tensor read + written (2 × tensor bytes)
 // GB/s = bytes / median time (10^9 bytes); "vs copy" = kernel GB/s / copy GB/s (1.0: streams as
 // fast as a plain copy). Median of kReps launches after kWarmup, CUDA events.
@@ -31,6 +37,7 @@
 #include "kvsift/backend/cuda/asym_quant.hpp"
 #include "kvsift/backend/cuda/check.hpp"
 #include "kvsift/backend/cuda/lazy_scoring.hpp"
+#include "kvsift/backend/cuda/raas_scoring.hpp"
 #include "kvsift/core/dtype.hpp"
 
 using namespace kvsift;
@@ -182,6 +189,75 @@ int main(int argc, char** argv) {
                   [&] {
                     cuda::lazy_scores(c, lengths.get(), 128, 1000, LazyCounters::int32,
                                       lazy_scores.get(), stream);
+                  },
+                  stream, kWarmup, kReps));
+  }
+  {
+    // RaaS: one timestamp per unit, scores of every unit (tokens, then pages of 16).
+    const int page = 16;
+    const std::int64_t pages = (tokens + page - 1) / page;
+    const std::size_t cells = static_cast<std::size_t>(slabs * tokens);
+    DeviceArray<float> unit_scores(cells), qs(static_cast<std::size_t>(seqs * q_heads * dim));
+    DeviceArray<std::int32_t> ts(cells), units(static_cast<std::size_t>(seqs)),
+        zero(static_cast<std::size_t>(seqs));
+    {
+      std::vector<float> sc(cells);
+      std::uint64_t st = 12345;
+      for (float& v : sc) {
+        st = st * 6364136223846793005ull + 1442695040888963407ull;
+        v = static_cast<float>(st >> 40) / 16777216.0f;
+      }
+      KVSIFT_CUDA_CHECK(
+          cudaMemcpy(unit_scores.get(), sc.data(), cells * 4, cudaMemcpyHostToDevice));
+      const std::vector<float> q(qs.size(), 0.01f);
+      KVSIFT_CUDA_CHECK(cudaMemcpy(qs.get(), q.data(), q.size() * 4, cudaMemcpyHostToDevice));
+      const std::vector<std::int32_t> n(static_cast<std::size_t>(seqs),
+                                        static_cast<std::int32_t>(tokens));
+      KVSIFT_CUDA_CHECK(cudaMemcpy(units.get(), n.data(), n.size() * 4, cudaMemcpyHostToDevice));
+      KVSIFT_CUDA_CHECK(cudaMemset(zero.get(), 0, zero.size() * 4));
+    }
+    row.print("RaaS refresh top half (tokens)", 12.0 * cells,
+              bench::median_ms(
+                  [&] {
+                    cuda::raas_refresh(unit_scores.get(), units.get(), seqs, kv_heads, tokens,
+                                       cuda::RaasRefreshRule::top_half, 0.0f, 7, ts.get(), stream);
+                  },
+                  stream, kWarmup, kReps));
+    {
+      const std::vector<std::int32_t> n(static_cast<std::size_t>(seqs),
+                                        static_cast<std::int32_t>(pages));
+      KVSIFT_CUDA_CHECK(cudaMemcpy(units.get(), n.data(), n.size() * 4, cudaMemcpyHostToDevice));
+    }
+    row.print("RaaS refresh top half (pages)", 12.0 * slabs * pages,
+              bench::median_ms(
+                  [&] {
+                    cuda::raas_refresh(unit_scores.get(), units.get(), seqs, kv_heads, pages,
+                                       cuda::RaasRefreshRule::top_half, 0.0f, 7, ts.get(), stream);
+                  },
+                  stream, kWarmup, kReps));
+    {
+      const std::vector<std::int32_t> n(static_cast<std::size_t>(seqs),
+                                        static_cast<std::int32_t>(tokens));
+      KVSIFT_CUDA_CHECK(cudaMemcpy(units.get(), n.data(), n.size() * 4, cudaMemcpyHostToDevice));
+    }
+    const std::size_t bound_cells = static_cast<std::size_t>(slabs * pages * dim);
+    DeviceArray<float> kmin(bound_cells), kmax(bound_cells),
+        bounds(static_cast<std::size_t>(slabs * pages));
+    const TensorView keys =
+        TensorView::contiguous(x.get(), DType::bf16, Device::cuda, {seqs, kv_heads, tokens, dim});
+    row.print("RaaS page key bounds (bf16 keys)", tensor_bytes + 8.0 * bound_cells,
+              bench::median_ms(
+                  [&] {
+                    cuda::raas_page_key_bounds(keys, zero.get(), units.get(), page, pages,
+                                               kmin.get(), kmax.get(), stream);
+                  },
+                  stream, kWarmup, kReps));
+    row.print("RaaS Quest page bounds", 8.0 * bound_cells + 4.0 * qs.size() + 4.0 * slabs * pages,
+              bench::median_ms(
+                  [&] {
+                    cuda::raas_page_bounds(qs.get(), seqs, q_heads, kv_heads, dim, kmin.get(),
+                                           kmax.get(), units.get(), page, pages, bounds.get(),
+                                           stream);
                   },
                   stream, kWarmup, kReps));
   }
