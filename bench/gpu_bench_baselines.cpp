@@ -112,7 +112,8 @@ int main(int argc, char** argv) {
 
   // Packed storage large enough for every layout below: 16-bit words are one word a code.
   DeviceArray<std::uint16_t> words16(n), words2(n / 8 + 1);
-  const std::size_t max_groups = n / 32 + 1;
+  // Groups of G = 32 along either axis, a partial last group a unit included.
+  const std::size_t max_groups = n / 32 + static_cast<std::size_t>(slabs * (dim + tokens)) + 1;
   DeviceArray<float> scales(max_groups), zeros(max_groups);
   auto time_codec = [&](cuda::DeviceAsymPacked q, const char* qname, const char* dname,
                         cuda::AsymDequantMode mode) {
