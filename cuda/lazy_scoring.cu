@@ -11,6 +11,7 @@
 #include <cuda_runtime_api.h>
 
 #include <climits>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 

@@ -13,6 +13,7 @@
 // Compiled with -fmad=false (CMakeLists.txt), products pinned with __fmul_rn, sums __fadd_rn.
 #include <cuda_runtime_api.h>
 
+#include <cmath>
 #include <cstdint>
 #include <limits>
 

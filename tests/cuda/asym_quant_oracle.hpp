@@ -4,6 +4,7 @@
 // comparisons that describe the first difference (index, both values) when they fail.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
