@@ -186,6 +186,138 @@ __device__ __forceinline__ void decode_group(uint4 codes, std::uint8_t scale, in
   }
 }
 
+// Steps 4-5 of a tile, shared by the paged and the dense kernel. x2: this lane's logits in log2
+// units (−inf: dead slot) at slots nt·8 + 2t + j of MMA row g = lane / 4, tmax their maximum.
+// Updates the running max m2, sum l and accumulator acc (C fragments of P·V: rows g and g + 8
+// hold P_hi·V and P_lo·V). vfac scales P into the units of sV's values (see the file comment).
+template <int D>
+__device__ __forceinline__ void softmax_pv_tile(const float (&x2)[4][2], float tmax, int n, bool bf,
+                                                float vfac,
+                                                const __half* sV,  // [32][D + 8]
+                                                bool real_head, int lane, float& m2, float& l,
+                                                float (&acc)[D / 8][4]) {
+  constexpr int kVPitch = D + 8;
+  tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
+  tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 2));
+  const float m_new = fmaxf(m2, tmax);  // finite: the tile has a live slot
+  const float r = exp2f(m2 - m_new);    // 0 on the first live tile (m2 = −inf)
+  float psum = 0.0f, p[4][2];
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const float e = x2[nt][j] == -INFINITY ? 0.0f : exp2f(x2[nt][j] - m_new);
+      p[nt][j] = real_head ? e : 0.0f;
+      psum += p[nt][j];
+    }
+  }
+  psum += __shfl_xor_sync(0xffffffffu, psum, 1);
+  psum += __shfl_xor_sync(0xffffffffu, psum, 2);
+  l = l * r + psum;
+  m2 = m_new;
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) {
+    acc[i][0] *= r;
+    acc[i][1] *= r;
+    acc[i][2] *= r;
+    acc[i][3] *= r;
+  }
+  // O += P·V: A = P (rows g: high halves, g + 8: low halves), k-step ks = slots ks·16 .. + 15.
+  const int lrow = (lane & 7) + 8 * ((lane >> 3) & 1), lcol = 8 * (lane >> 4);
+#pragma unroll
+  for (int ks = 0; ks < 2; ++ks) {
+    if (ks * 16 >= n) break;
+    std::uint32_t pa[4];
+    if (bf) {
+      split16<true>(p[2 * ks][0] * vfac, p[2 * ks][1] * vfac, pa[0], pa[1]);
+      split16<true>(p[2 * ks + 1][0] * vfac, p[2 * ks + 1][1] * vfac, pa[2], pa[3]);
+    } else {
+      split16<false>(p[2 * ks][0] * vfac, p[2 * ks][1] * vfac, pa[0], pa[1]);
+      split16<false>(p[2 * ks + 1][0] * vfac, p[2 * ks + 1][1] * vfac, pa[2], pa[3]);
+    }
+#pragma unroll
+    for (int cp = 0; cp < D / 16; ++cp) {
+      std::uint32_t bv[4];
+      ldmatrix_x4_trans(bv, sV + (ks * 16 + lrow) * kVPitch + cp * 16 + lcol);
+      if (bf) {
+        detail::mma_16816<detail::Half16::bf16>(acc[2 * cp], pa, bv[0], bv[1]);
+        detail::mma_16816<detail::Half16::bf16>(acc[2 * cp + 1], pa, bv[2], bv[3]);
+      } else {
+        detail::mma_16816<detail::Half16::f16>(acc[2 * cp], pa, bv[0], bv[1]);
+        detail::mma_16816<detail::Half16::f16>(acc[2 * cp + 1], pa, bv[2], bv[3]);
+      }
+    }
+  }
+}
+
+// One warp's partial: rows [row0, row0 + G) of part_acc [.., D] and part_ml [.., 2]. acc · inv
+// is in value units; a head without a live slot writes (−inf, 0) and no acc.
+template <int D>
+__device__ __forceinline__ void write_partial(float* part_acc, float* part_ml, std::int64_t row0,
+                                              int g, int G, int t, float inv, float m2, float l,
+                                              const float (&acc)[D / 8][4]) {
+  if (g >= G) return;
+  const std::int64_t row = row0 + g;
+  if (l > 0.0f) {
+    float* dst = part_acc + row * D;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      const float2 o = make_float2((acc[i][0] + acc[i][2]) * inv, (acc[i][1] + acc[i][3]) * inv);
+      *reinterpret_cast<float2*>(dst + i * 8 + 2 * t) = o;
+    }
+  }
+  if (t == 0) {
+    part_ml[row * 2] = l > 0.0f ? m2 * kLn2 : -INFINITY;
+    part_ml[row * 2 + 1] = l;
+  }
+}
+
+// The query of one KV head's group as MMA A fragments (rows g: high halves, g + 8: low halves,
+// per head scaled by a power of two sQs[g] so that the 16-bit halves neither overflow nor lose
+// bits to subnormals), fp16 at sQa[0 .. D/16·32), bf16 after. All threads of the CTA call this.
+template <int D>
+__device__ void setup_query(const float* q,  // [G, D]
+                            int G, float* sQf, float* sQs, uint4* sQa) {
+  constexpr int kChunks = D / 16;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int i = threadIdx.x; i < G * D; i += kThreads) sQf[i] = q[i];
+  __syncthreads();
+  for (int g = warp; g < kMaxGroup; g += kWarps) {
+    float mx = 0.0f;
+    if (g < G) {
+      for (int c = lane; c < D; c += 32) mx = fmaxf(mx, fabsf(sQf[g * D + c]));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    if (lane == 0) {
+      int e = 0;
+      if (mx > 0.0f && isfinite(mx)) frexpf(mx, &e);  // mx < 2^e
+      sQs[g] = ldexpf(1.0f, 13 - e);                  // scaled max < 2^13
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < kChunks * 32; idx += kThreads) {
+    const int kc = idx / 32, l = idx % 32, g = l / 4, t = l % 4;
+    float x[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // channels kc·16 + 2t + {0, 1, 8, 9}
+    if (g < G) {
+      const float s = sQs[g];
+      const float* qg = sQf + g * D + kc * 16 + 2 * t;
+      x[0] = qg[0] * s;
+      x[1] = qg[1] * s;
+      x[2] = qg[8] * s;
+      x[3] = qg[9] * s;
+    }
+    uint4 f16, bf16;
+    split16<false>(x[0], x[1], f16.x, f16.y);  // a0: row g (hi), a1: row g + 8 (lo)
+    split16<false>(x[2], x[3], f16.z, f16.w);  // a2, a3: the same, columns + 8
+    split16<true>(x[0], x[1], bf16.x, bf16.y);
+    split16<true>(x[2], x[3], bf16.z, bf16.w);
+    sQa[kc * 32 + l] = f16;
+    sQa[(kChunks + kc) * 32 + l] = bf16;
+  }
+  __syncthreads();
+}
+
 struct SplitArgs {
   const std::uint8_t* storage;  // [num_blocks, frame_stride]
   std::int64_t frame_stride;
@@ -236,44 +368,7 @@ __global__ void __launch_bounds__(kThreads, 2) split_decode_kernel(SplitArgs a) 
   const int H = a.kv_heads;
   const float* q = a.query + (static_cast<std::int64_t>(b) * H + h) * G * D;
 
-  // --- setup: the query (fp32 and as MMA A fragments, scaled per head by a power of two so the
-  // 16-bit halves neither overflow nor lose bits to subnormals) ---------------------------------
-  for (int i = threadIdx.x; i < G * D; i += kThreads) sQf[i] = q[i];
-  __syncthreads();
-  for (int g = warp; g < kMaxGroup; g += kWarps) {
-    float mx = 0.0f;
-    if (g < G) {
-      for (int c = lane; c < D; c += 32) mx = fmaxf(mx, fabsf(sQf[g * D + c]));
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    if (lane == 0) {
-      int e = 0;
-      if (mx > 0.0f && isfinite(mx)) frexpf(mx, &e);  // mx < 2^e
-      sQs[g] = ldexpf(1.0f, 13 - e);                  // scaled max < 2^13
-    }
-  }
-  __syncthreads();
-  for (int idx = threadIdx.x; idx < kChunks * 32; idx += kThreads) {
-    const int kc = idx / 32, l = idx % 32, g = l / 4, t = l % 4;
-    float x[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // channels kc·16 + 2t + {0, 1, 8, 9}
-    if (g < G) {
-      const float s = sQs[g];
-      const float* qg = sQf + g * D + kc * 16 + 2 * t;
-      x[0] = qg[0] * s;
-      x[1] = qg[1] * s;
-      x[2] = qg[8] * s;
-      x[3] = qg[9] * s;
-    }
-    uint4 f16, bf16;
-    split16<false>(x[0], x[1], f16.x, f16.y);  // a0: row g (hi), a1: row g + 8 (lo)
-    split16<false>(x[2], x[3], f16.z, f16.w);  // a2, a3: the same, columns + 8
-    split16<true>(x[0], x[1], bf16.x, bf16.y);
-    split16<true>(x[2], x[3], bf16.z, bf16.w);
-    sQa[kc * 32 + l] = f16;
-    sQa[(kChunks + kc) * 32 + l] = bf16;
-  }
-  __syncthreads();
+  setup_query<D>(q, G, sQf, sQs, sQa);
 
   // --- this warp's run of tiles -----------------------------------------------------------------
   const int g = lane / 4, t = lane % 4;  // MMA row (query head) and column pair of this lane
@@ -415,78 +510,115 @@ __global__ void __launch_bounds__(kThreads, 2) split_decode_kernel(SplitArgs a) 
         tmax = fmaxf(tmax, x);
       }
     }
-    tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
-    tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 2));
-    const float m_new = fmaxf(m2, tmax);  // finite: the tile has a live slot
-    const float r = exp2f(m2 - m_new);    // 0 on the first live tile (m2 = −inf)
-    float psum = 0.0f, p[4][2];
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const float e = x2[nt][j] == -INFINITY ? 0.0f : exp2f(x2[nt][j] - m_new);
-        p[nt][j] = g < G ? e : 0.0f;
-        psum += p[nt][j];
-      }
-    }
-    psum += __shfl_xor_sync(0xffffffffu, psum, 1);
-    psum += __shfl_xor_sync(0xffffffffu, psum, 2);
-    l = l * r + psum;
-    m2 = m_new;
-#pragma unroll
-    for (int i = 0; i < kAccTiles; ++i) {
-      acc[i][0] *= r;
-      acc[i][1] *= r;
-      acc[i][2] *= r;
-      acc[i][3] *= r;
-    }
-
-    // 5. O += P·V: A = P (rows g: high halves, g + 8: low halves), k-step ks = slots ks·16..+15.
-    const float vfac = conv * pexp;
-#pragma unroll
-    for (int ks = 0; ks < 2; ++ks) {
-      if (ks * 16 >= n) break;
-      std::uint32_t pa[4];
-      if (bf) {
-        split16<true>(p[2 * ks][0] * vfac, p[2 * ks][1] * vfac, pa[0], pa[1]);
-        split16<true>(p[2 * ks + 1][0] * vfac, p[2 * ks + 1][1] * vfac, pa[2], pa[3]);
-      } else {
-        split16<false>(p[2 * ks][0] * vfac, p[2 * ks][1] * vfac, pa[0], pa[1]);
-        split16<false>(p[2 * ks + 1][0] * vfac, p[2 * ks + 1][1] * vfac, pa[2], pa[3]);
-      }
-#pragma unroll
-      for (int cp = 0; cp < D / 16; ++cp) {
-        std::uint32_t bv[4];
-        ldmatrix_x4_trans(bv, sV + (ks * 16 + lrow) * kVPitch + cp * 16 + lcol);
-        if (bf) {
-          detail::mma_16816<detail::Half16::bf16>(acc[2 * cp], pa, bv[0], bv[1]);
-          detail::mma_16816<detail::Half16::bf16>(acc[2 * cp + 1], pa, bv[2], bv[3]);
-        } else {
-          detail::mma_16816<detail::Half16::f16>(acc[2 * cp], pa, bv[0], bv[1]);
-          detail::mma_16816<detail::Half16::f16>(acc[2 * cp + 1], pa, bv[2], bv[3]);
-        }
-      }
-    }
+    softmax_pv_tile<D>(x2, tmax, n, bf, conv * pexp, sV, g < G, lane, m2, l, acc);
     __syncwarp();  // every lane's sK/sV reads are done before the next tile overwrites them
   }
 
-  // --- the partial of this warp: acc in value units (rows g and g + 8 hold p_hi·V and p_lo·V) ---
-  const int part = split * kWarps + warp;
-  const std::int64_t row =
-      ((static_cast<std::int64_t>(b) * H + h) * a.parts + part) * G + (g < G ? g : 0);
-  if (g < G && l > 0.0f) {
-    const float inv = 1.0f / pexp;
-    float* dst = a.part_acc + row * D;
+  write_partial<D>(a.part_acc, a.part_ml,
+                   ((static_cast<std::int64_t>(b) * H + h) * a.parts + split * kWarps + warp) * G,
+                   g, G, t, 1.0f / pexp, m2, l, acc);
+}
+
+// --- the dense baseline: the same split-sequence design over a contiguous bf16 cache -----------
+
+struct DenseArgs {
+  const bf16_t* keys;    // [batch, kv_heads, tokens, D]
+  const bf16_t* values;  // [batch, kv_heads, tokens, D]
+  std::int64_t tokens;
+  int kv_heads, group, tiles_per_warp, parts;
+  float softmax_scale;
+  const float* query;  // [batch, kv_heads · group, D]
+  float* part_acc;     // [batch, kv_heads, parts, group, D]
+  float* part_ml;      // [batch, kv_heads, parts, group, 2]
+};
+
+template <int D>
+constexpr std::size_t dense_shared_bytes(int group) {
+  return static_cast<std::size_t>(2 * (D / 16) * 32) * 16 +
+         static_cast<std::size_t>(group) * D * 4 + kMaxGroup * 4 +
+         static_cast<std::size_t>(kWarps) * 2 * kTileSlots * (D + 8) * 2;
+}
+
+// Grid (splits, KV heads, batch), 4 warps: per 32-token tile, cp.async copies the K and V rows
+// into the warp's shared tiles (slot-major, both), then the same MMAs, softmax and partials as
+// the paged kernel (K here is read with a non-transposed ldmatrix).
+template <int D>
+__global__ void __launch_bounds__(kThreads, 2) dense_split_kernel(DenseArgs a) {
+  constexpr int kChunks = D / 16, kPitch = D + 8, kRowChunks = D / 8;
+  extern __shared__ __align__(16) std::uint8_t smem[];
+  uint4* sQa = reinterpret_cast<uint4*>(smem);
+  float* sQf = reinterpret_cast<float*>(sQa + 2 * kChunks * 32);
+  float* sQs = sQf + a.group * D;
+  __nv_bfloat16* sAll = reinterpret_cast<__nv_bfloat16*>(sQs + kMaxGroup);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __nv_bfloat16* sK = sAll + static_cast<std::size_t>(warp) * 2 * kTileSlots * kPitch;
+  __nv_bfloat16* sV = sK + kTileSlots * kPitch;
+  const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z, G = a.group, H = a.kv_heads;
+  setup_query<D>(a.query + (static_cast<std::int64_t>(b) * H + h) * G * D, G, sQf, sQs, sQa);
+
+  const int g = lane / 4, t = lane % 4;
+  const float qinv = g < G ? 1.0f / sQs[g] : 0.0f;
+  const std::int64_t head0 = (static_cast<std::int64_t>(b) * H + h) * a.tokens;
+  const int units = static_cast<int>((a.tokens + kTileSlots - 1) / kTileSlots);
+  float m2 = -INFINITY, l = 0.0f;
+  float acc[D / 8][4];
 #pragma unroll
-    for (int i = 0; i < kAccTiles; ++i) {
-      const float2 o = make_float2((acc[i][0] + acc[i][2]) * inv, (acc[i][1] + acc[i][3]) * inv);
-      *reinterpret_cast<float2*>(dst + i * 8 + 2 * t) = o;
+  for (int i = 0; i < D / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+  const int u_first = split * kWarps * a.tiles_per_warp + warp;
+  for (int it = 0; it < a.tiles_per_warp; ++it) {
+    const int u = u_first + it * kWarps;
+    if (u >= units) break;
+    const std::int64_t first = static_cast<std::int64_t>(u) * kTileSlots;
+    const std::int64_t left = a.tokens - first;
+    const int n = left < kTileSlots ? static_cast<int>(left) : kTileSlots;
+    for (int c = lane; c < kTileSlots * kRowChunks; c += 32) {
+      const int s = c / kRowChunks, ch = c % kRowChunks;
+      const bool valid = s < n;  // rows past the end are zero-filled
+      const std::int64_t off = valid ? (head0 + first + s) * D + ch * 8 : 0;
+      detail::cp_async16(sK + s * kPitch + ch * 8, a.keys + off, valid);
+      detail::cp_async16(sV + s * kPitch + ch * 8, a.values + off, valid);
     }
+    detail::cp_async_commit();
+    detail::cp_async_wait<0>();
+    __syncwarp();
+    float sacc[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) sacc[i][0] = sacc[i][1] = sacc[i][2] = sacc[i][3] = 0.0f;
+    const uint4* qa = sQa + kChunks * 32 + lane;  // bf16 fragments
+    const int j = lane >> 3, r = lane & 7;
+#pragma unroll
+    for (int kc = 0; kc < kChunks; ++kc) {
+      const uint4 av = qa[kc * 32];
+      const std::uint32_t afr[4] = {av.x, av.y, av.z, av.w};
+#pragma unroll
+      for (int np = 0; np < 2; ++np) {
+        if (np * 16 >= n) break;
+        std::uint32_t bk[4];
+        detail::ldmatrix_x4(bk, sK + (np * 16 + r + 8 * (j >> 1)) * kPitch + kc * 16 + 8 * (j & 1));
+        detail::mma_16816<detail::Half16::bf16>(sacc[2 * np], afr, bk[0], bk[1]);
+        detail::mma_16816<detail::Half16::bf16>(sacc[2 * np + 1], afr, bk[2], bk[3]);
+      }
+    }
+    const unsigned live = n == 32 ? 0xffffffffu : ((1u << n) - 1u);
+    const float kfac = qinv * a.softmax_scale * kLog2e;
+    float x2[4][2], tmax = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj) {
+        const int s = nt * 8 + 2 * t + jj;
+        const float x = ((live >> s) & 1u) ? (sacc[nt][jj] + sacc[nt][2 + jj]) * kfac : -INFINITY;
+        x2[nt][jj] = x;
+        tmax = fmaxf(tmax, x);
+      }
+    }
+    softmax_pv_tile<D>(x2, tmax, n, true, 1.0f, reinterpret_cast<const __half*>(sV), g < G, lane,
+                       m2, l, acc);
+    __syncwarp();
   }
-  if (g < G && t == 0) {
-    a.part_ml[row * 2] = l > 0.0f ? m2 * kLn2 : -INFINITY;
-    a.part_ml[row * 2 + 1] = l;
-  }
+  write_partial<D>(a.part_acc, a.part_ml,
+                   ((static_cast<std::int64_t>(b) * H + h) * a.parts + split * kWarps + warp) * G,
+                   g, G, t, 1.0f, m2, l, acc);
 }
 
 // Grid (q_heads, batch): out = Σ_p acc_p·e^{m_p − m} / Σ_p l_p·e^{m_p − m}; zero without a live
@@ -823,6 +955,116 @@ void paged_decode_attention(const DevicePagedTable& table, std::int32_t seq, con
   std::uint8_t* rest = static_cast<std::uint8_t*>(workspace) + view_bytes;
   paged_decode_attention_batch(table, view, query, q_heads, head_dim, softmax_scale, out, rest,
                                workspace_bytes - view_bytes, stream, cfg);
+}
+
+// --- dense baseline ------------------------------------------------------------------------------
+
+namespace {
+
+SplitPlan plan_dense(std::int64_t batch, std::int64_t kv_heads, std::int64_t tokens,
+                     const DecodeAttentionConfig& cfg) {
+  SplitPlan p;
+  const std::int64_t units = (tokens + kTileSlots - 1) / kTileSlots;
+  const std::int64_t warps = static_cast<std::int64_t>(cfg.target_ctas) * kWarps;
+  const std::int64_t per_warp = std::max<std::int64_t>(
+      cfg.min_tiles_per_warp, (batch * kv_heads * units + warps - 1) / warps);
+  p.tiles_per_warp = static_cast<int>(std::min<std::int64_t>(per_warp, 1 << 30));
+  const std::int64_t per_cta = static_cast<std::int64_t>(p.tiles_per_warp) * kWarps;
+  p.splits = static_cast<int>(std::max<std::int64_t>(1, (units + per_cta - 1) / per_cta));
+  p.parts = p.splits * kWarps;
+  return p;
+}
+
+template <int D>
+void launch_dense(const DenseArgs& args, const SplitPlan& plan, int batch, cudaStream_t stream) {
+  const std::size_t smem = dense_shared_bytes<D>(args.group);
+  KVSIFT_CUDA_CHECK(cudaFuncSetAttribute(
+      dense_split_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  const dim3 grid(static_cast<unsigned>(plan.splits), static_cast<unsigned>(args.kv_heads),
+                  static_cast<unsigned>(batch));
+  dense_split_kernel<D><<<grid, kThreads, smem, stream>>>(args);
+  KVSIFT_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace
+
+std::size_t dense_split_decode_attention_workspace_bytes(std::int64_t batch, std::int64_t kv_heads,
+                                                         std::int64_t tokens, std::int64_t q_heads,
+                                                         std::int64_t head_dim,
+                                                         const DecodeAttentionConfig& cfg) {
+  cfg.validate();
+  KVSIFT_CHECK(batch >= 1 && kv_heads >= 1 && tokens >= 0,
+               "cuda::dense_split_decode_attention: batch (", batch, ") and kv_heads (", kv_heads,
+               ") must be >= 1 and tokens (", tokens, ") >= 0");
+  const SplitPlan plan = plan_dense(batch, kv_heads, tokens, cfg);
+  const std::size_t rows = static_cast<std::size_t>(batch * q_heads * plan.parts);
+  return align_up(rows * static_cast<std::size_t>(head_dim) * sizeof(float)) +
+         align_up(rows * 2 * sizeof(float));
+}
+
+void dense_split_decode_attention_bf16(const bf16_t* keys, const bf16_t* values, std::int64_t batch,
+                                       std::int64_t kv_heads, std::int64_t tokens,
+                                       const float* query, std::int64_t q_heads,
+                                       std::int64_t head_dim, float softmax_scale, float* out,
+                                       void* workspace, std::size_t workspace_bytes,
+                                       cudaStream_t stream, const DecodeAttentionConfig& cfg) {
+  const char* fn = "cuda::dense_split_decode_attention_bf16";
+  const std::size_t need =
+      dense_split_decode_attention_workspace_bytes(batch, kv_heads, tokens, q_heads, head_dim, cfg);
+  KVSIFT_CHECK(q_heads > 0 && q_heads % kv_heads == 0 && q_heads / kv_heads <= kMaxGroup, fn,
+               ": q_heads (", q_heads, ") must be a multiple of kv_heads (", kv_heads,
+               ") with at most ", kMaxGroup, " query heads per KV head");
+  KVSIFT_CHECK(head_dim_supported(head_dim), fn, ": head_dim (", head_dim,
+               ") must be 16, 32, 64, 128 or 256");
+  KVSIFT_CHECK(batch <= 65535 && kv_heads <= 65535, fn, ": batch (", batch, ") and kv_heads (",
+               kv_heads, ") must be <= 65535");
+  KVSIFT_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0.0f, fn, ": softmax_scale (",
+               softmax_scale, ") must be finite and > 0");
+  KVSIFT_CHECK(query != nullptr && out != nullptr && (tokens == 0 || (keys && values)), fn,
+               ": query, out, keys and values must not be null");
+  KVSIFT_CHECK(reinterpret_cast<std::uintptr_t>(keys) % 16 == 0 &&
+                   reinterpret_cast<std::uintptr_t>(values) % 16 == 0,
+               fn, ": keys and values must be 16-byte aligned");
+  KVSIFT_CHECK(workspace_bytes >= need, fn, ": workspace of ", workspace_bytes,
+               " bytes is too small (", need, " needed)");
+  const SplitPlan plan = plan_dense(batch, kv_heads, tokens, cfg);
+  WorkspaceCarver carver(workspace, workspace_bytes, fn);
+  const std::size_t rows = static_cast<std::size_t>(batch * q_heads * plan.parts);
+  DenseArgs args;
+  args.keys = keys;
+  args.values = values;
+  args.tokens = tokens;
+  args.kv_heads = static_cast<int>(kv_heads);
+  args.group = static_cast<int>(q_heads / kv_heads);
+  args.tiles_per_warp = plan.tiles_per_warp;
+  args.parts = plan.parts;
+  args.softmax_scale = softmax_scale;
+  args.query = query;
+  args.part_acc = carver.take<float>(rows * static_cast<std::size_t>(head_dim));
+  args.part_ml = carver.take<float>(rows * 2);
+  const int nb = static_cast<int>(batch);
+  switch (head_dim) {
+    case 16:
+      launch_dense<16>(args, plan, nb, stream);
+      break;
+    case 32:
+      launch_dense<32>(args, plan, nb, stream);
+      break;
+    case 64:
+      launch_dense<64>(args, plan, nb, stream);
+      break;
+    case 128:
+      launch_dense<128>(args, plan, nb, stream);
+      break;
+    default:
+      launch_dense<256>(args, plan, nb, stream);
+      break;
+  }
+  const dim3 grid(static_cast<unsigned>(q_heads), static_cast<unsigned>(batch));
+  merge_partials_kernel<<<grid, 128, 0, stream>>>(args.part_acc, args.part_ml, args.kv_heads,
+                                                  args.group, plan.parts,
+                                                  static_cast<int>(head_dim), out);
+  KVSIFT_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace kvsift::cuda

@@ -299,4 +299,21 @@ void dense_decode_attention_bf16(const bf16_t* keys, const bf16_t* values, std::
                                  void* workspace, std::size_t workspace_bytes, cudaStream_t stream,
                                  const DecodeAttentionConfig& cfg = {});
 
+// The split-sequence tensor-core design over dense bf16 caches of equal length: the baseline the
+// paged kernel is benchmarked against (a fair one: split along the sequence, the GQA group served
+// by one read of each K/V tile, cp.async copies, tensor-core MMAs; it only skips the paging and
+// the dequantization). GQA group <= 8, head_dim 16/32/64/128/256.
+//   keys, values device [batch, kv_heads, tokens, head_dim] bf16, 16-byte aligned
+//   query device [batch, q_heads, head_dim] f32; out device [batch, q_heads, head_dim] f32
+std::size_t dense_split_decode_attention_workspace_bytes(std::int64_t batch, std::int64_t kv_heads,
+                                                         std::int64_t tokens, std::int64_t q_heads,
+                                                         std::int64_t head_dim,
+                                                         const DecodeAttentionConfig& cfg = {});
+void dense_split_decode_attention_bf16(const bf16_t* keys, const bf16_t* values, std::int64_t batch,
+                                       std::int64_t kv_heads, std::int64_t tokens,
+                                       const float* query, std::int64_t q_heads,
+                                       std::int64_t head_dim, float softmax_scale, float* out,
+                                       void* workspace, std::size_t workspace_bytes,
+                                       cudaStream_t stream, const DecodeAttentionConfig& cfg = {});
+
 }  // namespace kvsift::cuda
