@@ -75,10 +75,11 @@ struct DecodeAttentionConfig {
   // threads uses ~38 KB of shared memory at head_dim 128, GQA group 4, so 4-5 fit per SM). The
   // 32-slot tiles of a sequence are cut into ceil(tiles · kv_heads / target_ctas) tiles per split.
   std::int32_t target_ctas = 528;
-  // Split-sequence kernel only: each warp walks at least this many 32-slot tiles, so that its
-  // partial result (G · head_dim floats written and read back by the merge) stays small next to
-  // the bytes it reads. Tests set 1 to force many splits.
-  std::int32_t min_tiles_per_warp = 4;
+  // Split-sequence kernels only: each warp walks at least this many 32-slot tiles. 1 lets short
+  // sequences spread over as many warps as target_ctas allows (they are latency-bound); long ones
+  // get ceil(tiles / (4 · target_ctas)) per warp anyway. Raise it to trade parallelism for fewer
+  // partials (G · head_dim floats per warp, written once and read back by the merge).
+  std::int32_t min_tiles_per_warp = 1;
 
   void validate() const {
     KVSIFT_CHECK(target_ctas >= 1, "DecodeAttentionConfig: target_ctas must be >= 1, got ",
