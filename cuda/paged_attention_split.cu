@@ -71,6 +71,11 @@ __device__ __forceinline__ void ldmatrix_x4_trans(std::uint32_t (&r)[4], const v
                : "r"(addr));
 }
 
+// Asks L2 to fetch the 128-byte line holding `p` (no register is held for it).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+}
+
 __device__ __forceinline__ std::uint32_t h2_bits(__half2 h) {
   return *reinterpret_cast<const std::uint32_t*>(&h);
 }
@@ -407,6 +412,32 @@ __global__ void __launch_bounds__(kThreads, 2) split_decode_kernel(SplitArgs a) 
     const bool bf = format == kFormatFp8;
     const float conv = format == kFormatNvfp4 ? conv_nvfp4 : 1.0f;
 
+    // 0. L2 prefetch of this warp's next tile: its loads then hit L2 while this tile is decoded
+    // and multiplied (the warp holds one tile's loads in registers at a time).
+    if (it + 1 < a.tiles_per_warp && u + kWarps < units) {
+      const int u2 = u + kWarps;
+      const int blk2 = begin + u2 / a.tiles_per_block;
+      const int start2 = (u2 % a.tiles_per_block) * kTileSlots;
+      const int n2 = min(kTileSlots, a.block_size - start2);
+      const PagedHeadLayout& L2 = a.layouts.by_format[a.meta[blk2] & 0xf];
+      const std::uint8_t* base2 = a.storage +
+                                  static_cast<std::int64_t>(a.frames[blk2]) * a.frame_stride +
+                                  h * L2.head_bytes;
+      const int code_bytes = (n2 / 16) * D * L2.code_bytes;  // of the keys; values the same
+      const int scale_bytes = (n2 / 16) * D;
+      const std::uint8_t* kp = base2 + static_cast<std::int64_t>(start2 / 16) * D * L2.code_bytes;
+      const std::uint8_t* vp =
+          base2 + L2.value_codes + static_cast<std::int64_t>(start2) * (D / 16) * L2.code_bytes;
+      for (int off = lane * 128; off < code_bytes; off += 32 * 128) {
+        prefetch_l2(kp + off);
+        prefetch_l2(vp + off);
+      }
+      if (lane * 128 < scale_bytes) {
+        prefetch_l2(base2 + L2.key_scales + (start2 / 16) * D + lane * 128);
+        prefetch_l2(base2 + L2.value_scales + start2 * (D / 16) + lane * 128);
+      }
+    }
+
     // 1-2. Loads, then decode into sK (channel-major) and sV (slot-major).
     const int ngroups = (n / 16) * D;  // key groups (= value groups) of this tile
 #pragma unroll
@@ -571,6 +602,15 @@ __global__ void __launch_bounds__(kThreads, 2) dense_split_kernel(DenseArgs a) {
     const std::int64_t first = static_cast<std::int64_t>(u) * kTileSlots;
     const std::int64_t left = a.tokens - first;
     const int n = left < kTileSlots ? static_cast<int>(left) : kTileSlots;
+    if (it + 1 < a.tiles_per_warp && u + kWarps < units) {  // L2 prefetch of the next tile
+      const std::int64_t first2 = first + kWarps * kTileSlots;
+      const std::int64_t bytes = std::min<std::int64_t>(kTileSlots, a.tokens - first2) * D * 2;
+      const std::int64_t row0 = (head0 + first2) * D;
+      for (std::int64_t off = lane * 128; off < bytes; off += 32 * 128) {
+        prefetch_l2(reinterpret_cast<const std::uint8_t*>(a.keys + row0) + off);
+        prefetch_l2(reinterpret_cast<const std::uint8_t*>(a.values + row0) + off);
+      }
+    }
     for (int c = lane; c < kTileSlots * kRowChunks; c += 32) {
       const int s = c / kRowChunks, ch = c % kRowChunks;
       const bool valid = s < n;  // rows past the end are zero-filled

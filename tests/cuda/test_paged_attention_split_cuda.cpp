@@ -215,8 +215,10 @@ TEST_CASE("split paged attention: ternary blocks equal dense attention over dequ
   const float scale = 1.0f / std::sqrt(128.0f);
   for (int variant = 0; variant < 3; ++variant) {
     cuda::DecodeAttentionConfig ac;
+    // 1 and 2 tiles per warp: many splits, and the masked blocks 0-7 fill whole splits (4 and 8
+    // tiles per CTA); target_ctas 1: one split per sequence, long runs per warp.
     ac.min_tiles_per_warp = variant == 0 ? 1 : variant == 1 ? 2 : 4;
-    ac.target_ctas = variant == 2 ? 528 : 1;
+    ac.target_ctas = variant == 2 ? 1 : 528;
     INFO("min_tiles_per_warp " << ac.min_tiles_per_warp << " target_ctas " << ac.target_ctas);
     const std::vector<float> got = run_batch(dev, seqs, query, q_heads, scale, ac);
     for (std::size_t i = 0; i < seqs.size(); ++i) {
