@@ -1,5 +1,6 @@
-// Decode attention over the device Continuous Thinking table (docs/algorithms.md §3.4) and, with
-// the same kernel body, over a dense bf16 cache (the baseline).
+// The tiled decode attention over the device Continuous Thinking table (docs/algorithms.md §3.4),
+// kept as the fallback of cuda/paged_attention_split.cu (f32 blocks, GQA groups > 8, other
+// head_dims) and as the "old" column of the benchmark, and the same body over a dense bf16 cache.
 //
 // Split-KV (flash-decoding): CTA (KV head h, split s) walks its run of 32-slot tiles. For each
 // tile with a live slot it dequantizes keys and values into shared memory (per the block's format;
