@@ -22,7 +22,9 @@ std::size_t KiviPolicy::layer_index(int layer, const char* who) const {
   return static_cast<std::size_t>(layer);
 }
 
-const KiviStream& KiviPolicy::stream(int layer) const { return layers_[layer_index(layer, "stream")]; }
+const KiviStream& KiviPolicy::stream(int layer) const {
+  return layers_[layer_index(layer, "stream")];
+}
 
 void KiviPolicy::prefill(int layer, const TensorView& keys, const TensorView& values) {
   const std::size_t l = layer_index(layer, "prefill");
@@ -72,7 +74,8 @@ bool KiviPolicy::end_step() {
   }
   last_quantized_ = false;
   if (!any) return false;
-  KVSIFT_CHECK(all, kWho, "::end_step: some layers were not appended this step (every layer "
+  KVSIFT_CHECK(all, kWho,
+               "::end_step: some layers were not appended this step (every layer "
                "appends exactly once per step)");
   for (std::size_t l = 0; l < layers_.size(); ++l) {
     KiviStream& s = layers_[l];

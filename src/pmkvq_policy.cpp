@@ -66,8 +66,8 @@ void PmkvqPolicy::prefill(int layer, const TensorView& keys, const TensorView& v
   const std::int64_t n = keys.shape[2];
   for (std::int64_t b = 0; b < cfg_.batch; ++b) {
     const std::int64_t pad = pads_[static_cast<std::size_t>(b)];
-    KVSIFT_CHECK(pad <= n, kWho, "::prefill: pad_counts[", b, "] (", pad,
-                 ") exceeds the prompt's ", n, " tokens");
+    KVSIFT_CHECK(pad <= n, kWho, "::prefill: pad_counts[", b, "] (", pad, ") exceeds the prompt's ",
+                 n, " tokens");
     if (n - pad == 0) continue;  // an empty prompt: the first decode token is update 0
     // Sequence b's real rows start at (b, 0, pad); heads are n rows apart (src_seq = n).
     const std::size_t at = static_cast<std::size_t>((b * H * n + pad) * D);
@@ -110,7 +110,8 @@ bool PmkvqPolicy::end_step() {
   }
   last_quantized_ = false;
   if (!any) return false;
-  KVSIFT_CHECK(all, kWho, "::end_step: some layers were not appended this step (every layer "
+  KVSIFT_CHECK(all, kWho,
+               "::end_step: some layers were not appended this step (every layer "
                "appends exactly once per step)");
   const std::size_t row = static_cast<std::size_t>(cfg_.pmkvq.kv_heads * cfg_.pmkvq.head_dim);
   bool evicted = false;
@@ -132,25 +133,30 @@ bool PmkvqPolicy::end_step() {
 std::vector<float> PmkvqPolicy::rows(std::size_t i, std::int64_t kv_head, int kv) const {
   const std::int64_t H = cfg_.pmkvq.kv_heads, D = cfg_.pmkvq.head_dim;
   const std::int64_t G = cfg_.pmkvq.group_size, groups = D / G;
+  const std::size_t layer = i / static_cast<std::size_t>(cfg_.batch);
+  const std::int64_t pending = appended_[layer] ? 1 : 0;
   std::vector<float> out;
   if (real()) {  // [sink | body | window], x̂ = bf16(bf16(bf16(q)·s) − z)
     const PmkvqRealStream& s = *real_[i];
+    out.resize(static_cast<std::size_t>((s.tokens() + pending) * D));
+    float* o = out.data();
     for (const PmkvqRealStream::Segment* seg : {&s.sink(kv), &s.body(kv), &s.window(kv)})
       for (std::int64_t t = 0; t < seg->tokens; ++t)
-        for (std::int64_t d = 0; d < D; ++d) {
-          const std::size_t p = static_cast<std::size_t>((t * H + kv_head) * groups + d / G);
-          out.push_back(pmkvq::dequantize_bf16(
-              seg->codes[static_cast<std::size_t>((t * H + kv_head) * D + d)],
-              GroupParams{seg->scales[p], seg->zeros[p]}));
+        for (std::int64_t g = 0; g < groups; ++g) {
+          const std::size_t p = static_cast<std::size_t>((t * H + kv_head) * groups + g);
+          const GroupParams gp{seg->scales[p], seg->zeros[p]};
+          const std::uint16_t* q = seg->codes.data() + (t * H + kv_head) * D + g * G;
+          for (std::int64_t d = 0; d < G; ++d) *o++ = pmkvq::dequantize_bf16(q[d], gp);
         }
+    out.resize(static_cast<std::size_t>(s.tokens() * D));
   } else {  // the fake cache already holds the dequantized values, [tokens, H, D]
     const std::vector<float>& c = kv == 0 ? fake_[i]->keys() : fake_[i]->values();
     const std::int64_t n = fake_[i]->tokens();
     for (std::int64_t t = 0; t < n; ++t)
-      out.insert(out.end(), c.begin() + (t * H + kv_head) * D, c.begin() + (t * H + kv_head + 1) * D);
+      out.insert(out.end(), c.begin() + (t * H + kv_head) * D,
+                 c.begin() + (t * H + kv_head + 1) * D);
   }
-  const std::size_t layer = i / static_cast<std::size_t>(cfg_.batch);
-  if (appended_[layer]) {  // the step's own token, full precision
+  if (pending) {  // the step's own token, full precision
     const std::vector<float>& p = kv == 0 ? pending_k_ : pending_v_;
     const auto at = p.begin() + static_cast<std::ptrdiff_t>((i * H + kv_head) * D);
     out.insert(out.end(), at, at + D);
@@ -162,9 +168,8 @@ void PmkvqPolicy::attention(int layer, const TensorView& queries, const TensorVi
   const std::int64_t H = cfg_.pmkvq.kv_heads, D = cfg_.pmkvq.head_dim;
   quantizer_detail::check_out(out, cfg_.batch, cfg_.q_heads, D, kWho);
   const std::size_t first = index(layer, 0, "attention");
-  const std::vector<float> q =
-      quantizer_detail::gather(queries, cfg_.batch, cfg_.q_heads, 1, D, DType::f32, kWho,
-                               "queries");
+  const std::vector<float> q = quantizer_detail::gather(queries, cfg_.batch, cfg_.q_heads, 1, D,
+                                                        DType::f32, kWho, "queries");
   const std::int64_t group = cfg_.q_heads / H;
   std::vector<float> o(static_cast<std::size_t>(group * D));
   for (std::int64_t b = 0; b < cfg_.batch; ++b)
@@ -206,8 +211,8 @@ std::vector<std::int32_t> PmkvqPolicy::resident_positions(int layer, std::int64_
                                                           std::int64_t kv_head) const {
   const std::size_t i = index(layer, seq, "resident_positions");
   KVSIFT_CHECK(kv_head >= 0 && kv_head < cfg_.pmkvq.kv_heads, kWho,
-               "::resident_positions: KV head ", kv_head, " outside [0, kv_heads = ",
-               cfg_.pmkvq.kv_heads, ")");
+               "::resident_positions: KV head ", kv_head,
+               " outside [0, kv_heads = ", cfg_.pmkvq.kv_heads, ")");
   const PmkvqStreamBase& s = stream(layer, seq);
   const std::int64_t pad = pads_[static_cast<std::size_t>(seq)], fed = fed_[i];
   const std::int64_t pending = appended_[static_cast<std::size_t>(layer)] ? 1 : 0;

@@ -141,7 +141,8 @@ TEST_CASE("kivi through the registry reproduces every golden stream", "[quantize
   }
 }
 
-TEST_CASE("pmkvq through the registry follows the golden real stream", "[quantizer_policy][pmkvq]") {
+TEST_CASE("pmkvq through the registry follows the golden real stream",
+          "[quantizer_policy][pmkvq]") {
   const SafetensorsFile f = SafetensorsFile::load(golden("pmkvq_real"));
   const nlohmann::json c = nlohmann::json::parse(f.metadata().at("config"));
   const int H = c.at("kv_heads"), D = c.at("head_dim"), P = c.at("prefill_len"),
@@ -197,8 +198,7 @@ TEST_CASE("pmkvq through the registry follows the golden real stream", "[quantiz
       for (std::int64_t t = 0; t < n; ++t)
         for (int d = 0; d < D; ++d) {
           const std::size_t g = static_cast<std::size_t>(h * n + t);
-          expect.push_back(bf16(
-              bf16(bf16(static_cast<float>(codes[g * D + d])) * sc[g]) - ze[g]));
+          expect.push_back(bf16(bf16(bf16(static_cast<float>(codes[g * D + d])) * sc[g]) - ze[g]));
         }
     }
     CHECK(p->dequantized_keys(0, 0, h) == expect);
@@ -207,8 +207,8 @@ TEST_CASE("pmkvq through the registry follows the golden real stream", "[quantiz
   // keys and values: sink 1 and window 31 at 16 bits (128 words), body 768 at 2 bits (16 words).
   const std::int64_t sink = 1, window = n_window[N], body = n_body[N];
   REQUIRE((window == 31 && body == 768 && nbits[N] == 2));
-  CHECK(p->resident_bytes() == 2 * H * ((sink + window) * 128 * 2 + body * 16 * 2 +
-                                        (sink + window + body) * 2 * 2));
+  CHECK(p->resident_bytes() ==
+        2 * H * ((sink + window) * 128 * 2 + body * 16 * 2 + (sink + window + body) * 2 * 2));
   CHECK(p->fullkv_fp16_bytes() == std::int64_t{H} * (P + N) * D * 2 * 2);
   const std::vector<std::int32_t> pos = p->resident_positions(0, 0, 1);
   CHECK((pos.size() == static_cast<std::size_t>(P + N) && pos.back() == P + N - 1));
@@ -274,8 +274,8 @@ TEST_CASE("quantizer attention is softmax attention over the stored tokens (fp32
   const int B = 2, H = 2, Hq = 4, D = 32, T = 20, steps = 6;
   for (const char* name : {"kivi", "pmkvq"}) {
     INFO(name);
-    nlohmann::json cfg = {{"batch", B}, {"num_layers", 2}, {"kv_heads", H}, {"q_heads", Hq},
-                          {"head_dim", D}, {"group_size", 16}};
+    nlohmann::json cfg = {{"batch", B},    {"num_layers", 2}, {"kv_heads", H},
+                          {"q_heads", Hq}, {"head_dim", D},   {"group_size", 16}};
     if (std::string(name) == "kivi") {
       cfg["residual_length"] = 64;
     } else {
@@ -296,7 +296,8 @@ TEST_CASE("quantizer attention is softmax attention over the stored tokens (fp32
       std::vector<float> q(static_cast<std::size_t>(B * Hq * D)), out(q.size());
       for (std::size_t i = 0; i < q.size(); ++i) q[i] = val(31 * i + s);
       for (int l = 0; l < 2; ++l) {
-        p->append(l, token(keys, B, H, T + steps, D, T + s), token(values, B, H, T + steps, D, T + s));
+        p->append(l, token(keys, B, H, T + steps, D, T + s),
+                  token(values, B, H, T + steps, D, T + s));
         p->attention(l, view(q, B, Hq, 1, D), view(out, B, Hq, 1, D));
       }
       const int n = T + s + 1;
@@ -330,8 +331,8 @@ TEST_CASE("quantizers skip left pads observed before prefill", "[quantizer_polic
   const int H = 1, D = 32, T = 40, steps = 70;
   for (const char* name : {"kivi", "pmkvq"}) {
     INFO(name);
-    nlohmann::json cfg = {{"num_layers", 1}, {"kv_heads", H}, {"q_heads", H}, {"head_dim", D},
-                          {"group_size", 16}};
+    nlohmann::json cfg = {
+        {"num_layers", 1}, {"kv_heads", H}, {"q_heads", H}, {"head_dim", D}, {"group_size", 16}};
     if (std::string(name) == "kivi") {
       cfg["residual_length"] = 32;
     } else {
@@ -349,11 +350,13 @@ TEST_CASE("quantizers skip left pads observed before prefill", "[quantizer_polic
     obs.pad_counts = pads;
     two->observe(obs);
     two->prefill(0, view(pk, 2, H, T, D), view(pv, 2, H, T, D));
-    std::vector<float> rk(pk.begin() + (T + 3) * D, pk.end()), rv(pv.begin() + (T + 3) * D, pv.end());
+    std::vector<float> rk(pk.begin() + (T + 3) * D, pk.end()),
+        rv(pv.begin() + (T + 3) * D, pv.end());
     one->prefill(0, view(rk, 1, H, T - 3, D), view(rv, 1, H, T - 3, D));
     for (int s = 0; s < steps; ++s) {
       std::vector<float> k(2 * D), v(2 * D), q(2 * D), o2(2 * D), o1(D);
-      for (int i = 0; i < 2 * D; ++i) k[i] = val(s * 100 + i), v[i] = val(s * 77 + i), q[i] = val(s + 3 * i);
+      for (int i = 0; i < 2 * D; ++i)
+        k[i] = val(s * 100 + i), v[i] = val(s * 77 + i), q[i] = val(s + 3 * i);
       two->append(0, view(k, 2, H, 1, D), view(v, 2, H, 1, D));
       one->append(0, TensorView::contiguous(k.data() + D, DType::f32, Device::cpu, {1, H, 1, D}),
                   TensorView::contiguous(v.data() + D, DType::f32, Device::cpu, {1, H, 1, D}));
@@ -382,13 +385,21 @@ TEST_CASE("quantizer policies: hand-computed memory of a small stream", "[quanti
   // 32 full. Per head: keys 32 ch x 64 tok x 2 bit = 512 B codes + 32 ch x 4 groups x 4 B = 512
   // B params; values 38 x (32 x 2 bit = 8 B + 2 groups x 4 B) = 608 B; full 2 x 32 x (6 + 32) x 2
   // B ... = 64 x 38 = 2432 B. Total per head 4064 B; 2 heads 8128 B.
-  auto kivi = make("kivi", {{"num_layers", 1}, {"kv_heads", 2}, {"q_heads", 2}, {"head_dim", 32},
-                            {"group_size", 16}, {"residual_length", 32}});
+  auto kivi = make("kivi", {{"num_layers", 1},
+                            {"kv_heads", 2},
+                            {"q_heads", 2},
+                            {"head_dim", 32},
+                            {"group_size", 16},
+                            {"residual_length", 32}});
   // PM-KVQ real, 16-bit, sink 1, window 16, budget large: 70 tokens = 1 sink + 64 body + 5 window
   // at 16 bits, G = 32: per token and head 32 codes = 32 words = 64 B + bf16 scale + zero 4 B,
   // keys and values: 70 x 2 heads x 2 x 68 = 19040 B.
-  auto pmkvq = make("pmkvq", {{"num_layers", 1}, {"kv_heads", 2}, {"q_heads", 2},
-                              {"head_dim", 32}, {"group_size", 32}, {"n_window", 16},
+  auto pmkvq = make("pmkvq", {{"num_layers", 1},
+                              {"kv_heads", 2},
+                              {"q_heads", 2},
+                              {"head_dim", 32},
+                              {"group_size", 32},
+                              {"n_window", 16},
                               {"kv_budget_mb", {1.0}}});
   for (QuantizingCachePolicy* p : {kivi.get(), pmkvq.get()}) {
     std::vector<float> pk(2 * 40 * 32), pv(pk.size());
@@ -404,15 +415,15 @@ TEST_CASE("quantizer policies: hand-computed memory of a small stream", "[quanti
   }
   CHECK(kivi->resident_bytes() == 8128);
   CHECK(pmkvq->resident_bytes() == 19040);
-  CHECK(kivi->quantization_steps() == 1);  // the flush at 64 (the one at 32 was the prefill's)
+  CHECK(kivi->quantization_steps() == 1);   // the flush at 64 (the one at 32 was the prefill's)
   CHECK(pmkvq->quantization_steps() == 2);  // window flushes at tokens 33 and 49 (+1 sink)
 }
 
 TEST_CASE("quantizer policies: misuse names the problem", "[quantizer_policy][errors]") {
   for (const char* name : {"kivi", "pmkvq"}) {
     INFO(name);
-    nlohmann::json cfg = {{"num_layers", 2}, {"kv_heads", 1}, {"q_heads", 2}, {"head_dim", 16},
-                          {"group_size", 16}};
+    nlohmann::json cfg = {
+        {"num_layers", 2}, {"kv_heads", 1}, {"q_heads", 2}, {"head_dim", 16}, {"group_size", 16}};
     if (std::string(name) == "kivi") {
       cfg["residual_length"] = 16;
     } else {
@@ -433,6 +444,7 @@ TEST_CASE("quantizer policies: misuse names the problem", "[quantizer_policy][er
     REQUIRE_THROWS_WITH(p->end_step(), Contains("some layers were not appended"));
     REQUIRE_THROWS_WITH(p->attention(0, view(q, 1, 1, 1, 32), view(out, 1, 2, 1, 16)),
                         Contains("queries is [1, 1, 1, 32]") && Contains("head_dim = 16"));
-    REQUIRE_THROWS_WITH(p->resident_positions(0, 1, 0), Contains("sequence 1") || Contains("(sequence 1"));
+    REQUIRE_THROWS_WITH(p->resident_positions(0, 1, 0),
+                        Contains("sequence 1") || Contains("(sequence 1"));
   }
 }

@@ -89,10 +89,12 @@ TEST_CASE("registry errors name the problem", "[registry][errors]") {
       Contains("kv_budget_mb holds 2 budgets") && Contains("num_layers = 3"));
   REQUIRE_THROWS_WITH(make_cache_owning_policy("pmkvq", R"({"kv_budget_mb": [1, "2"]})"),
                       Contains("'kv_budget_mb' must be an array of numbers"));
-  REQUIRE_THROWS_WITH(make_cache_owning_policy("pmkvq", R"({"backend": "fast", "kv_budget_mb": [1]})"),
-                      Contains("'backend' must be one of real, fake") && Contains("fast"));
-  REQUIRE_THROWS_WITH(make_cache_owning_policy("pmkvq", R"({"reference_exact": 1, "kv_budget_mb": [1]})"),
-                      Contains("'reference_exact' must be true or false"));
+  REQUIRE_THROWS_WITH(
+      make_cache_owning_policy("pmkvq", R"({"backend": "fast", "kv_budget_mb": [1]})"),
+      Contains("'backend' must be one of real, fake") && Contains("fast"));
+  REQUIRE_THROWS_WITH(
+      make_cache_owning_policy("pmkvq", R"({"reference_exact": 1, "kv_budget_mb": [1]})"),
+      Contains("'reference_exact' must be true or false"));
   // An integral float is an integer.
   CHECK(make_policy("rkv", R"({"budget": 512.0})") != nullptr);
 }

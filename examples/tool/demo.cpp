@@ -246,8 +246,7 @@ void print_legend(const demo::DemoConfig& cfg, bool with_skipkv, bool with_think
         "events (kivi: steps in which the 128 full-precision keys were flushed into 2-bit groups; "
         "pmkvq: steps in which its 128-token 16-bit window was flushed into the body or the "
         "body's width halved), ms = that end_step() time. Their recall@" +
-        k + " is the share of FullKV's top-" + k +
-        " found among the top-" + k +
+        k + " is the share of FullKV's top-" + k + " found among the top-" + k +
         " by their dequantized keys, over the queries after each event. kivi: 2-bit keys per "
         "channel and values per token, groups of 32, a 128-token fp16 residual. pmkvq: its byte "
         "budget per layer and sequence is a quarter of an fp16 cache of the whole decode (at least "

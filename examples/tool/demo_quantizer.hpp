@@ -32,6 +32,7 @@
 #include "demo_metrics.hpp"
 #include "demo_policy.hpp"
 #include "kvsift/core/error.hpp"
+#include "kvsift/policy/quantizers/pmkvq_policy.hpp"
 #include "kvsift/policy/quantizers/quantizing_policy.hpp"
 #include "kvsift/policy/registry.hpp"
 
@@ -52,11 +53,10 @@ inline std::int64_t pmkvq_demo_budget_bytes(int kv_heads, int head_dim, std::int
 inline std::string quantizer_demo_config(const std::string& name, std::int64_t batch, int layers,
                                          int kv_heads, int q_heads, int head_dim,
                                          std::int64_t length) {
-  std::string json = "{\"batch\": " + std::to_string(batch) +
-                     ", \"num_layers\": " + std::to_string(layers) +
-                     ", \"kv_heads\": " + std::to_string(kv_heads) +
-                     ", \"q_heads\": " + std::to_string(q_heads) +
-                     ", \"head_dim\": " + std::to_string(head_dim);
+  std::string json =
+      "{\"batch\": " + std::to_string(batch) + ", \"num_layers\": " + std::to_string(layers) +
+      ", \"kv_heads\": " + std::to_string(kv_heads) + ", \"q_heads\": " + std::to_string(q_heads) +
+      ", \"head_dim\": " + std::to_string(head_dim);
   if (name == "pmkvq") {
     const double bytes = static_cast<double>(pmkvq_demo_budget_bytes(kv_heads, head_dim, length));
     char mib[40];
@@ -129,8 +129,22 @@ class QuantizerDemoPolicy final : public DemoPolicy {
     std::sort(top.begin(), top.end());
     return true;
   }
+  // KIVI's widths and residual; PM-KVQ's body width at the end (lowest-highest over layers and
+  // sequences).
   std::vector<std::pair<std::string, std::string>> extra_columns() const override {
-    return {{"quantized as", description_}};
+    std::string cell = "-";
+    if (const auto* pm = dynamic_cast<const PmkvqPolicy*>(policy_.get())) {
+      int lo = 16, hi = 0;
+      for (int l = 0; l < layers_; ++l)
+        for (int b = 0; b < batch_; ++b) {
+          lo = std::min(lo, pm->n_bits(l, b));
+          hi = std::max(hi, pm->n_bits(l, b));
+        }
+      cell = "body " + std::to_string(lo) + (lo == hi ? "" : "-" + std::to_string(hi)) + " bit";
+    } else if (policy_) {
+      cell = "K2 V2, R 128";
+    }
+    return {{"quantized as", cell}};
   }
 
   // For tests: the library policy, nullptr before the first step.
@@ -149,26 +163,23 @@ class QuantizerDemoPolicy final : public DemoPolicy {
     kv_heads_ = step.kv_heads;
     q_heads_ = step.q_heads;
     head_dim_ = step.head_dim;
-    const std::string config = quantizer_demo_config(name_, batch_, layers_, kv_heads_, q_heads_,
-                                                     head_dim_, length_);
+    const std::string config =
+        quantizer_demo_config(name_, batch_, layers_, kv_heads_, q_heads_, head_dim_, length_);
     std::unique_ptr<CacheOwningPolicy> p = make_cache_owning_policy(name_, config);
     auto* q = dynamic_cast<QuantizingCachePolicy*>(p.get());
     KVSIFT_CHECK(q != nullptr, "kvsift demo: '", name_, "' is not a quantizer");
     p.release();
     policy_.reset(q);
     float none = 0.0f;  // [batch, kv_heads, 0, head_dim]
-    const TensorView empty = TensorView::contiguous(&none, DType::f32, Device::cpu,
-                                                    {batch_, kv_heads_, 0, head_dim_});
+    const TensorView empty =
+        TensorView::contiguous(&none, DType::f32, Device::cpu, {batch_, kv_heads_, 0, head_dim_});
     for (int l = 0; l < layers_; ++l) policy_->prefill(l, empty, empty);
-    description_ = name_ == "kivi" ? "K2 V2, G 32, R 128 (fp16 residual)"
-                                   : "16-bit sink + window, body 16>8>4>2";
   }
 
   std::string name_;
   std::int64_t length_;
   int layers_ = 0, batch_ = 0, kv_heads_ = 0, q_heads_ = 0, head_dim_ = 0;
   std::unique_ptr<QuantizingCachePolicy> policy_;
-  std::string description_ = "-";
   SelfCompression last_;
   mutable std::vector<std::int32_t> positions_;  // scratch for resident_positions()
   mutable int cached_ = -1;                      // (layer, b, h) whose keys_ are cached

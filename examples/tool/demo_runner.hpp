@@ -158,8 +158,8 @@ inline DemoResult run_demo(const DemoConfig& cfg, SyntheticDecode& decode,
               const auto& want = top[(static_cast<std::size_t>(l) * B + b) * Hq + q];
               if (policy.attended_positions(l, b, q, step.query(l, b, q), cfg.recall_k,
                                             attended)) {  // quantized keys: where attention goes
-                run.report.recall_sum += recall_of(want, attended.data(),
-                                                   static_cast<std::int64_t>(attended.size()));
+                run.report.recall_sum +=
+                    recall_of(want, attended.data(), static_cast<std::int64_t>(attended.size()));
               } else {
                 std::int64_t n = 0;
                 const std::int32_t* resident =

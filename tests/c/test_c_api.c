@@ -302,10 +302,10 @@ static void test_quantizers_by_hand(void) {
                     1920);
   /* PM-KVQ (real, graceful), G = 16, sink 1, window 8, budget 0.002 MiB = 2097.152 B. A token
    * of K+V, 2 heads, at 16 bits: 4 x (16 words x 2 B + bf16 scale and zero 4 B) = 144 B; body at
-   * 8 bits 4 x (8 words x 2 B + 4 B) = 80 B, at 4 bits 4 x (4 x 2 B + 4 B) = 48 B. Prompt: sink 1, body 16, window 3; 2880 B
-   * > budget, halved to 8 bits: 1280 + 576 = 1856 B. Steps add window tokens of 144 B; the
-   * second reaches 2144 B and halves to 4 bits. End: 1 sink + 7 window at 16 bits (1152 B) +
-   * 16 body at 4 bits (768 B) = 1920 B. */
+   * 8 bits 4 x (8 words x 2 B + 4 B) = 80 B, at 4 bits 4 x (4 x 2 B + 4 B) = 48 B. Prompt: sink 1,
+   * body 16, window 3; 2880 B > budget, halved to 8 bits: 1280 + 576 = 1856 B. Steps add window
+   * tokens of 144 B; the second reaches 2144 B and halves to 4 bits. End: 1 sink + 7 window at 16
+   * bits (1152 B) + 16 body at 4 bits (768 B) = 1920 B. */
   quantizer_by_hand("pmkvq",
                     "{\"num_layers\": 1, \"kv_heads\": 2, \"q_heads\": 4, \"head_dim\": 16, "
                     "\"group_size\": 16, \"n_window\": 8, \"kv_budget_mb\": [0.002]}",

@@ -70,4 +70,6 @@ TEST_CASE("the demo's kivi and pmkvq rows: memory as counted by hand", "[demo][q
   CHECK(t.find("42.0%") != std::string::npos);
   CHECK(t.find("39.1%") != std::string::npos);
   CHECK(t.find("quantized as") != std::string::npos);
+  CHECK(t.find("K2 V2, R 128") != std::string::npos);
+  CHECK(t.find("body 4 bit") != std::string::npos);  // PM-KVQ's width at the end
 }

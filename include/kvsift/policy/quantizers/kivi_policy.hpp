@@ -1,5 +1,6 @@
-// KIVI (docs/algorithms.md §5.1) behind the cache-owning interface (policy/cache_owning_policy.hpp):
-// one KiviStream per layer (the stream holds the batch), fed from batched engine tensors.
+// KIVI (docs/algorithms.md §5.1) behind the cache-owning interface
+// (policy/cache_owning_policy.hpp): one KiviStream per layer (the stream holds the batch), fed from
+// batched engine tensors.
 //   prefill(layer, k, v)   the stream's prefill rule per sequence (left pads skipped, below)
 //   append(layer, k, v)    the step's token in full precision
 //   attention(layer, q)    over [dequantized quantized part; full-precision buffers], GQA, exact
@@ -61,10 +62,10 @@ class KiviPolicy final : public QuantizingCachePolicy {
   std::int64_t tokens(std::size_t layer, std::int64_t seq) const;
 
   KiviPolicyConfig cfg_;
-  std::vector<KiviStream> layers_;   // [num_layers]
-  std::vector<bool> prefilled_;      // [num_layers]
-  std::vector<bool> appended_;       // [num_layers] this step
-  std::vector<std::int64_t> pads_;   // [batch] left pads of the prompt
+  std::vector<KiviStream> layers_;  // [num_layers]
+  std::vector<bool> prefilled_;     // [num_layers]
+  std::vector<bool> appended_;      // [num_layers] this step
+  std::vector<std::int64_t> pads_;  // [batch] left pads of the prompt
   bool any_prefilled_ = false;
   bool last_quantized_ = false;
   std::int64_t quantization_steps_ = 0;

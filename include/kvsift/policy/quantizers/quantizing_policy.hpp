@@ -51,8 +51,8 @@ inline std::vector<float> gather(const TensorView& t, std::int64_t batch, std::i
                ", heads = ", heads, ", ", (n < 0 ? std::string("n") : std::to_string(n)),
                ", head_dim = ", head_dim, "]");
   const std::int64_t rows = t.shape[2];
-  std::vector<float> out(static_cast<std::size_t>(std::max<std::int64_t>(1, batch * heads * rows *
-                                                                            head_dim)));
+  std::vector<float> out(
+      static_cast<std::size_t>(std::max<std::int64_t>(1, batch * heads * rows * head_dim)));
   std::size_t i = 0;
   for (std::int64_t b = 0; b < batch; ++b)
     for (std::int64_t h = 0; h < heads; ++h)
@@ -66,8 +66,8 @@ inline std::vector<float> gather(const TensorView& t, std::int64_t batch, std::i
 inline void check_out(const TensorView& out, std::int64_t batch, std::int64_t q_heads,
                       std::int64_t head_dim, const char* who) {
   KVSIFT_CHECK(out.data != nullptr && out.rank == 4 && out.dtype == DType::f32 &&
-                   out.device == Device::cpu && out.shape[0] == batch &&
-                   out.shape[1] == q_heads && out.shape[2] == 1 && out.shape[3] == head_dim,
+                   out.device == Device::cpu && out.shape[0] == batch && out.shape[1] == q_heads &&
+                   out.shape[2] == 1 && out.shape[3] == head_dim,
                who, "::attention: out must be host f32 [batch = ", batch, ", q_heads = ", q_heads,
                ", 1, head_dim = ", head_dim, "], got ", out.shape_string());
 }
