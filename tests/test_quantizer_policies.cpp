@@ -444,7 +444,12 @@ TEST_CASE("quantizer policies: misuse names the problem", "[quantizer_policy][er
     REQUIRE_THROWS_WITH(p->end_step(), Contains("some layers were not appended"));
     REQUIRE_THROWS_WITH(p->attention(0, view(q, 1, 1, 1, 32), view(out, 1, 2, 1, 16)),
                         Contains("queries is [1, 1, 1, 32]") && Contains("head_dim = 16"));
-    REQUIRE_THROWS_WITH(p->resident_positions(0, 1, 0),
-                        Contains("sequence 1") || Contains("(sequence 1"));
+    REQUIRE_THROWS_WITH(p->resident_positions(0, 1, 0), Contains("sequence 1"));
+    // Non-finite inputs (KIVI: also beyond fp16's range) are refused, naming the element.
+    p->append(1, view(k, 1, 1, 1, 16), view(k, 1, 1, 1, 16));
+    p->end_step();
+    k[5] = std::string(name) == "kivi" ? 1e6f : INFINITY;
+    REQUIRE_THROWS_WITH(p->append(0, view(k, 1, 1, 1, 16), view(k, 1, 1, 1, 16)),
+                        Contains("keys[0, 0, 0, 5]") && Contains("is not finite"));
   }
 }

@@ -40,7 +40,8 @@ struct KiviPolicyConfig {
   KiviConfig kivi;
 
   void validate() const {
-    KVSIFT_CHECK(batch >= 1, "KiviPolicyConfig: batch must be >= 1, got ", batch);
+    KVSIFT_CHECK(batch >= 1 && batch <= (std::int64_t{1} << 30),
+                 "KiviPolicyConfig: batch must be in [1, 2^30], got ", batch);
     KVSIFT_CHECK(num_layers >= 1, "KiviPolicyConfig: num_layers must be >= 1, got ", num_layers);
     KVSIFT_CHECK(kv_heads >= 1, "KiviPolicyConfig: kv_heads must be >= 1, got ", kv_heads);
     KVSIFT_CHECK(q_heads >= 1 && q_heads % kv_heads == 0, "KiviPolicyConfig: q_heads (", q_heads,

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -57,8 +58,14 @@ inline std::vector<float> gather(const TensorView& t, std::int64_t batch, std::i
   for (std::int64_t b = 0; b < batch; ++b)
     for (std::int64_t h = 0; h < heads; ++h)
       for (std::int64_t r = 0; r < rows; ++r)
-        for (std::int64_t d = 0; d < head_dim; ++d)
-          out[i++] = round_to_dtype(storage, *t.ptr<float>(b, h, r, d));
+        for (std::int64_t d = 0; d < head_dim; ++d) {
+          const float x = *t.ptr<float>(b, h, r, d);
+          out[i] = round_to_dtype(storage, x);
+          // A non-finite value (or one beyond fp16's range, for KIVI) would poison its groups.
+          KVSIFT_CHECK(std::isfinite(out[i]), who, ": ", what, "[", b, ", ", h, ", ", r, ", ", d,
+                       "] = ", x, " is not finite in ", dtype_name(storage));
+          ++i;
+        }
   return out;
 }
 
