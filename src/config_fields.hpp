@@ -5,8 +5,10 @@
 
 #include "config_json.hpp"
 #include "kvsift/config/h2o_config.hpp"
+#include "kvsift/config/kivi_config.hpp"
 #include "kvsift/config/lazy_config.hpp"
 #include "kvsift/config/options.hpp"
+#include "kvsift/config/pmkvq_config.hpp"
 #include "kvsift/config/raas_config.hpp"
 #include "kvsift/config/rkv_config.hpp"
 #include "kvsift/config/skipkv_config.hpp"
@@ -203,6 +205,46 @@ struct ThinKVFields {
     v("execution", p.execution, kBlockNames);
     v("transition", p.transition, kBlockNames);
     v("global_factors", p.global_factors);
+  }
+};
+
+// KIVI (docs/algorithms.md §5.1): the model's geometry and the quantizer's knobs, flat.
+struct KiviFields {
+  template <class V>
+  void operator()(V& v, KiviPolicyConfig& c) const {
+    v("batch", c.batch);
+    v("num_layers", c.num_layers);
+    v("kv_heads", c.kv_heads);
+    v("q_heads", c.q_heads);
+    v("head_dim", c.head_dim);
+    v("k_bits", c.kivi.k_bits);
+    v("v_bits", c.kivi.v_bits);
+    v("group_size", c.kivi.group_size);
+    v("residual_length", c.kivi.residual_length);
+  }
+};
+
+inline const EnumNames<PmkvqBackend> kPmkvqBackendNames{{"real", PmkvqBackend::real},
+                                                        {"fake", PmkvqBackend::fake}};
+
+// PM-KVQ (docs/algorithms.md §5.2): geometry, the stream's knobs flat, the per-layer budgets
+// (MiB; one entry for all layers or one per layer) and the reference-exact / graceful switch.
+struct PmkvqFields {
+  template <class V>
+  void operator()(V& v, PmkvqPolicyConfig& c) const {
+    PmkvqConfig& p = c.pmkvq;
+    v("batch", c.batch);
+    v("num_layers", c.num_layers);
+    v("kv_heads", p.kv_heads);
+    v("q_heads", c.q_heads);
+    v("head_dim", p.head_dim);
+    v("backend", p.backend, kPmkvqBackendNames);
+    v("group_size", p.group_size);
+    v("n_sink", p.n_sink);
+    v("n_window", p.n_window);
+    v("n_init_bits", p.n_init_bits);
+    v("kv_budget_mb", p.kv_budget_mb);
+    v("reference_exact", p.reference_exact);
   }
 };
 

@@ -243,7 +243,7 @@ class KVSiftCache(_HFCache):
     def __init__(self, model, method="rkv", capacity=None, vocabulary=None, **options):
         if method not in SUPPORTED_METHODS:
             raise error("KVSiftCache: method '%s' is not supported here (supported: %s; h2o "
-                        "needs every step's queries and thinkv owns its cache)"
+                        "needs every step's queries; thinkv, kivi and pmkvq own their caches)"
                         % (method, ", ".join(SUPPORTED_METHODS)))
         self._check_model(model)
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \

@@ -12,7 +12,8 @@
  *     kvsift_policy_select(policy, l, &cache[l], &window_queries[l], ws, ws_bytes, stream, &plan);
  *     kvsift_compact(&cache[l], plan, ws, ws_bytes, stream);
  *     kvsift_plan_destroy(plan);
- * Methods that own their KV storage (ThinKV) have their own handle: kvsift_owning_policy_*.
+ * Methods that own their KV storage (ThinKV, KIVI, PM-KVQ) have their own handle:
+ * kvsift_owning_policy_*.
  *
  * Conventions
  * - Every function that can fail returns a kvsift_status; KVSIFT_OK is 0. On failure
@@ -95,8 +96,9 @@ KVSIFT_C_EXPORT const char* kvsift_method_family(int32_t i);
 KVSIFT_C_EXPORT const char* kvsift_method_summary(int32_t i);
 /* The KVSIFT_NEEDS_* bits of method i (with its default config). */
 KVSIFT_C_EXPORT kvsift_status kvsift_method_needs(int32_t i, uint32_t* out_needs);
-/* *out = 1 when method i owns its KV storage (ThinKV): build it with kvsift_owning_policy_create;
- * it has no select/compact. 0: a policy over the engine's cache (kvsift_policy_create). */
+/* *out = 1 when method i owns its KV storage (ThinKV, KIVI, PM-KVQ): build it with
+ * kvsift_owning_policy_create; it has no select/compact. 0: a policy over the engine's cache
+ * (kvsift_policy_create). */
 KVSIFT_C_EXPORT kvsift_status kvsift_method_owns_cache(int32_t i, int* out);
 /* Every config key of method i with its default value, as a JSON object: the valid keys of
  * json_config. Static string; NULL when i is out of range. */
