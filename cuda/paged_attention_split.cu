@@ -776,6 +776,12 @@ std::size_t split_partial_bytes(const DevicePagedTable& table, const PagedBatch&
          align_up(rows * 2 * sizeof(float));
 }
 
+// Formats the split kernel reads. f32 blocks are not 16-bit numbers. FP8 blocks run bf16 MMAs
+// whose query and P halves carry only ~2^-16 (fp16's carry ~2^-22): on the H200 a pure-FP8 table
+// with f32 inputs missed the CPU reference by 1.6e-4 relative (the test allows 1.2e-4), so FP8
+// blocks take the tiled kernel until that path gets a third split.
+bool split_kernel_takes(BlockFormat f) { return f != BlockFormat::f32 && f != BlockFormat::fp8; }
+
 // Per-sequence fallback: the tiled kernel's workspace, the largest over the batch.
 std::size_t tiled_bytes(const DevicePagedTable& table, const PagedBatch& batch,
                         std::int64_t q_heads, const DecodeAttentionConfig& cfg) {
@@ -821,7 +827,7 @@ PagedBatch upload_paged_batch(const DevicePagedTable& table, const std::int32_t*
     for (std::int32_t k = 0; k < nb; ++k) {
       frames.push_back(table.frame_of(s, k));
       const BlockFormat f = table.format_of_block(s, k);
-      out.has_f32_blocks = out.has_f32_blocks || f == BlockFormat::f32;
+      out.has_f32_blocks = out.has_f32_blocks || !split_kernel_takes(f);
       meta.push_back(static_cast<std::int32_t>(f) |
                      (static_cast<std::int32_t>(table.type_of_block(s, k)) << 4));
     }
@@ -963,7 +969,7 @@ std::size_t paged_decode_attention_workspace_bytes(const DevicePagedTable& table
   view.max_blocks = table.num_blocks(seq);
   view.total_blocks = view.max_blocks;
   for (std::int32_t k = 0; k < view.max_blocks; ++k) {
-    view.has_f32_blocks = view.has_f32_blocks || table.format_of_block(seq, k) == BlockFormat::f32;
+    view.has_f32_blocks = view.has_f32_blocks || !split_kernel_takes(table.format_of_block(seq, k));
   }
   const std::size_t tiled = paged_decode_attention_tiled_workspace_bytes(table, seq, q_heads, cfg);
   if (q_heads <= 0 || q_heads % table.config().kv_heads != 0 ||
@@ -993,7 +999,7 @@ void paged_decode_attention(const DevicePagedTable& table, std::int32_t seq, con
     probe.host_seq_ids = {seq};
     for (std::int32_t k = 0; k < table.num_blocks(seq); ++k) {
       probe.has_f32_blocks =
-          probe.has_f32_blocks || table.format_of_block(seq, k) == BlockFormat::f32;
+          probe.has_f32_blocks || !split_kernel_takes(table.format_of_block(seq, k));
     }
     split = paged_split_kernel_applies(table, probe, q_heads);
   }

@@ -3,8 +3,9 @@
 //   - ternary blocks: dense softmax attention in double over the tokens obtained by dequantizing
 //     every block with the CPU codec (ThoughtBlockTable::dequantize_block, staged key rows
 //     included) and keeping the slots whose eviction bit is clear;
-//   - mixed NVFP4 / FP8 / ternary blocks with NVFP4 global factors: the CPU reference
-//     paged_decode_attention, per sequence.
+//   - mixed NVFP4 / ternary blocks with NVFP4 global factors: the CPU reference
+//     paged_decode_attention, per sequence (FP8 blocks take the tiled kernel, checked as a
+//     fallback).
 // Covered: a batch of 3 sequences of different lengths, GQA groups 4 and 8, head_dim 128 and 64,
 // blocks of 32 and 48 slots (a 16-slot tile), staged (not yet quantized) key rows, random
 // evictions, a run of 8 blocks with every slot evicted in one head (whole splits without a live
@@ -259,10 +260,11 @@ TEST_CASE("split paged attention: a head without live tokens gives zeros") {
                 "split kernel vs dense oracle");
 }
 
-TEST_CASE("split paged attention: NVFP4, FP8 and ternary blocks with global factors") {
+TEST_CASE("split paged attention: NVFP4 and ternary blocks with global factors") {
+  // (FP8 blocks take the tiled kernel: see split_kernel_takes in cuda/paged_attention_split.cu.)
   for (int block_size : {32, 48}) {
     ThoughtBlockTableConfig cfg = make_config(2, 64, block_size, BlockFormat::nvfp4,
-                                              BlockFormat::fp8, BlockFormat::ternary, 128);
+                                              BlockFormat::ternary, BlockFormat::nvfp4, 128);
     cfg.global_factors = {300.0f, 0.7f};
     const std::int64_t q_heads = 16;  // GQA group 8
     std::mt19937 rng(static_cast<std::uint32_t>(block_size));
@@ -292,9 +294,10 @@ TEST_CASE("split paged attention: NVFP4, FP8 and ternary blocks with global fact
 }
 
 TEST_CASE("split paged attention: shapes it does not take run the tiled kernel") {
-  // f32 blocks, and a GQA group of 16: the batch entry point falls back per sequence.
+  // f32 blocks, FP8 blocks, and a GQA group of 16: the batch entry point falls back per sequence.
+  const BlockFormat first = GENERATE(BlockFormat::f32, BlockFormat::fp8);
   ThoughtBlockTableConfig cfg =
-      make_config(1, 32, 32, BlockFormat::f32, BlockFormat::nvfp4, BlockFormat::ternary, 64);
+      make_config(1, 32, 32, first, BlockFormat::nvfp4, BlockFormat::ternary, 64);
   std::mt19937 rng(3);
   ThoughtBlockTable cpu(cfg);
   Mirror dev(cfg, 2);

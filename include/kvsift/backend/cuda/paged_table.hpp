@@ -254,7 +254,7 @@ struct PagedBatch {
   std::int32_t batch = 0;
   std::int32_t max_blocks = 0;             // longest sequence, in blocks
   std::int64_t total_blocks = 0;           // Σ blocks
-  bool has_f32_blocks = false;             // the split kernel does not take f32 blocks
+  bool has_f32_blocks = false;             // blocks the split kernel does not take (f32, FP8)
   std::vector<std::int32_t> host_seq_ids;  // for the per-sequence fallback
 };
 std::size_t paged_batch_bytes(const DevicePagedTable& table, const std::int32_t* seqs,  // [batch]
