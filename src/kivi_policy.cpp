@@ -5,14 +5,17 @@ namespace kvsift {
 
 namespace {
 constexpr const char* kWho = "KiviPolicy";
+template <class Config>
+Config validated(Config c) {
+  c.validate();
+  return c;
 }
+}  // namespace
 
-KiviPolicy::KiviPolicy(const KiviPolicyConfig& cfg) : cfg_(cfg) {
-  cfg_.validate();
+KiviPolicy::KiviPolicy(const KiviPolicyConfig& cfg)
+    : cfg_(validated(cfg)), ledger_(cfg_.num_layers, kWho) {
   for (int l = 0; l < cfg_.num_layers; ++l)
     layers_.emplace_back(cfg_.kivi, static_cast<int>(cfg_.batch), cfg_.kv_heads, cfg_.head_dim);
-  prefilled_.assign(static_cast<std::size_t>(cfg_.num_layers), false);
-  appended_.assign(static_cast<std::size_t>(cfg_.num_layers), false);
   pads_.assign(static_cast<std::size_t>(cfg_.batch), 0);
 }
 
@@ -35,7 +38,7 @@ void KiviPolicy::prefill(int layer, const TensorView& keys, const TensorView& va
                                                         cfg_.head_dim, DType::f16, kWho, "keys");
   const std::vector<float> v = quantizer_detail::gather(values, cfg_.batch, cfg_.kv_heads, -1,
                                                         cfg_.head_dim, DType::f16, kWho, "values");
-  KVSIFT_CHECK(!prefilled_[l], kWho, "::prefill: layer ", layer, " was already prefilled");
+  ledger_.check_prefill(l);
   const std::int64_t n = keys.shape[2];
   std::vector<std::int64_t> lengths(pads_.size());
   for (std::size_t b = 0; b < pads_.size(); ++b) {
@@ -44,8 +47,7 @@ void KiviPolicy::prefill(int layer, const TensorView& keys, const TensorView& va
     lengths[b] = n - pads_[b];
   }
   layers_[l].prefill(k.data(), v.data(), n, lengths);
-  prefilled_[l] = true;
-  any_prefilled_ = true;
+  ledger_.mark_prefilled(l);
 }
 
 void KiviPolicy::append(int layer, const TensorView& keys, const TensorView& values) {
@@ -54,29 +56,18 @@ void KiviPolicy::append(int layer, const TensorView& keys, const TensorView& val
                                                         cfg_.head_dim, DType::f16, kWho, "keys");
   const std::vector<float> v = quantizer_detail::gather(values, cfg_.batch, cfg_.kv_heads, 1,
                                                         cfg_.head_dim, DType::f16, kWho, "values");
-  KVSIFT_CHECK(prefilled_[l], kWho, "::append: layer ", layer,
-               " was not prefilled (prefill() every layer first, with 0 tokens for no prompt)");
-  KVSIFT_CHECK(!appended_[l], kWho, "::append: layer ", layer,
-               " already appended this step (end_step() closes a step)");
+  ledger_.check_append(l);
   layers_[l].append(k.data(), v.data());
-  appended_[l] = true;
+  ledger_.mark_appended(l);
 }
 
 void KiviPolicy::observe(const Observation& obs) {
-  quantizer_detail::observe_pads(obs, any_prefilled_, pads_, kWho);
+  quantizer_detail::observe_pads(obs, ledger_.any_prefilled(), pads_, kWho);
 }
 
 bool KiviPolicy::end_step() {
-  bool any = false, all = true;
-  for (bool a : appended_) {
-    any = any || a;
-    all = all && a;
-  }
   last_quantized_ = false;
-  if (!any) return false;
-  KVSIFT_CHECK(all, kWho,
-               "::end_step: some layers were not appended this step (every layer "
-               "appends exactly once per step)");
+  if (!ledger_.step_complete()) return false;
   for (std::size_t l = 0; l < layers_.size(); ++l) {
     KiviStream& s = layers_[l];
     std::int64_t before = 0, after = 0;
@@ -86,8 +77,8 @@ bool KiviPolicy::end_step() {
     for (int b = 0; b < s.batch(); ++b)
       for (int h = 0; h < s.kv_heads(); ++h) after += s.lengths(b, h).quantized_keys;
     last_quantized_ = last_quantized_ || after > before;
-    appended_[l] = false;
   }
+  ledger_.close_step();
   quantization_steps_ += last_quantized_;
   return false;
 }

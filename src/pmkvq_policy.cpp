@@ -9,10 +9,15 @@ namespace kvsift {
 
 namespace {
 constexpr const char* kWho = "PmkvqPolicy";
+template <class Config>
+Config validated(Config c) {
+  c.validate();
+  return c;
 }
+}  // namespace
 
-PmkvqPolicy::PmkvqPolicy(const PmkvqPolicyConfig& cfg) : cfg_(cfg) {
-  cfg_.validate();
+PmkvqPolicy::PmkvqPolicy(const PmkvqPolicyConfig& cfg)
+    : cfg_(validated(cfg)), ledger_(cfg_.num_layers, kWho) {
   const PmkvqConfig& p = cfg_.pmkvq;
   for (int l = 0; l < cfg_.num_layers; ++l)
     for (std::int64_t b = 0; b < cfg_.batch; ++b) {
@@ -26,8 +31,6 @@ PmkvqPolicy::PmkvqPolicy(const PmkvqPolicyConfig& cfg) : cfg_(cfg) {
   fed_.assign(streams, 0);
   pending_k_.assign(streams * static_cast<std::size_t>(p.kv_heads * p.head_dim), 0.0f);
   pending_v_ = pending_k_;
-  prefilled_.assign(static_cast<std::size_t>(cfg_.num_layers), false);
-  appended_ = prefilled_;
   pads_.assign(static_cast<std::size_t>(cfg_.batch), 0);
 }
 
@@ -61,8 +64,7 @@ void PmkvqPolicy::prefill(int layer, const TensorView& keys, const TensorView& v
       quantizer_detail::gather(keys, cfg_.batch, H, -1, D, storage(), kWho, "keys");
   const std::vector<float> v =
       quantizer_detail::gather(values, cfg_.batch, H, -1, D, storage(), kWho, "values");
-  KVSIFT_CHECK(!prefilled_[static_cast<std::size_t>(layer)], kWho, "::prefill: layer ", layer,
-               " was already prefilled");
+  ledger_.check_prefill(static_cast<std::size_t>(layer));
   const std::int64_t n = keys.shape[2];
   for (std::int64_t b = 0; b < cfg_.batch; ++b) {
     const std::int64_t pad = pads_[static_cast<std::size_t>(b)];
@@ -75,8 +77,7 @@ void PmkvqPolicy::prefill(int layer, const TensorView& keys, const TensorView& v
     evicted_ += r.evicted;
     fed_[first + b] = n - pad;
   }
-  prefilled_[static_cast<std::size_t>(layer)] = true;
-  any_prefilled_ = true;
+  ledger_.mark_prefilled(static_cast<std::size_t>(layer));
 }
 
 void PmkvqPolicy::append(int layer, const TensorView& keys, const TensorView& values) {
@@ -87,32 +88,21 @@ void PmkvqPolicy::append(int layer, const TensorView& keys, const TensorView& va
       quantizer_detail::gather(values, cfg_.batch, H, 1, D, storage(), kWho, "values");
   const std::size_t first = index(layer, 0, "append");
   const std::size_t l = static_cast<std::size_t>(layer);
-  KVSIFT_CHECK(prefilled_[l], kWho, "::append: layer ", layer,
-               " was not prefilled (prefill() every layer first, with 0 tokens for no prompt)");
-  KVSIFT_CHECK(!appended_[l], kWho, "::append: layer ", layer,
-               " already appended this step (end_step() closes a step)");
+  ledger_.check_append(l);
   const std::size_t row = static_cast<std::size_t>(H * D);
   std::copy(k.begin(), k.begin() + cfg_.batch * row, pending_k_.begin() + first * row);
   std::copy(v.begin(), v.begin() + cfg_.batch * row, pending_v_.begin() + first * row);
   for (std::int64_t b = 0; b < cfg_.batch; ++b) ++fed_[first + b];
-  appended_[l] = true;
+  ledger_.mark_appended(l);
 }
 
 void PmkvqPolicy::observe(const Observation& obs) {
-  quantizer_detail::observe_pads(obs, any_prefilled_, pads_, kWho);
+  quantizer_detail::observe_pads(obs, ledger_.any_prefilled(), pads_, kWho);
 }
 
 bool PmkvqPolicy::end_step() {
-  bool any = false, all = true;
-  for (bool a : appended_) {
-    any = any || a;
-    all = all && a;
-  }
   last_quantized_ = false;
-  if (!any) return false;
-  KVSIFT_CHECK(all, kWho,
-               "::end_step: some layers were not appended this step (every layer "
-               "appends exactly once per step)");
+  if (!ledger_.step_complete()) return false;
   const std::size_t row = static_cast<std::size_t>(cfg_.pmkvq.kv_heads * cfg_.pmkvq.head_dim);
   bool evicted = false;
   for (std::size_t i = 0; i < fed_.size(); ++i) {
@@ -125,7 +115,7 @@ bool PmkvqPolicy::end_step() {
     evicted = evicted || r.evicted > 0;
     evicted_ += r.evicted;
   }
-  for (std::size_t l = 0; l < appended_.size(); ++l) appended_[l] = false;
+  ledger_.close_step();
   quantization_steps_ += last_quantized_;
   return evicted;
 }
@@ -134,7 +124,7 @@ std::vector<float> PmkvqPolicy::rows(std::size_t i, std::int64_t kv_head, int kv
   const std::int64_t H = cfg_.pmkvq.kv_heads, D = cfg_.pmkvq.head_dim;
   const std::int64_t G = cfg_.pmkvq.group_size, groups = D / G;
   const std::size_t layer = i / static_cast<std::size_t>(cfg_.batch);
-  const std::int64_t pending = appended_[layer] ? 1 : 0;
+  const std::int64_t pending = ledger_.appended(layer) ? 1 : 0;
   std::vector<float> out;
   if (real()) {  // [sink | body | window], x̂ = bf16(bf16(bf16(q)·s) − z)
     const PmkvqRealStream& s = *real_[i];
@@ -190,7 +180,7 @@ std::int64_t PmkvqPolicy::resident_bytes(int layer) const {
     const std::size_t i = first + b;
     bytes += real() ? real_[i]->storage_bytes() : fake_[i]->storage_bytes();
   }
-  if (appended_[static_cast<std::size_t>(layer)])  // pending K and V at 16 bits
+  if (ledger_.appended(static_cast<std::size_t>(layer)))  // pending K and V at 16 bits
     bytes += cfg_.batch * 2 * cfg_.pmkvq.kv_heads * cfg_.pmkvq.head_dim * 2;
   return bytes;
 }
@@ -215,7 +205,7 @@ std::vector<std::int32_t> PmkvqPolicy::resident_positions(int layer, std::int64_
                " outside [0, kv_heads = ", cfg_.pmkvq.kv_heads, ")");
   const PmkvqStreamBase& s = stream(layer, seq);
   const std::int64_t pad = pads_[static_cast<std::size_t>(seq)], fed = fed_[i];
-  const std::int64_t pending = appended_[static_cast<std::size_t>(layer)] ? 1 : 0;
+  const std::int64_t pending = ledger_.appended(static_cast<std::size_t>(layer)) ? 1 : 0;
   // Sinks first; evicted body tokens (graceful mode) are always the oldest after the sinks.
   const std::int64_t rest = s.n_body() + s.n_window() + pending;
   std::vector<std::int32_t> p;

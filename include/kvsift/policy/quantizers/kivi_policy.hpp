@@ -63,10 +63,8 @@ class KiviPolicy final : public QuantizingCachePolicy {
 
   KiviPolicyConfig cfg_;
   std::vector<KiviStream> layers_;  // [num_layers]
-  std::vector<bool> prefilled_;     // [num_layers]
-  std::vector<bool> appended_;      // [num_layers] this step
+  quantizer_detail::StepLedger ledger_;
   std::vector<std::int64_t> pads_;  // [batch] left pads of the prompt
-  bool any_prefilled_ = false;
   bool last_quantized_ = false;
   std::int64_t quantization_steps_ = 0;
 };

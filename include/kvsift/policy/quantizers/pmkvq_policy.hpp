@@ -79,9 +79,8 @@ class PmkvqPolicy final : public QuantizingCachePolicy {
   std::vector<std::unique_ptr<PmkvqFakeStream>> fake_;  // [num_layers, batch] (fake ordering)
   std::vector<std::int64_t> fed_;                       // [num_layers, batch] real tokens given
   std::vector<float> pending_k_, pending_v_;            // [num_layers, batch, kv_heads, head_dim]
-  std::vector<bool> prefilled_, appended_;              // [num_layers]
-  std::vector<std::int64_t> pads_;                      // [batch]
-  bool any_prefilled_ = false;
+  quantizer_detail::StepLedger ledger_;
+  std::vector<std::int64_t> pads_;  // [batch]
   bool last_quantized_ = false;
   std::int64_t quantization_steps_ = 0;
   std::int64_t evicted_ = 0;

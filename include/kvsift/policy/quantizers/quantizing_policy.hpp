@@ -96,5 +96,54 @@ inline void observe_pads(const Observation& obs, bool prefilled, std::vector<std
   }
 }
 
+// Which layers have been prefilled and which appended this step: the order every cache-owning
+// quantizer enforces (prefill every layer once, then each step append every layer exactly once,
+// then end_step()). Errors name the method (`who`) and the layer.
+class StepLedger {
+ public:
+  StepLedger(int num_layers, const char* who)
+      : prefilled_(static_cast<std::size_t>(num_layers), false),
+        appended_(static_cast<std::size_t>(num_layers), false),
+        who_(who) {}
+
+  // check_*() before anything changes, mark_*() once the prefill / append succeeded.
+  void check_prefill(std::size_t layer) const {
+    KVSIFT_CHECK(!prefilled_[layer], who_, "::prefill: layer ", layer, " was already prefilled");
+  }
+  void mark_prefilled(std::size_t layer) {
+    prefilled_[layer] = true;
+    any_prefilled_ = true;
+  }
+  void check_append(std::size_t layer) const {
+    KVSIFT_CHECK(prefilled_[layer], who_, "::append: layer ", layer,
+                 " was not prefilled (prefill() every layer first, with 0 tokens for no prompt)");
+    KVSIFT_CHECK(!appended_[layer], who_, "::append: layer ", layer,
+                 " already appended this step (end_step() closes a step)");
+  }
+  void mark_appended(std::size_t layer) { appended_[layer] = true; }
+  // end_step(): false when no layer appended (an empty step); throws when only some did.
+  bool step_complete() const {
+    bool any = false, all = true;
+    for (bool a : appended_) {
+      any = any || a;
+      all = all && a;
+    }
+    if (!any) return false;
+    KVSIFT_CHECK(all, who_,
+                 "::end_step: some layers were not appended this step (every layer appends "
+                 "exactly once per step)");
+    return true;
+  }
+  void close_step() { std::fill(appended_.begin(), appended_.end(), false); }
+
+  bool appended(std::size_t layer) const { return appended_[layer]; }
+  bool any_prefilled() const { return any_prefilled_; }
+
+ private:
+  std::vector<bool> prefilled_, appended_;  // [num_layers]
+  bool any_prefilled_ = false;
+  const char* who_;
+};
+
 }  // namespace quantizer_detail
 }  // namespace kvsift
