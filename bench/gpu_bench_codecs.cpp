@@ -1,7 +1,7 @@
-// ThinKV codec throughput on the GPU (docs/algorithms.md §3.2): kvsift::cuda::quantize and dequantize
-// of a [tokens, channels] bf16 tensor (default [1M, 128], one KV head's keys or values of a
-// 1M-token context) for every format and group axis, against a cudaMemcpyAsync device-to-device
-// copy of the same bf16 tensor measured in the same run.
+// ThinKV codec throughput on the GPU (docs/algorithms.md §3.2): kvsift::cuda::quantize and
+// dequantize of a [tokens, channels] bf16 tensor (default [1M, 128], one KV head's keys or values
+// of a 1M-token context) for every format and group axis, against a cudaMemcpyAsync
+// device-to-device copy of the same bf16 tensor measured in the same run.
 //
 // Bytes counted = bytes read + bytes written:
 //   quantize    bf16 input + codes + scales
@@ -26,26 +26,11 @@
 
 using namespace kvsift;
 using bench::DeviceArray;
+using bench::make_values;
 
 namespace {
 
 constexpr int kWarmup = 3, kReps = 25;
-
-// Deterministic N(0,1)-like bf16 values with a few outliers (sum of uniforms; fast setup).
-std::vector<bf16_t> make_values(std::size_t n) {
-  std::vector<bf16_t> v(n);
-  std::uint64_t s = 0x9e3779b97f4a7c15ull;
-  auto uniform = [&] {
-    s = s * 6364136223846793005ull + 1442695040888963407ull;
-    return static_cast<float>(s >> 40) / 16777216.0f;
-  };
-  for (std::size_t i = 0; i < n; ++i) {
-    float x = uniform() + uniform() + uniform() + uniform() - 2.0f;
-    if (i % 997 == 0) x *= 40.0f;
-    v[i] = from_float<bf16_t>(x);
-  }
-  return v;
-}
 
 }  // namespace
 

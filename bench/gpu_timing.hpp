@@ -8,10 +8,12 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <cstdio>
 #include <vector>
 
 #include "kvsift/backend/cuda/check.hpp"
+#include "kvsift/core/dtype.hpp"
 
 namespace kvsift::bench {
 
@@ -112,6 +114,23 @@ inline double d2d_copy_bandwidth(std::size_t bytes, cudaStream_t stream, int war
   DeviceArray<char> a(bytes), b(bytes);
   const float ms = d2d_copy_ms(b.get(), a.get(), bytes, stream, warmup, reps);
   return 2.0 * static_cast<double>(bytes) / (static_cast<double>(ms) * 1e-3);
+}
+
+// Deterministic N(0,1)-like bf16 values with a few outliers (sum of uniforms; fast setup), the
+// inputs of the codec benchmarks.
+inline std::vector<bf16_t> make_values(std::size_t n) {
+  std::vector<bf16_t> v(n);
+  std::uint64_t s = 0x9e3779b97f4a7c15ull;
+  auto uniform = [&] {
+    s = s * 6364136223846793005ull + 1442695040888963407ull;
+    return static_cast<float>(s >> 40) / 16777216.0f;
+  };
+  for (std::size_t i = 0; i < n; ++i) {
+    float x = uniform() + uniform() + uniform() + uniform() - 2.0f;
+    if (i % 997 == 0) x *= 40.0f;
+    v[i] = from_float<bf16_t>(x);
+  }
+  return v;
 }
 
 }  // namespace kvsift::bench
