@@ -332,8 +332,7 @@ std::int32_t ThoughtBlockTable::append(std::int32_t seq, const float* key, const
     // write it into the run (§3.4 refill with fresh scales).
     s.staging->take_group(type, h, group);
     write_token_group(L, base, a.slot / kQuantGroupSize, group.key_codes.data(),
-                      group.key_scales.data(), group.value_codes.data(),
-                      group.value_scales.data());
+                      group.key_scales.data(), group.value_codes.data(), group.value_scales.data());
     for (int i = 0; i < kQuantGroupSize; ++i) slot_position[a.slot + i] = group.positions[i];
     mask[a.slot / 64] &= ~(std::uint64_t{0xffff} << (a.slot % 64));
     // The new token is the group's last (positions ascend).
@@ -344,8 +343,7 @@ std::int32_t ThoughtBlockTable::append(std::int32_t seq, const float* key, const
   return position;
 }
 
-void ThoughtBlockTable::evict_one(Sequence& s, std::int32_t seq, std::int32_t head,
-                                  SlotAddress a) {
+void ThoughtBlockTable::evict_one(Sequence& s, std::int32_t seq, std::int32_t head, SlotAddress a) {
   if (a.block == kStagedBlock) {
     ThoughtType type{};
     int index = -1;

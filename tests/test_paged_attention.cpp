@@ -1,7 +1,7 @@
 // Paged decode attention over a ThoughtBlockTable equals dense attention over the retained tokens
-// (docs/algorithms.md §3.4). The oracle keeps its own model of which token is live in which head and
-// where the allocation rule (lowest free slot of the token's type, per head) must put it, gathers
-// the retained tokens into a contiguous buffer and runs a plain two-pass softmax in double.
+// (docs/algorithms.md §3.4). The oracle keeps its own model of which token is live in which head
+// and where the allocation rule (lowest free slot of the token's type, per head) must put it,
+// gathers the retained tokens into a contiguous buffer and runs a plain two-pass softmax in double.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

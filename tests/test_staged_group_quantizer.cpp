@@ -127,7 +127,8 @@ TEST_CASE("a type change leaves the partial group waiting; types never share a g
   REQUIRE(g.positions[9] == 9);
   REQUIRE(g.positions[10] == 26);
   // FP8 for E (R8-style option per type).
-  for (int t = 0; t < 16; ++t) q.stage(ThoughtType::execution, 0, 100 + t, &k[t * kDim], &v[t * kDim]);
+  for (int t = 0; t < 16; ++t)
+    q.stage(ThoughtType::execution, 0, 100 + t, &k[t * kDim], &v[t * kDim]);
   q.take_group(ThoughtType::execution, 0, g);
   REQUIRE(g.format == BlockFormat::fp8);
   decode(g, 1.0f, kd, vd);
@@ -191,5 +192,6 @@ TEST_CASE("staged quantizer errors name the values", "[staged_quantizer]") {
   q.stage(ThoughtType::reasoning, 0, 5, x.data(), x.data());
   REQUIRE_THROWS_WITH(q.stage(ThoughtType::reasoning, 0, 5, x.data(), x.data()),
                       Contains("position 5 does not follow 5"));
-  REQUIRE_THROWS_WITH(q.evict(ThoughtType::reasoning, 0, 3), Contains("staged token 3 outside [0, 1)"));
+  REQUIRE_THROWS_WITH(q.evict(ThoughtType::reasoning, 0, 3),
+                      Contains("staged token 3 outside [0, 1)"));
 }

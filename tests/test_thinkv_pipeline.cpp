@@ -319,9 +319,11 @@ TEST_CASE("ThinKV: labels per interval, Rule 1 demotions, protected prompt, no d
     std::vector<int> e_expected(2), t_expected(2);
     for (int t = 0; t < 6 * 128; ++t) {
       if (t == 512)
-        for (int l = 0; l < 2; ++l) e_expected[l] = blocks_after_groups(replay.kv.table(l), seq, E, 8);
+        for (int l = 0; l < 2; ++l)
+          e_expected[l] = blocks_after_groups(replay.kv.table(l), seq, E, 8);
       if (t == 641)
-        for (int l = 0; l < 2; ++l) t_expected[l] = blocks_after_groups(replay.kv.table(l), seq, T, 8);
+        for (int l = 0; l < 2; ++l)
+          t_expected[l] = blocks_after_groups(replay.kv.table(l), seq, T, 8);
       if (t == 640) {
         for (int l = 0; l < 2; ++l) {
           CHECK(blocks_of_type(replay.kv.table(l), seq, E) == e_expected[l]);

@@ -49,7 +49,7 @@
 #include "kvsift/quant/group_codec.hpp"
 #include "kvsift/quant/quantized_tensor.hpp"
 
-#include "kvsift/paged/paged_attention.hpp"
 #include "kvsift/paged/block_bytes.hpp"
+#include "kvsift/paged/paged_attention.hpp"
 #include "kvsift/paged/staged_group_quantizer.hpp"
 #include "kvsift/paged/thought_block_table.hpp"

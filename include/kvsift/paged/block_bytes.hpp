@@ -6,12 +6,12 @@
 // Eigen-free and usable in host and device code.
 //
 // One (block, KV head), S slots, head_dim D (both multiples of 16), KIVI grouping:
-//   key groups   S/16 · D   (16 slots of one channel)     value groups  S · D/16  (16 channels of
-//   one slot); each group: code_bytes_per_group(format) code bytes + 1 scale byte (quant/format.hpp)
-//   f32 blocks: keys and values [S, D] f32, no scales.
-//   metadata: the eviction bitmask (1 bit per slot, whole uint64 words) and the generation position
-//   of every slot (int32; a slot's segment follows from its position and the sequence's segment
-//   starts, so no segment id is stored per slot).
+//  - key groups: S/16 · D (16 slots of one channel); value groups: S · D/16 (16 channels of one
+//    slot); each group has code_bytes_per_group(format) code bytes and 1 scale byte
+//    (quant/format.hpp). f32 blocks: keys and values [S, D] f32, no scales.
+//  - metadata: the eviction bitmask (1 bit per slot, whole uint64 words) and the int32 generation
+//    position of every slot (a slot's segment follows from its position and the sequence's
+//    segment starts, so no segment id is stored per slot).
 // One block: kv_heads (block, head)s + a header (thought type, format: 1 B each; owner sequence,
 // frame id: 4 B each).
 // Staging (§3.4): per (sequence, layer, thought type, KV head) up to 16 tokens, keys and values at
@@ -36,7 +36,7 @@ KVSIFT_HOST_DEVICE constexpr QuantFormat quant_format_of(BlockFormat f) {
 }
 
 inline constexpr std::int64_t kBlockHeaderBytes = 1 + 1 + 4 + 4;  // type, format, owner, frame
-inline constexpr int kStagedThoughtTypes = 3;                       // R, E, T each stage apart
+inline constexpr int kStagedThoughtTypes = 3;                     // R, E, T each stage apart
 
 KVSIFT_HOST_DEVICE constexpr std::int64_t block_mask_words(std::int64_t slots) {
   return (slots + 63) / 64;

@@ -1,7 +1,8 @@
-// How one KV head of one Continuous Thinking block stores its tokens (docs/algorithms.md §3.2, §3.4).
-// A block holds tokens of one thought type, so it has one format: full precision (f32, for tests
-// and for R16-style runs) or one of TBQ's quantized formats (NVFP4, FP8 E4M3 + E8M0, ternary).
-// Quantized blocks use the KIVI layout (kivi_layout.hpp) over the block's [slots, head_dim] grid:
+// How one KV head of one Continuous Thinking block stores its tokens (docs/algorithms.md §3.2,
+// §3.4). A block holds tokens of one thought type, so it has one format: full precision (f32, for
+// tests and for R16-style runs) or one of TBQ's quantized formats (NVFP4, FP8 E4M3 + E8M0,
+// ternary). Quantized blocks use the KIVI layout (kivi_layout.hpp) over the block's [slots,
+// head_dim] grid:
 //   keys   per channel: a group = 16 consecutive slots of one channel (GroupAxis::token)
 //   values per token:   a group = 16 consecutive channels of one slot   (GroupAxis::channel)
 // Byte layout of one (block, head), S = slots per block, D = head_dim:
@@ -79,10 +80,11 @@ struct BlockHeadLayout {
 };
 
 namespace detail {
-// The two element-level helpers below are host/device. The CUDA append kernel (cuda/paged_append.cu)
-// still uses them to write a key under a sealed group's scale; the CPU table no longer does (§3.4:
-// a refilled group gets fresh scales, write_token_group) and the GPU side is to follow.
-// Replaces the code of element i (0..15) of one packed group, leaving every other element's bits.
+// The two element-level helpers below are host/device. The CUDA append kernel
+// (cuda/paged_append.cu) still uses them to write a key under a sealed group's scale; the CPU table
+// no longer does (§3.4: a refilled group gets fresh scales, write_token_group) and the GPU side is
+// to follow. Replaces the code of element i (0..15) of one packed group, leaving every other
+// element's bits.
 KVSIFT_HOST_DEVICE void set_element_code(QuantFormat format, std::uint8_t* codes, int i,
                                          std::uint8_t code) {
   switch (format) {

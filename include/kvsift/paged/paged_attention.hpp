@@ -1,7 +1,7 @@
-// CPU reference decode attention over a ThoughtBlockTable (docs/algorithms.md §3.4): one query token
-// attends to every live slot of its sequence's blocks, block by block, each block dequantized by
-// its own format (its thought type's precision). Evicted-but-not-yet-overwritten slots are masked
-// out by the eviction bitmask; tokens still in the staging buffer (§3.4) are read at 16 bits
+// CPU reference decode attention over a ThoughtBlockTable (docs/algorithms.md §3.4): one query
+// token attends to every live slot of its sequence's blocks, block by block, each block dequantized
+// by its own format (its thought type's precision). Evicted-but-not-yet-overwritten slots are
+// masked out by the eviction bitmask; tokens still in the staging buffer (§3.4) are read at 16 bits
 // alongside the blocks. RoPE is already applied to the stored keys, so the result does not
 // depend on where tokens sit: it equals dense attention over the retained tokens in any order.
 // Softmax runs online (running max and sum, as FlashAttention does), so no gathered copy of the

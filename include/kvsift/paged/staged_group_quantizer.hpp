@@ -123,9 +123,9 @@ class StagedGroupQuantizer {
   bool stage(ThoughtType type, std::int32_t head, std::int32_t position, const float* key,
              const float* value) {
     const std::size_t s = stream(type, head, "stage");
-    KVSIFT_CHECK(count_[s] < kQuantGroupSize, "StagedGroupQuantizer::stage: ",
-                 thought_type_name(type), " stream of kv head ", head,
-                 " already holds a whole group (call take_group first)");
+    KVSIFT_CHECK(count_[s] < kQuantGroupSize,
+                 "StagedGroupQuantizer::stage: ", thought_type_name(type), " stream of kv head ",
+                 head, " already holds a whole group (call take_group first)");
     KVSIFT_CHECK(count_[s] == 0 || positions_[s * kQuantGroupSize + count_[s] - 1] < position,
                  "StagedGroupQuantizer::stage: position ", position, " does not follow ",
                  positions_[s * kQuantGroupSize + count_[s] - 1]);
@@ -180,9 +180,9 @@ class StagedGroupQuantizer {
   // Quantizes the whole staged group of (type, head) with fresh scales and empties the stream.
   void take_group(ThoughtType type, std::int32_t head, QuantizedGroup& out) {
     const std::size_t s = stream(type, head, "take_group");
-    KVSIFT_CHECK(count_[s] == kQuantGroupSize, "StagedGroupQuantizer::take_group: ",
-                 thought_type_name(type), " stream of kv head ", head, " holds ", count_[s],
-                 " of ", kQuantGroupSize, " tokens");
+    KVSIFT_CHECK(
+        count_[s] == kQuantGroupSize, "StagedGroupQuantizer::take_group: ", thought_type_name(type),
+        " stream of kv head ", head, " holds ", count_[s], " of ", kQuantGroupSize, " tokens");
     const std::size_t D = static_cast<std::size_t>(config_.head_dim);
     std::vector<float> k(kQuantGroupSize * D), v(k.size());
     for (std::size_t i = 0; i < k.size(); ++i) {
@@ -212,9 +212,8 @@ class StagedGroupQuantizer {
     return config_.staging == DType::f16 ? f16_bits_to_float(b) : bf16_bits_to_float(b);
   }
   std::size_t stream(ThoughtType type, std::int32_t head, const char* fn) const {
-    KVSIFT_CHECK(static_cast<int>(type) < kStagedThoughtTypes,
-                 "StagedGroupQuantizer::", fn, ": unknown thought type code ",
-                 static_cast<int>(type));
+    KVSIFT_CHECK(static_cast<int>(type) < kStagedThoughtTypes, "StagedGroupQuantizer::", fn,
+                 ": unknown thought type code ", static_cast<int>(type));
     KVSIFT_CHECK(head >= 0 && head < config_.kv_heads, "StagedGroupQuantizer::", fn, ": kv head ",
                  head, " outside [0, ", config_.kv_heads, ")");
     return static_cast<std::size_t>(static_cast<int>(type) * config_.kv_heads + head);
