@@ -189,6 +189,11 @@ TEST_CASE("staged quantizer errors name the values", "[staged_quantizer]") {
   std::vector<float> x(kDim, 1.0f);
   REQUIRE_THROWS_WITH(q.stage(ThoughtType::reasoning, 2, 0, x.data(), x.data()),
                       Contains("kv head 2 outside [0, 2)"));
+  std::vector<float> bad(x);
+  bad[3] = std::numeric_limits<float>::quiet_NaN();
+  REQUIRE_THROWS_WITH(q.stage(ThoughtType::reasoning, 0, 0, x.data(), bad.data()),
+                      Contains("kv head 0 channel 3 is not finite"));
+  REQUIRE(q.staged_count(ThoughtType::reasoning, 0) == 0);
   q.stage(ThoughtType::reasoning, 0, 5, x.data(), x.data());
   REQUIRE_THROWS_WITH(q.stage(ThoughtType::reasoning, 0, 5, x.data(), x.data()),
                       Contains("position 5 does not follow 5"));

@@ -130,6 +130,11 @@ class StagedGroupQuantizer {
                  "StagedGroupQuantizer::stage: position ", position, " does not follow ",
                  positions_[s * kQuantGroupSize + count_[s] - 1]);
     const std::int64_t D = config_.head_dim;
+    for (std::int64_t d = 0; d < D; ++d) {
+      KVSIFT_CHECK(std::isfinite(key[d]) && std::isfinite(value[d]),
+                   "StagedGroupQuantizer::stage: kv head ", head, " channel ", d,
+                   " is not finite (key ", key[d], ", value ", value[d], ")");
+    }
     const std::size_t row = (s * kQuantGroupSize + count_[s]) * static_cast<std::size_t>(D);
     for (std::int64_t d = 0; d < D; ++d) {
       keys_[row + d] = to_bits(key[d]);
