@@ -516,6 +516,11 @@ TEST_CASE("ThinKV: config errors name the field and its value") {
     c.block_size = 24;
     REQUIRE_THROWS_WITH(c.validate(), Contains("block_size (24)"));
     c = small_config();
+    c.staging = DType::f32;  // §3.4: the staging buffer is 16-bit
+    REQUIRE_THROWS_WITH(c.validate(), Contains("staging must be f16 or bf16") && Contains("f32"));
+    c.staging = DType::f16;
+    REQUIRE(ThinKV(c).table(1).config().staging == DType::f16);
+    c = small_config();
     c.pool_blocks = 0;
     REQUIRE_THROWS_WITH(c.validate(), Contains("pool_blocks must be > 0, got 0"));
     c.pool_blocks = 2147483647;  // used to attempt allocations of hundreds of GB
