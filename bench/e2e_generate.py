@@ -61,7 +61,14 @@ def parse_args(argv=None):
     p.add_argument("--max-batch-limit", type=int, default=4096)
     p.add_argument("--layers", type=int, default=32, help="decoder layers (32 = R1-Llama-8B)")
     p.add_argument("--attn", default="sdpa")
+    p.add_argument("--no-cudnn-sdpa", action="store_true",
+                   help="disable torch's cuDNN SDPA backend (its host-side cost per call is "
+                   "~2 ms when the KV length changes every step; see bench/RESULTS.md)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="instead of the table: N decode steps of each (context, method, budget, "
+                   "batch) under torch.profiler; prints wall vs GPU-busy time per step and the "
+                   "top CPU and CUDA operators (where a step's time goes)")
     p.add_argument("--out", help="also write the markdown table here (rows appended as measured)")
     args = p.parse_args(argv)
     if args.quick:
@@ -174,6 +181,13 @@ def release(*objs):
     torch.cuda.empty_cache()
 
 
+def drop(cache):
+    """Uninstalls a KVSiftCache's hooks (DynamicCache has nothing to undo)."""
+    close = getattr(cache, "close", None)
+    if close is not None:
+        close()
+
+
 def measure(model, method, budget, batch, position, args):
     """One row: dict(tok_s, peak_gib, compress_share, compressions) or raises Oom."""
     import torch
@@ -202,11 +216,14 @@ def measure(model, method, budget, batch, position, args):
             row["resident"] = int(cache.resident_lengths().max())
         return row
     except Exception as e:  # noqa: BLE001
-        if is_oom(e):
-            raise Oom(str(e).splitlines()[0][:120])
-        raise
+        if not is_oom(e):
+            raise
+        message = str(e).splitlines()[0][:120]
     finally:
-        release(cache)
+        drop(cache)
+        cache = None  # its buffers can be returned to the device only once nothing holds them
+        release()
+    raise Oom(message)
 
 
 def fits(model, method, budget, batch, position, args):
@@ -226,7 +243,9 @@ def fits(model, method, budget, batch, position, args):
             return False
         raise
     finally:
-        release(cache)
+        drop(cache)
+        cache = None
+        release()
 
 
 def largest_batch(model, method, budget, position, args, start):
@@ -262,6 +281,33 @@ def fmt_row(position, method, budget, batch, r, note=""):
         position, method, budget, batch, r["tok_s"], r["ms_step"], r["peak_gib"], share, comps)
 
 
+def profile(model, method, budget, batch, position, args):
+    """--profile: where a decode step's time goes. Wall time per step (CUDA events around the N
+    steps) against the GPU's busy time per step (the sum of the kernels' durations the profiler
+    recorded): a step much longer than its kernels is bound by the host (Python, launches)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    release()
+    with torch.no_grad():
+        cache = make_cache(model, method, budget, args, batch, position)
+        try:
+            decode(model, cache, batch, position, 4, 0)  # warm-up outside the trace
+            acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+            with torch_profile(activities=acts) as prof:
+                secs, _ = decode(model, cache, batch, position, args.profile, 0)
+        finally:
+            release(cache)
+    events = prof.key_averages()
+    gpu_us = sum(e.self_device_time_total for e in events)
+    n = args.profile
+    print("\n### profile: context %d, %s, budget %s, batch %d — wall %.2f ms/step, GPU busy %.2f "
+          "ms/step (%.0f %%)" % (position, method, budget or "-", batch, 1e3 * secs / n,
+                                  gpu_us / 1e3 / n, 100 * gpu_us / 1e6 / secs), flush=True)
+    print(events.table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
+    print(events.table(sort_by="self_device_time_total", row_limit=8), flush=True)
+
+
 def main(argv=None):
     args = parse_args(argv)
     import torch
@@ -273,6 +319,8 @@ def main(argv=None):
 
     if args.methods != ["fullkv"] and not kvsift.cuda_available():
         sys.exit("e2e_generate: libkvsift_c (%s) was built without CUDA" % kvsift.find_library())
+    if args.no_cudnn_sdpa:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     t0 = time.time()
     model = build_model(args)
     dev = torch.cuda.get_device_name()
@@ -304,6 +352,11 @@ def main(argv=None):
         for method in args.methods:
             for budget in ([None] if method == "fullkv" else args.budgets):
                 configs.append((position, method, budget))
+    if args.profile:
+        for position, method, budget in configs:
+            for batch in args.batches:
+                profile(model, method, budget, batch, position, args)
+        return
     for position, method, budget in configs:
         largest_seen = 0
         for batch in args.batches:
@@ -323,11 +376,18 @@ def main(argv=None):
                 if best == 0:
                     emit(fmt_row(position, method, budget or "-", "max: none fits", None))
                     continue
-                try:
-                    r = measure(model, method, budget, best, position, args)
-                except Oom:
-                    best = largest_batch(model, method, budget, position, args, 1)
-                    r = measure(model, method, budget, best, position, args) if best else None
+                r = None
+                while best > 0 and r is None:
+                    # fits() decodes 2 steps; the timed window can need a little more (allocator
+                    # fragmentation over many steps): step down by 1/8 until it runs. The retry
+                    # happens outside the except clause, so the failed attempt's tensors (held by
+                    # the exception's frames) are gone first.
+                    try:
+                        r = measure(model, method, budget, best, position, args)
+                    except Oom:
+                        r = None
+                    if r is None:
+                        best = best * 7 // 8
                 emit(fmt_row(position, method, budget or "-", "max %d" % best, r))
             except Exception as e:  # noqa: BLE001
                 emit("| %d | %s | %s | max | ERROR: %s | | | | |" % (

@@ -1,15 +1,26 @@
 // ThinKV path on the GPU (docs/algorithms.md §3.4): decode attention over the device Continuous
-// Thinking table (R4 E4 T2 blocks of 32 slots, 50 % of each KV head's tokens evicted by mask
-// bits) against dense bf16 attention over the same retained tokens gathered contiguously. Both
-// kernels are kvsift::cuda's (the same split-KV kernel body with two tile loaders), same run.
-// 8 KV heads, 32 query heads, head_dim 128, sequence lengths 4K / 16K / 32K (default).
+// Thinking table, R1-Llama-8B shapes (32 query heads, 8 KV heads, head_dim 128), blocks of 32
+// slots, R4 E4 T2 formats by default (NVFP4 for reasoning and execution segments, ternary for
+// transitions; --fp8-reasoning makes reasoning blocks FP8), segments of 128 tokens with random
+// thought types, exactly half of every head's tokens evicted by mask bits. Per sequence length
+// (default 4K 8K 16K 32K) and batch (default 1 8 64), all in one run, CUDA events, median of 50
+// after 5 warm-up launches:
+//   new    cuda::paged_decode_attention_batch: the split-sequence tensor-core kernel, one launch
+//          for the whole batch (page tables uploaded once, outside the timing);
+//   old    cuda::paged_decode_attention_tiled, once per sequence (its API uploads the sequence's
+//          page table on every call, as it always did);
+//   dense  cuda::dense_split_decode_attention_bf16 over the same retained tokens, dequantized
+//          and gathered contiguously in bf16 ([batch, 8, kept, 128]): the same split-sequence
+//          tensor-core design (GQA group served by one read of each tile, cp.async copies) without
+//          paging or dequantization;
+//   floor  the bytes the paged kernel must read (codes and scales of every block of every head,
+//          eviction masks, sealed-group words, page table) at the device-to-device copy bandwidth
+//          measured by cudaMemcpyAsync in this run (read + write bytes per second).
+// Also printed: max |new − dense| and |new − old| over the outputs, the device append cost per
+// token, and the pool bytes that differ before and after eviction (must be 0: eviction only sets
+// mask bits).
 //
-// Prints per length: median µs of each (CUDA events, 50 reps after 5 warm-up), the bytes each
-// reads (paged: the storage of every block in every head, the masks and the page table; dense: the
-// retained K and V in bf16) and the effective GB/s, the largest |paged − dense| output difference
-// (bf16 rounding of the dense copy), the device append cost, and "bytes moved by an eviction":
-// the number of pool bytes that differ before and after the eviction kernel (FNV-1a checksums of
-// the whole pool are printed too). It must be 0: eviction only sets mask bits.
+// Usage: gpu_bench_paged_attention [--fp8-reasoning] [--batch 1,8,64] [tokens ...]
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -18,7 +29,9 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "gpu_timing.hpp"
@@ -35,114 +48,148 @@ namespace {
 constexpr int kKVHeads = 8, kQHeads = 32, kHeadDim = 128, kBlock = 32, kSegment = 128;
 constexpr int kWarmup = 5, kReps = 50;
 
-std::uint64_t fnv1a(const std::vector<std::uint8_t>& bytes) {
-  std::uint64_t h = 0xcbf29ce484222325ull;
-  for (std::uint8_t b : bytes) h = (h ^ b) * 0x100000001b3ull;
+struct Options {
+  bool fp8_reasoning = false;
+  std::vector<int> batches = {1, 8, 64};
+  std::vector<int> lengths = {4096, 8192, 16384, 32768};
+};
+
+float max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  float m = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) m = std::max(m, std::fabs(a[i] - b[i]));
+  return m;
+}
+
+std::vector<float> download(const DeviceArray<float>& d, std::size_t n) {
+  std::vector<float> h(n);
+  KVSIFT_CUDA_CHECK(cudaMemcpy(h.data(), d.get(), n * 4, cudaMemcpyDeviceToHost));
   return h;
 }
 
-void run(int tokens, cudaStream_t stream) {
+void run(int tokens, const Options& opt, double copy_bw, cudaStream_t stream) {
+  const int max_batch = *std::max_element(opt.batches.begin(), opt.batches.end());
   ThoughtBlockTableConfig cfg;  // R4 E4 T2 by default
   cfg.kv_heads = kKVHeads;
   cfg.head_dim = kHeadDim;
   cfg.block_size = kBlock;
-  cfg.num_blocks = tokens / kBlock + 8;  // one partly filled block per type at most, plus slack
+  if (opt.fp8_reasoning) cfg.reasoning = BlockFormat::fp8;
+  // Per sequence: its tokens plus one partly filled block per type, plus slack.
+  cfg.num_blocks = max_batch * (tokens / kBlock + 8);
   ThoughtBlockTable cpu(cfg);
-  const cuda::PagedTableSizes sizes = cuda::paged_table_sizes(cfg, 1);
+  const cuda::PagedTableSizes sizes = cuda::paged_table_sizes(cfg, max_batch);
   DeviceArray<std::uint8_t> storage(static_cast<std::size_t>(sizes.storage_bytes));
   DeviceArray<std::uint64_t> masks(static_cast<std::size_t>(sizes.mask_bytes / 8));
   DeviceArray<std::uint32_t> sealed(static_cast<std::size_t>(sizes.sealed_bytes / 4));
-  DeviceArray<float> staging(static_cast<std::size_t>(sizes.staging_bytes / 4));
+  DeviceArray<cuda::PagedStaging> staging(static_cast<std::size_t>(sizes.staging_bytes) /
+                                          sizeof(cuda::PagedStaging));
   DeviceArray<float> factors(kKVHeads);
-  cuda::DevicePagedTable dev(cfg, 1,
+  cuda::DevicePagedTable dev(cfg, max_batch,
                              cuda::PagedTableMemory{storage.get(), masks.get(), sealed.get(),
                                                     staging.get(), factors.get()});
   dev.initialize(stream);
 
-  // Append the sequence: segments of 128 tokens with random thought types, batches of 128.
+  // One random token stream (bf16-representable) appended to every sequence: the same content in
+  // different frames, so batch items never share cache lines.
   std::mt19937 rng(1234 + tokens);
   std::normal_distribution<float> normal;
-  const int seq = cpu.create_sequence();
   const std::size_t row = static_cast<std::size_t>(kKVHeads) * kHeadDim;
-  std::vector<bf16_t> batch_k, batch_v;
-  DeviceArray<bf16_t> dk(kSegment * row), dv(kSegment * row);
+  std::vector<bf16_t> stream_k(static_cast<std::size_t>(tokens) * row), stream_v(stream_k.size());
+  for (std::size_t i = 0; i < stream_k.size(); ++i) {
+    stream_k[i] = from_float<bf16_t>(2.0f * normal(rng));
+    stream_v[i] = from_float<bf16_t>(normal(rng));
+  }
+  std::vector<ThoughtType> types;
+  for (int s = 0; s < (tokens + kSegment - 1) / kSegment; ++s) {
+    types.push_back(static_cast<ThoughtType>(rng() % 3));
+  }
+  DeviceArray<bf16_t> dk(stream_k.size()), dv(stream_v.size());
+  KVSIFT_CUDA_CHECK(
+      cudaMemcpy(dk.get(), stream_k.data(), stream_k.size() * 2, cudaMemcpyHostToDevice));
+  KVSIFT_CUDA_CHECK(
+      cudaMemcpy(dv.get(), stream_v.data(), stream_v.size() * 2, cudaMemcpyHostToDevice));
   double append_ms = 0;
   std::vector<float> k(row), v(row);
   std::vector<SlotAddress> where(kKVHeads);
-  for (int t = 0; t < tokens; ++t) {
-    if (t % kSegment == 0) cpu.open_segment(seq, static_cast<ThoughtType>(rng() % 3));
-    for (std::size_t i = 0; i < row; ++i) {
-      const bf16_t kb = from_float<bf16_t>(2.0f * normal(rng)),
-                   vb = from_float<bf16_t>(normal(rng));
-      batch_k.push_back(kb);
-      batch_v.push_back(vb);
-      k[i] = to_float(kb);
-      v[i] = to_float(vb);
-    }
-    cpu.append(seq, k.data(), v.data(), kKVHeads, kHeadDim, where.data());
-    dev.record_append(cpu, seq, where.data());
-    if (dev.pending_tokens() == kSegment || t + 1 == tokens) {
-      KVSIFT_CUDA_CHECK(cudaMemcpyAsync(dk.get(), batch_k.data(), batch_k.size() * 2,
-                                        cudaMemcpyHostToDevice, stream));
-      KVSIFT_CUDA_CHECK(cudaMemcpyAsync(dv.get(), batch_v.data(), batch_v.size() * 2,
-                                        cudaMemcpyHostToDevice, stream));
-      DeviceArray<std::uint8_t> ws(dev.append_workspace_bytes());
-      KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
-      const auto h0 = std::chrono::steady_clock::now();
-      dev.append(dk.get(), dv.get(), DType::bf16, ws.get(), ws.size(), stream);
-      KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
-      append_ms +=
-          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - h0).count();
-      batch_k.clear();
-      batch_v.clear();
+  std::vector<std::int32_t> seqs;
+  for (int b = 0; b < max_batch; ++b) {
+    const std::int32_t seq = cpu.create_sequence();
+    seqs.push_back(seq);
+    int first = 0;  // first token of the pending device batch
+    for (int t = 0; t < tokens; ++t) {
+      if (t % kSegment == 0) cpu.open_segment(seq, types[static_cast<std::size_t>(t / kSegment)]);
+      for (std::size_t i = 0; i < row; ++i) {
+        k[i] = to_float(stream_k[static_cast<std::size_t>(t) * row + i]);
+        v[i] = to_float(stream_v[static_cast<std::size_t>(t) * row + i]);
+      }
+      cpu.append(seq, k.data(), v.data(), kKVHeads, kHeadDim, where.data());
+      dev.record_append(cpu, seq, where.data());
+      if (dev.pending_tokens() == kSegment || t + 1 == tokens) {
+        DeviceArray<std::uint8_t> ws(dev.append_workspace_bytes());
+        KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+        const auto h0 = std::chrono::steady_clock::now();
+        dev.append(dk.get() + static_cast<std::size_t>(first) * row,
+                   dv.get() + static_cast<std::size_t>(first) * row, DType::bf16, ws.get(),
+                   ws.size(), stream);
+        KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+        append_ms +=
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - h0)
+                .count();
+        first = t + 1;
+      }
     }
   }
 
-  // Evict exactly half of each head's tokens (a random half per head): mask bits only.
+  // Evict exactly half of each head's tokens (a random half per head and sequence).
   std::vector<std::uint8_t> pool(static_cast<std::size_t>(sizes.storage_bytes));
   KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
   KVSIFT_CUDA_CHECK(cudaMemcpy(pool.data(), storage.get(), pool.size(), cudaMemcpyDeviceToHost));
   const std::vector<std::uint8_t> before = pool;
-  float evict_ms = 0;
-  bench::EventPair evict_events;
-  for (int h = 0; h < kKVHeads; ++h) {
-    std::vector<ResidentToken> live = cpu.resident_tokens(seq, h);
-    std::shuffle(live.begin(), live.end(), rng);
-    live.resize(live.size() / 2);
-    std::vector<SlotAddress> victims;
-    for (const ResidentToken& t : live) {
-      cpu.evict(seq, h, t.address);
-      victims.push_back(t.address);
+  for (std::int32_t seq : seqs) {
+    for (int h = 0; h < kKVHeads; ++h) {
+      std::vector<ResidentToken> live = cpu.resident_tokens(seq, h);
+      std::shuffle(live.begin(), live.end(), rng);
+      live.resize(live.size() / 2);
+      std::vector<SlotAddress> victims;
+      for (const ResidentToken& t : live) {
+        cpu.evict(seq, h, t.address);
+        victims.push_back(t.address);
+      }
+      DeviceArray<std::uint8_t> ws(dev.evict_workspace_bytes(victims.size()));
+      dev.evict(seq, h, victims, ws.get(), ws.size(), stream);
+      KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
     }
-    DeviceArray<std::uint8_t> ws(dev.evict_workspace_bytes(victims.size()));
-    evict_ms += evict_events.time_ms(
-        [&] { dev.evict(seq, h, victims, ws.get(), ws.size(), stream); }, stream);
   }
   KVSIFT_CUDA_CHECK(cudaMemcpy(pool.data(), storage.get(), pool.size(), cudaMemcpyDeviceToHost));
   std::int64_t moved = 0;
   for (std::size_t i = 0; i < pool.size(); ++i) moved += pool[i] != before[i];
 
-  // The retained tokens gathered contiguously in bf16 for the dense baseline: [H, n, D].
-  const std::int64_t n = cpu.live_tokens(seq, 0);
-  std::vector<bf16_t> dense_k(static_cast<std::size_t>(kKVHeads * n * kHeadDim)),
+  // The retained tokens dequantized and gathered contiguously in bf16: [max_batch, H, n, D].
+  const std::int64_t n = cpu.live_tokens(seqs[0], 0);
+  std::vector<bf16_t> dense_k(static_cast<std::size_t>(max_batch) * kKVHeads * n * kHeadDim),
       dense_v(dense_k.size());
   std::vector<float> bk(static_cast<std::size_t>(kBlock) * kHeadDim), bv(bk.size());
-  for (int h = 0; h < kKVHeads; ++h) {
-    std::int64_t j = 0;
-    for (std::int32_t b = 0; b < cpu.num_blocks(seq); ++b) {
-      cpu.dequantize_block(seq, b, h, bk.data(), bv.data());
-      const std::uint64_t* free = cpu.free_mask(seq, b, h);
-      for (int s = 0; s < kBlock; ++s) {
-        if ((free[s / 64] >> (s % 64)) & 1u) continue;
-        for (int d = 0; d < kHeadDim; ++d) {
-          const std::size_t o = static_cast<std::size_t>((h * n + j) * kHeadDim + d);
-          dense_k[o] = from_float<bf16_t>(bk[static_cast<std::size_t>(s * kHeadDim + d)]);
-          dense_v[o] = from_float<bf16_t>(bv[static_cast<std::size_t>(s * kHeadDim + d)]);
+  for (int b = 0; b < max_batch; ++b) {
+    for (int h = 0; h < kKVHeads; ++h) {
+      const std::int32_t seq = seqs[static_cast<std::size_t>(b)];
+      std::int64_t j = 0;
+      const std::size_t head0 = (static_cast<std::size_t>(b) * kKVHeads + h) * n;
+      for (std::int32_t blk = 0; blk < cpu.num_blocks(seq); ++blk) {
+        cpu.dequantize_block(seq, blk, h, bk.data(), bv.data());
+        const std::uint64_t* free = cpu.free_mask(seq, blk, h);
+        for (int s = 0; s < kBlock; ++s) {
+          if ((free[s / 64] >> (s % 64)) & 1u) continue;
+          KVSIFT_CHECK(j < n, "bench: sequence ", b, " head ", h, " keeps more than ", n,
+                       " tokens");
+          for (int d = 0; d < kHeadDim; ++d) {
+            const std::size_t o = (head0 + static_cast<std::size_t>(j)) * kHeadDim + d;
+            dense_k[o] = from_float<bf16_t>(bk[static_cast<std::size_t>(s * kHeadDim + d)]);
+            dense_v[o] = from_float<bf16_t>(bv[static_cast<std::size_t>(s * kHeadDim + d)]);
+          }
+          ++j;
         }
-        ++j;
       }
+      KVSIFT_CHECK(j == n, "bench: sequence ", b, " head ", h, " keeps ", j, " tokens, not ", n);
     }
-    KVSIFT_CHECK(j == n, "bench: head ", h, " keeps ", j, " tokens, head 0 keeps ", n);
   }
   DeviceArray<bf16_t> ddk(dense_k.size()), ddv(dense_v.size());
   KVSIFT_CUDA_CHECK(
@@ -150,72 +197,128 @@ void run(int tokens, cudaStream_t stream) {
   KVSIFT_CUDA_CHECK(
       cudaMemcpy(ddv.get(), dense_v.data(), dense_v.size() * 2, cudaMemcpyHostToDevice));
 
-  std::vector<float> q(static_cast<std::size_t>(kQHeads) * kHeadDim);
-  for (float& x : q) x = normal(rng);
-  DeviceArray<float> dq(q.size()), out_paged(q.size()), out_dense(q.size());
-  KVSIFT_CUDA_CHECK(cudaMemcpy(dq.get(), q.data(), q.size() * 4, cudaMemcpyHostToDevice));
-  const float scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
-  DeviceArray<std::uint8_t> ws_paged(
-      cuda::paged_decode_attention_workspace_bytes(dev, seq, kQHeads));
-  DeviceArray<std::uint8_t> ws_dense(
-      cuda::dense_decode_attention_workspace_bytes(kKVHeads, n, kQHeads, kHeadDim));
-  const float paged_ms = bench::median_ms(
-      [&] {
-        cuda::paged_decode_attention(dev, seq, dq.get(), kQHeads, kHeadDim, scale, out_paged.get(),
-                                     ws_paged.get(), ws_paged.size(), stream);
-      },
-      stream, kWarmup, kReps);
-  const float dense_ms = bench::median_ms(
-      [&] {
-        cuda::dense_decode_attention_bf16(ddk.get(), ddv.get(), kKVHeads, n, dq.get(), kQHeads,
-                                          kHeadDim, scale, out_dense.get(), ws_dense.get(),
-                                          ws_dense.size(), stream);
-      },
-      stream, kWarmup, kReps);
-  std::vector<float> op(q.size()), od(q.size());
-  KVSIFT_CUDA_CHECK(cudaMemcpy(op.data(), out_paged.get(), op.size() * 4, cudaMemcpyDeviceToHost));
-  KVSIFT_CUDA_CHECK(cudaMemcpy(od.data(), out_dense.get(), od.size() * 4, cudaMemcpyDeviceToHost));
-  float max_diff = 0;
-  for (std::size_t i = 0; i < op.size(); ++i)
-    max_diff = std::max(max_diff, std::fabs(op[i] - od[i]));
-
-  double paged_bytes = 0;
-  for (std::int32_t b = 0; b < cpu.num_blocks(seq); ++b) {
-    paged_bytes += static_cast<double>(cpu.block_storage(seq, b).size());
+  // Bytes the paged kernel must read per sequence (all sequences are alike in size).
+  double seq_bytes = 0;
+  for (std::int32_t blk = 0; blk < cpu.num_blocks(seqs[0]); ++blk) {
+    seq_bytes += static_cast<double>(
+        kKVHeads * dev.head_bytes(cpu.block_info(seqs[0], blk).format));  // codes + scales
   }
-  paged_bytes += static_cast<double>(cpu.num_blocks(seq)) * kKVHeads * (8 + 4) +  // mask, sealed
-                 cpu.num_blocks(seq) * 8.0;                                       // page table
-  const double dense_bytes = 2.0 * kKVHeads * static_cast<double>(n) * kHeadDim * 2;
-  std::printf(
-      "%6d %7lld %6d %10.1f %9.2f %8.1f %10.1f %9.2f %8.1f %7.4f %9.2f %10.1f %6lld  %016llx "
-      "%016llx\n",
-      tokens, static_cast<long long>(n), cpu.num_blocks(seq), paged_ms * 1e3, paged_bytes / 1e6,
-      paged_bytes / (paged_ms * 1e-3) / 1e9, dense_ms * 1e3, dense_bytes / 1e6,
-      dense_bytes / (dense_ms * 1e-3) / 1e9, max_diff, append_ms * 1e3 / tokens, evict_ms * 1e3,
-      static_cast<long long>(moved), static_cast<unsigned long long>(fnv1a(before)),
-      static_cast<unsigned long long>(fnv1a(pool)));
+  seq_bytes += static_cast<double>(cpu.num_blocks(seqs[0])) *
+               (kKVHeads * (8.0 * sizes.mask_words + 4.0) + 8.0);  // masks, sealed, page table
+
+  const float scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
+  for (int batch : opt.batches) {
+    const std::size_t qn = static_cast<std::size_t>(batch) * kQHeads * kHeadDim;
+    std::vector<float> q(qn);
+    for (float& x : q) x = normal(rng);
+    DeviceArray<float> dq(qn), out_new(qn), out_old(qn), out_dense(qn);
+    KVSIFT_CUDA_CHECK(cudaMemcpy(dq.get(), q.data(), qn * 4, cudaMemcpyHostToDevice));
+
+    DeviceArray<std::uint8_t> view_ws(cuda::paged_batch_bytes(dev, seqs.data(), batch));
+    const cuda::PagedBatch view =
+        cuda::upload_paged_batch(dev, seqs.data(), batch, view_ws.get(), view_ws.size(), stream);
+    KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    KVSIFT_CHECK(cuda::paged_split_kernel_applies(dev, view, kQHeads),
+                 "bench: the split kernel does not apply");
+    DeviceArray<std::uint8_t> ws_new(
+        cuda::paged_decode_attention_batch_workspace_bytes(dev, view, kQHeads));
+    std::size_t old_bytes = 0;
+    for (int b = 0; b < batch; ++b) {
+      old_bytes = std::max(old_bytes, cuda::paged_decode_attention_tiled_workspace_bytes(
+                                          dev, seqs[static_cast<std::size_t>(b)], kQHeads));
+    }
+    DeviceArray<std::uint8_t> ws_old(old_bytes);
+    DeviceArray<std::uint8_t> ws_dense(
+        cuda::dense_split_decode_attention_workspace_bytes(batch, kKVHeads, n, kQHeads, kHeadDim));
+
+    const float new_ms = bench::median_ms(
+        [&] {
+          cuda::paged_decode_attention_batch(dev, view, dq.get(), kQHeads, kHeadDim, scale,
+                                             out_new.get(), ws_new.get(), ws_new.size(), stream);
+        },
+        stream, kWarmup, kReps);
+    const float old_ms = bench::median_ms(
+        [&] {
+          for (int b = 0; b < batch; ++b) {
+            const std::size_t off = static_cast<std::size_t>(b) * kQHeads * kHeadDim;
+            cuda::paged_decode_attention_tiled(
+                dev, seqs[static_cast<std::size_t>(b)], dq.get() + off, kQHeads, kHeadDim, scale,
+                out_old.get() + off, ws_old.get(), ws_old.size(), stream);
+          }
+        },
+        stream, kWarmup, kReps);
+    const float dense_ms = bench::median_ms(
+        [&] {
+          cuda::dense_split_decode_attention_bf16(
+              ddk.get(), ddv.get(), batch, kKVHeads, n, dq.get(), kQHeads, kHeadDim, scale,
+              out_dense.get(), ws_dense.get(), ws_dense.size(), stream);
+        },
+        stream, kWarmup, kReps);
+    const std::vector<float> on = download(out_new, qn), oo = download(out_old, qn),
+                             od = download(out_dense, qn);
+    const double paged_bytes = seq_bytes * batch;
+    const double dense_bytes = 2.0 * batch * kKVHeads * static_cast<double>(n) * kHeadDim * 2;
+    const double floor_us = paged_bytes / copy_bw * 1e6;
+    std::printf(
+        "%6d %5d %6lld %9.1f %9.1f %9.1f %9.1f %9.2f %9.2f %9.1f %9.1f %9.1f %8.5f %8.5f %8.2f "
+        "%6lld\n",
+        tokens, batch, static_cast<long long>(n), new_ms * 1e3, old_ms * 1e3, dense_ms * 1e3,
+        floor_us, new_ms * 1e3 / (dense_ms * 1e3), new_ms * 1e3 / floor_us, paged_bytes / 1e6,
+        dense_bytes / 1e6, paged_bytes / (new_ms * 1e-3) / 1e9, max_abs_diff(on, od),
+        max_abs_diff(on, oo), append_ms * 1e3 / (static_cast<double>(tokens) * max_batch),
+        static_cast<long long>(moved));
+    std::fflush(stdout);
+  }
+}
+
+std::vector<int> parse_list(const char* s) {
+  std::vector<int> out;
+  std::string cur;
+  for (const char* p = s;; ++p) {
+    if (*p == ',' || *p == '\0') {
+      if (!cur.empty()) out.push_back(std::atoi(cur.c_str()));
+      cur.clear();
+      if (*p == '\0') break;
+    } else {
+      cur.push_back(*p);
+    }
+  }
+  return out;
 }
 
 }  // namespace
 
-// Usage: gpu_bench_paged_attention [tokens ...] (default 4096 16384 32768).
 int main(int argc, char** argv) {
+  Options opt;
   std::vector<int> lengths;
-  for (int i = 1; i < argc; ++i) lengths.push_back(std::atoi(argv[i]));
-  if (lengths.empty()) lengths = {4096, 16384, 32768};
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--fp8-reasoning") == 0) {
+      opt.fp8_reasoning = true;
+    } else if (std::strcmp(argv[i], "--batch") == 0 && i + 1 < argc) {
+      opt.batches = parse_list(argv[++i]);
+    } else {
+      lengths.push_back(std::atoi(argv[i]));
+    }
+  }
+  if (!lengths.empty()) opt.lengths = lengths;
   if (!bench::cuda_device_present()) return 0;
   cudaDeviceProp prop{};
   KVSIFT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   cudaStream_t stream;
   KVSIFT_CUDA_CHECK(cudaStreamCreate(&stream));
+  const double copy_bw = bench::d2d_copy_bandwidth(std::size_t{1} << 30, stream, kWarmup, 20);
   std::printf(
-      "CT paged decode attention on %s: R4 E4 T2, block %d, Hkv %d / Hq %d, head_dim %d, 50%% "
-      "evicted per head; dense = bf16 over the same retained tokens\n",
-      prop.name, kBlock, kKVHeads, kQHeads, kHeadDim);
-  std::printf("%6s %7s %6s %10s %9s %8s %10s %9s %8s %7s %9s %10s %6s  %-16s %-16s\n", "tokens",
-              "kept", "blocks", "paged_us", "paged_MB", "GB/s", "dense_us", "dense_MB", "GB/s",
-              "maxdiff", "app_us/tk", "evict_us", "moved", "fnv_before", "fnv_after");
-  for (int t : lengths) run(t, stream);
+      "CT paged decode attention on %s: %s, block %d, Hkv %d / Hq %d, head_dim %d, 50%% evicted "
+      "per head; D2D copy bandwidth %.0f GB/s (read + write)\n",
+      prop.name, opt.fp8_reasoning ? "R8 E4 T2" : "R4 E4 T2", kBlock, kKVHeads, kQHeads, kHeadDim,
+      copy_bw / 1e9);
+  std::printf(
+      "new = split-sequence paged kernel (batch API), old = tiled paged kernel per sequence, dense "
+      "= split-sequence bf16 kernel over the kept tokens, floor = paged bytes / copy bandwidth\n");
+  std::printf("%6s %5s %6s %9s %9s %9s %9s %9s %9s %9s %9s %9s %8s %8s %8s %6s\n", "tokens",
+              "batch", "kept", "new_us", "old_us", "dense_us", "floor_us", "new/dense", "new/floor",
+              "paged_MB", "dense_MB", "new_GB/s", "d(n,dns)", "d(n,old)", "app_us/t", "moved");
+  for (int t : opt.lengths) run(t, opt, copy_bw, stream);
   KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
   return 0;
 }

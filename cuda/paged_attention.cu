@@ -1,5 +1,6 @@
-// Decode attention over the device Continuous Thinking table (docs/algorithms.md §3.4) and, with the
-// same kernel body, over a dense bf16 cache (the baseline).
+// The tiled decode attention over the device Continuous Thinking table (docs/algorithms.md §3.4),
+// kept as the fallback of cuda/paged_attention_split.cu (f32 blocks, GQA groups > 8, other
+// head_dims) and as the "old" column of the benchmark, and the same body over a dense bf16 cache.
 //
 // Split-KV (flash-decoding): CTA (KV head h, split s) walks its run of 32-slot tiles. For each
 // tile with a live slot it dequantizes keys and values into shared memory (per the block's format;
@@ -51,7 +52,7 @@ struct PagedTiles {
   std::int64_t frame_stride;
   const std::uint64_t* masks;   // [num_blocks, kv_heads, mask_words]
   const std::uint32_t* sealed;  // [num_blocks, kv_heads]
-  const float* staging;         // this sequence's [3 types, kv_heads, 16, head_dim]
+  const PagedStaging* staging;  // this sequence's [3 types, kv_heads, 16, head_dim]
   const float* global_factors;  // [kv_heads]
   const std::int32_t* frames;   // [blocks] page table
   const std::int32_t* meta;     // [blocks] format | type << 4
@@ -88,7 +89,7 @@ struct PagedTiles {
     const QuantFormat q = quant_format_of(static_cast<BlockFormat>(format));
     const float gf = global_factors[h];
     const unsigned sealed_groups = sealed[frame * kv_heads + h];
-    const float* rows = staging + (static_cast<std::int64_t>(type) * kv_heads + h) * 16 * D;
+    const PagedStaging* rows = staging + (static_cast<std::int64_t>(type) * kv_heads + h) * 16 * D;
     alignas(16) std::uint8_t codes[16];
     // Keys: groups of 16 slots of one channel (KIVI per-channel).
     for (int k = threadIdx.x; k < (n / 16) * D; k += blockDim.x) {
@@ -100,7 +101,7 @@ struct PagedTiles {
         dequantize_group(q, codes, base[L.key_scales + g], gf, 16, dst, Dp);
       } else {
         // Still being filled: the full-precision staging rows (only live slots are read later).
-        for (int i = 0; i < 16; ++i) dst[i * Dp] = rows[i * D + c];
+        for (int i = 0; i < 16; ++i) dst[i * Dp] = to_float(rows[i * D + c]);
       }
     }
     // Values: groups of 16 channels of one slot (per token).
@@ -342,9 +343,9 @@ std::int64_t paged_units(const DevicePagedTable& t, std::int32_t seq) {
 
 }  // namespace
 
-std::size_t paged_decode_attention_workspace_bytes(const DevicePagedTable& table, std::int32_t seq,
-                                                   std::int64_t q_heads,
-                                                   const DecodeAttentionConfig& cfg) {
+std::size_t paged_decode_attention_tiled_workspace_bytes(const DevicePagedTable& table,
+                                                         std::int32_t seq, std::int64_t q_heads,
+                                                         const DecodeAttentionConfig& cfg) {
   cfg.validate();
   const SplitPlan plan = plan_splits(paged_units(table, seq), table.config().kv_heads, cfg);
   const std::size_t blocks = static_cast<std::size_t>(table.num_blocks(seq));
@@ -352,19 +353,20 @@ std::size_t paged_decode_attention_workspace_bytes(const DevicePagedTable& table
          partial_bytes(plan, q_heads, table.config().head_dim);
 }
 
-void paged_decode_attention(const DevicePagedTable& table, std::int32_t seq, const float* query,
-                            std::int64_t q_heads, std::int64_t head_dim, float softmax_scale,
-                            float* out, void* workspace, std::size_t workspace_bytes,
-                            cudaStream_t stream, const DecodeAttentionConfig& cfg) {
+void paged_decode_attention_tiled(const DevicePagedTable& table, std::int32_t seq,
+                                  const float* query, std::int64_t q_heads, std::int64_t head_dim,
+                                  float softmax_scale, float* out, void* workspace,
+                                  std::size_t workspace_bytes, cudaStream_t stream,
+                                  const DecodeAttentionConfig& cfg) {
   cfg.validate();
   const ThoughtBlockTableConfig& tc = table.config();
-  const char* fn = "cuda::paged_decode_attention";
+  const char* fn = "cuda::paged_decode_attention_tiled";
   KVSIFT_CHECK(head_dim == tc.head_dim, fn, ": query head_dim (", head_dim,
                ") differs from the table's head_dim (", tc.head_dim, ")");
   check_attention_args(fn, tc.kv_heads, q_heads, head_dim, softmax_scale, query, out);
   KVSIFT_CHECK(table.pending_tokens() == 0, fn, ": ", table.pending_tokens(),
                " recorded tokens are not written yet (call append() first)");
-  const std::size_t need = paged_decode_attention_workspace_bytes(table, seq, q_heads, cfg);
+  const std::size_t need = paged_decode_attention_tiled_workspace_bytes(table, seq, q_heads, cfg);
   KVSIFT_CHECK(workspace_bytes >= need, fn, ": workspace of ", workspace_bytes,
                " bytes is too small (", need, " needed)");
   const std::int32_t blocks = table.num_blocks(seq);

@@ -5,8 +5,11 @@
 
 #include "config_json.hpp"
 #include "kvsift/config/h2o_config.hpp"
+#include "kvsift/config/kivi_config.hpp"
 #include "kvsift/config/lazy_config.hpp"
 #include "kvsift/config/options.hpp"
+#include "kvsift/config/pmkvq_config.hpp"
+#include "kvsift/config/raas_config.hpp"
 #include "kvsift/config/rkv_config.hpp"
 #include "kvsift/config/skipkv_config.hpp"
 #include "kvsift/config/snapkv_config.hpp"
@@ -74,6 +77,24 @@ struct LazyFields {
   }
 };
 
+inline const EnumNames<RaasUnit> kRaasUnitNames{{"token", RaasUnit::token},
+                                                {"page", RaasUnit::page}};
+inline const EnumNames<RaasRefresh> kRaasRefreshNames{{"top_half", RaasRefresh::top_half},
+                                                      {"alpha", RaasRefresh::alpha}};
+
+struct RaasFields {
+  template <class V>
+  void operator()(V& v, RaasConfig& c) const {
+    v("budget", c.budget);
+    v("window", c.window);
+    v("buffer", c.buffer);
+    v("unit", c.unit, kRaasUnitNames);
+    v("page_size", c.page_size);
+    v("refresh", c.refresh, kRaasRefreshNames);
+    v("alpha", c.alpha);
+  }
+};
+
 struct SnapKVFields {
   template <class V>
   void operator()(V& v, SnapKVConfig& c) const {
@@ -120,9 +141,24 @@ struct ScorerFields {
   }
 };
 
+inline const EnumNames<SteeringPreset> kSteeringPresetNames{{"skipkv", SteeringPreset::skipkv},
+                                                            {"seal", SteeringPreset::seal}};
+inline const EnumNames<SteeringModel> kSteeringModelNames{
+    {"r1-qwen-7b", SteeringModel::r1_qwen_7b},
+    {"r1-llama-8b", SteeringModel::r1_llama_8b},
+    {"r1-qwen-14b", SteeringModel::r1_qwen_14b}};
+
+// "preset" and "model" come first: a change of either rebuilds the config from that preset
+// (SteeringConfig::from_preset: layer, α0, γ, ids), then the keys after them override single
+// fields, e.g. {"preset": "seal", "model": "r1-qwen-14b", "alpha0": 1.25}.
 struct SteeringFields {
   template <class V>
   void operator()(V& v, SteeringConfig& c) const {
+    const SteeringPreset preset = c.preset;
+    const SteeringModel model = c.model;
+    v("preset", c.preset, kSteeringPresetNames);
+    v("model", c.model, kSteeringModelNames);
+    if (c.preset != preset || c.model != model) c = SteeringConfig::from_preset(c.preset, c.model);
     v("layer", c.layer);
     v("alpha0", c.alpha0);
     v("gamma", c.gamma);
@@ -171,6 +207,46 @@ struct ThinKVFields {
     v("transition", p.transition, kBlockNames);
     v("global_factors", p.global_factors);
     v("staging", p.staging, kStagingNames);
+  }
+};
+
+// KIVI (docs/algorithms.md §5.1): the model's geometry and the quantizer's knobs, flat.
+struct KiviFields {
+  template <class V>
+  void operator()(V& v, KiviPolicyConfig& c) const {
+    v("batch", c.batch);
+    v("num_layers", c.num_layers);
+    v("kv_heads", c.kv_heads);
+    v("q_heads", c.q_heads);
+    v("head_dim", c.head_dim);
+    v("k_bits", c.kivi.k_bits);
+    v("v_bits", c.kivi.v_bits);
+    v("group_size", c.kivi.group_size);
+    v("residual_length", c.kivi.residual_length);
+  }
+};
+
+inline const EnumNames<PmkvqBackend> kPmkvqBackendNames{{"real", PmkvqBackend::real},
+                                                        {"fake", PmkvqBackend::fake}};
+
+// PM-KVQ (docs/algorithms.md §5.2): geometry, the stream's knobs flat, the per-layer budgets
+// (MiB; one entry for all layers or one per layer) and the reference-exact / graceful switch.
+struct PmkvqFields {
+  template <class V>
+  void operator()(V& v, PmkvqPolicyConfig& c) const {
+    PmkvqConfig& p = c.pmkvq;
+    v("batch", c.batch);
+    v("num_layers", c.num_layers);
+    v("kv_heads", p.kv_heads);
+    v("q_heads", c.q_heads);
+    v("head_dim", p.head_dim);
+    v("backend", p.backend, kPmkvqBackendNames);
+    v("group_size", p.group_size);
+    v("n_sink", p.n_sink);
+    v("n_window", p.n_window);
+    v("n_init_bits", p.n_init_bits);
+    v("kv_budget_mb", p.kv_budget_mb);
+    v("reference_exact", p.reference_exact);
   }
 };
 

@@ -96,19 +96,20 @@ class JsonReader {
     if (!v.is_boolean()) fail(key, v, "true or false");
     out = v.get<bool>();
   }
-  template <class I>
+  template <class I, std::enable_if_t<std::is_integral_v<I>, int> = 0>
   void read(const char* key, const nlohmann::json& v, std::vector<I>& out) {
     if (!v.is_array()) fail(key, v, "an array of integers");
     std::vector<I> r(v.size());
     for (std::size_t i = 0; i < v.size(); ++i) read_int(key, v[i], r[i], "an array of integers");
     out = std::move(r);
   }
-  void read(const char* key, const nlohmann::json& v, std::vector<float>& out) {
+  template <class F, std::enable_if_t<std::is_floating_point_v<F>, int> = 0>
+  void read(const char* key, const nlohmann::json& v, std::vector<F>& out) {
     if (!v.is_array()) fail(key, v, "an array of numbers");
-    std::vector<float> r(v.size());
+    std::vector<F> r(v.size());
     for (std::size_t i = 0; i < v.size(); ++i) {
       if (!v[i].is_number()) fail(key, v, "an array of numbers");
-      r[i] = v[i].get<float>();
+      r[i] = v[i].get<F>();
     }
     out = std::move(r);
   }

@@ -11,9 +11,12 @@
 #include "kvsift/policy/baselines/full_kv.hpp"
 #include "kvsift/policy/baselines/h2o.hpp"
 #include "kvsift/policy/baselines/lazy_eviction.hpp"
+#include "kvsift/policy/baselines/raas.hpp"
 #include "kvsift/policy/baselines/rkv.hpp"
 #include "kvsift/policy/baselines/snapkv.hpp"
 #include "kvsift/policy/baselines/streaming_llm.hpp"
+#include "kvsift/policy/quantizers/kivi_policy.hpp"
+#include "kvsift/policy/quantizers/pmkvq_policy.hpp"
 #include "kvsift/policy/registry.hpp"
 #include "kvsift/policy/skipkv/skipkv.hpp"
 #include "kvsift/policy/thinkv/thinkv_policy.hpp"
@@ -59,9 +62,21 @@ std::string skipkv_default_json() {
 
 constexpr char kFullKV[] = "fullkv", kStreaming[] = "streaming", kH2O[] = "h2o",
                kSnapKV[] = "snapkv", kRKV[] = "rkv", kSkipKV[] = "skipkv", kThinKV[] = "thinkv",
-               kLazy[] = "lazy";
-using detail::H2OFields, detail::LazyFields, detail::RKVFields, detail::SnapKVFields,
-    detail::StreamingFields, detail::ThinKVFields, detail::EmptyConfig, detail::EmptyFields;
+               kLazy[] = "lazy", kRaaS[] = "raas";
+constexpr char kKivi[] = "kivi", kPmkvq[] = "pmkvq";
+using detail::H2OFields, detail::LazyFields, detail::RaasFields, detail::RKVFields,
+    detail::SnapKVFields, detail::StreamingFields, detail::ThinKVFields, detail::EmptyConfig,
+    detail::EmptyFields;
+
+// Small geometries the generic tests drive (2 layers, 2 KV heads, 4 query heads, head_dim 16).
+// KIVI-2 with groups of 16 (the smallest 2-bit group that fills whole int32 words) and R = 32;
+// PM-KVQ with per-layer budgets that halve layer 0 to 4 bits and layer 1 to 8 over ~160 tokens.
+constexpr std::string_view kKiviExample =
+    R"({"num_layers": 2, "kv_heads": 2, "q_heads": 4, "head_dim": 16, "group_size": 16,)"
+    R"( "residual_length": 32})";
+constexpr std::string_view kPmkvqExample =
+    R"({"num_layers": 2, "kv_heads": 2, "q_heads": 4, "head_dim": 16, "group_size": 16,)"
+    R"( "n_window": 16, "kv_budget_mb": [0.01, 0.02]})";
 
 // A ThinKV config that validates: its thresholds and calibrated layers have no defaults.
 constexpr std::string_view kThinKVExample =
@@ -84,6 +99,9 @@ const std::vector<MethodInfo>& registered_methods() {
       {kLazy, "baseline", "LazyEviction: recurrence-aware eviction every window steps",
        kNeedsQueries, false, create<kLazy, LazyEviction, LazyConfig, LazyFields>, nullptr,
        defaults<LazyConfig, LazyFields>, "{}"},
+      {kRaaS, "baseline", "RaaS: oldest-timestamp eviction of tokens or pages, prompt pinned",
+       kNeedsQueries, false, create<kRaaS, RaaS, RaasConfig, RaasFields>, nullptr,
+       defaults<RaasConfig, RaasFields>, R"({"unit": "page", "budget": 256})"},
       {kSnapKV, "baseline", "SnapKV: observation-window attention, pooled", kNeedsNothing, false,
        create<kSnapKV, SnapKV, SnapKVConfig, SnapKVFields>, nullptr,
        defaults<SnapKVConfig, SnapKVFields>, "{}"},
@@ -97,6 +115,17 @@ const std::vector<MethodInfo>& registered_methods() {
        kNeedsAppend | kNeedsQueries, true, nullptr,
        create_owning<kThinKV, ThinKVPolicy, ThinKVPolicyConfig, ThinKVFields>,
        defaults<ThinKVPolicyConfig, ThinKVFields>, kThinKVExample},
+      {kKivi, "quantizer",
+       "KIVI: 2/4-bit keys per channel, values per token, full-precision residual (owns its "
+       "cache)",
+       kNeedsAppend, true, nullptr,
+       create_owning<kKivi, KiviPolicy, KiviPolicyConfig, detail::KiviFields>,
+       defaults<KiviPolicyConfig, detail::KiviFields>, kKiviExample},
+      {kPmkvq, "quantizer",
+       "PM-KVQ: body width halved 16/8/4/2 bits under per-layer byte budgets (owns its cache)",
+       kNeedsAppend, true, nullptr,
+       create_owning<kPmkvq, PmkvqPolicy, PmkvqPolicyConfig, detail::PmkvqFields>,
+       defaults<PmkvqPolicyConfig, detail::PmkvqFields>, kPmkvqExample},
   };
   return table;
 }

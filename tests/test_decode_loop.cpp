@@ -11,8 +11,8 @@
 //     sequence was compressed (at least its real tokens when fewer than the budget), and never
 //     reach budget + buffer at a step's end;
 //   - R-KV: every kept scored token outscores every dropped one under cpu::rkv_scores.
-// Cache-owning methods (ThinKV) are driven through their own loop: append, observe, attention,
-// end_step, with the resident positions and memory checked.
+// Cache-owning methods (ThinKV, KIVI, PM-KVQ) are driven through their own loop: append, observe,
+// attention, end_step, with the resident positions and memory checked.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -305,18 +305,29 @@ void run_cache_owning_loop(const MethodInfo& m) {
     p->end_step();
   }
   const int budget = cfg.value("budget", 1 << 30);
+  // Quantizers (KIVI, PM-KVQ) evict nothing with their example configs: every token stays, in
+  // fewer bytes. Eviction methods (ThinKV) keep at most their budget plus a refresh interval.
+  const bool quantizer = m.family == "quantizer";
   for (int l = 0; l < layers; ++l)
     for (std::int64_t b = 0; b < batch; ++b)
       for (int h = 0; h < heads; ++h) {
         const std::vector<std::int32_t> pos = p->resident_positions(l, b, h);
         REQUIRE(std::is_sorted(pos.begin(), pos.end()));
         REQUIRE(std::adjacent_find(pos.begin(), pos.end()) == pos.end());
-        CHECK(static_cast<int>(pos.size()) < prompt + steps);  // something was evicted
-        CHECK(static_cast<int>(pos.size()) <= budget + cfg.value("refresh", 128));
+        if (quantizer) {
+          CHECK(static_cast<int>(pos.size()) == prompt + steps);
+          CHECK(pos.front() == 0);
+        } else {
+          CHECK(static_cast<int>(pos.size()) < prompt + steps);  // something was evicted
+          CHECK(static_cast<int>(pos.size()) <= budget + cfg.value("refresh", 128));
+        }
         CHECK(pos.back() == prompt + steps - 1);  // the newest token is resident
       }
   CHECK(p->resident_bytes() > 0);
   CHECK(p->resident_bytes() < p->fullkv_fp16_bytes());
+  // An fp16 K+V cache of every token: 2 tensors x 2 bytes.
+  CHECK(p->fullkv_fp16_bytes() ==
+        std::int64_t{layers} * batch * heads * (prompt + steps) * dim * 2 * 2);
   std::int64_t by_layer = 0;
   for (int l = 0; l < layers; ++l) by_layer += p->resident_bytes(l);
   CHECK(by_layer == p->resident_bytes());

@@ -152,7 +152,9 @@ TEST_CASE("every policy plans valid, budget-sized, window-keeping, compactable p
   std::mt19937 rng(2024);
   for (int trial = 0; trial < 25; ++trial) {
     const Scenario s = random_scenario(rng);
-    for (const std::string& name : planning_methods()) check_policy(name, s, rng);
+    for (const std::string& name : planning_methods())
+      if (name != "raas")  // pins the observed prompt, whatever the budget: tests/test_raas.cpp
+        check_policy(name, s, rng);
   }
 }
 

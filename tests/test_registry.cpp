@@ -40,7 +40,8 @@ TEST_CASE("every registered method creates from its example config", "[registry]
     }
   }
   for (const char* expected :
-       {"fullkv", "streaming", "h2o", "lazy", "snapkv", "rkv", "skipkv", "thinkv"})
+       {"fullkv", "streaming", "h2o", "lazy", "raas", "snapkv", "rkv", "skipkv", "thinkv", "kivi",
+        "pmkvq"})
     CHECK(names.count(expected) == 1);
   CHECK(policy_names().size() == registered_methods().size());
 }
@@ -84,6 +85,24 @@ TEST_CASE("registry errors name the problem", "[registry][errors]") {
   CHECK(make_cache_owning_policy("thinkv", thinkv + R"("f16"})") != nullptr);
   REQUIRE_THROWS_WITH(make_cache_owning_policy("thinkv", thinkv + R"("f32"})"),
                       Contains("staging") && Contains("f32"));
+  // The quantizers: KIVI's bit widths, PM-KVQ's required budgets, their count and the backend.
+  REQUIRE_THROWS_WITH(make_cache_owning_policy("kivi", R"({"k_bits": 3})"),
+                      Contains("k_bits must be 2, 4 or 8, got 3"));
+  REQUIRE_THROWS_WITH(make_cache_owning_policy("kivi", R"({"head_dim": 48})"),
+                      Contains("head_dim (48)") && Contains("group_size (32)"));
+  REQUIRE_THROWS_WITH(make_cache_owning_policy("pmkvq"),
+                      Contains("kv_budget_mb must hold at least one budget"));
+  REQUIRE_THROWS_WITH(
+      make_cache_owning_policy("pmkvq", R"({"num_layers": 3, "kv_budget_mb": [1, 2]})"),
+      Contains("kv_budget_mb holds 2 budgets") && Contains("num_layers = 3"));
+  REQUIRE_THROWS_WITH(make_cache_owning_policy("pmkvq", R"({"kv_budget_mb": [1, "2"]})"),
+                      Contains("'kv_budget_mb' must be an array of numbers"));
+  REQUIRE_THROWS_WITH(
+      make_cache_owning_policy("pmkvq", R"({"backend": "fast", "kv_budget_mb": [1]})"),
+      Contains("'backend' must be one of real, fake") && Contains("fast"));
+  REQUIRE_THROWS_WITH(
+      make_cache_owning_policy("pmkvq", R"({"reference_exact": 1, "kv_budget_mb": [1]})"),
+      Contains("'reference_exact' must be true or false"));
   // An integral float is an integer.
   CHECK(make_policy("rkv", R"({"budget": 512.0})") != nullptr);
 }

@@ -15,6 +15,7 @@
 #include "command.hpp"
 #include "demo_generator.hpp"
 #include "demo_policy.hpp"
+#include "demo_quantizer.hpp"
 #include "demo_runner.hpp"
 #include "demo_sentences.hpp"
 #include "demo_table.hpp"
@@ -106,10 +107,13 @@ std::vector<std::string> chosen_policies(const Args& args) {
 // the demo's shared knobs (each taking the keys its config has) and are driven like an engine
 // drives them (RegistryPolicy); with --device cuda their select() runs on device views. A
 // cache-owning method (ThinKV) gets the demo's ThinKV adapter, which calibrates θ1 / θ2 on the
-// run (demo_thinkv.hpp); its budget is the demo's (its k, tokens per layer and KV head).
+// run (demo_thinkv.hpp); its budget is the demo's (its k, tokens per layer and KV head). The
+// quantizers (KIVI, PM-KVQ) get demo_quantizer.hpp's adapter (their settings are described there).
 std::unique_ptr<demo::DemoPolicy> make_demo_policy(const std::string& name,
                                                    const std::string& shared_config, int budget,
                                                    std::int64_t length, const std::string& device) {
+  if (method_info(name).family == "quantizer")
+    return std::make_unique<demo::QuantizerDemoPolicy>(name, length);
   if (method_info(name).owns_cache) {
     KVSIFT_CHECK(name == "thinkv", "kvsift demo: no demo adapter for the cache-owning method '",
                  name, "'");
@@ -194,7 +198,8 @@ void print_banner(const demo::DemoConfig& cfg, const demo::SyntheticDecode& deco
   std::cout << demo::wrap_text(os.str(), 100) << '\n';
 }
 
-void print_legend(const demo::DemoConfig& cfg, bool with_skipkv, bool with_thinkv) {
+void print_legend(const demo::DemoConfig& cfg, bool with_skipkv, bool with_thinkv,
+                  bool with_quantizers) {
   const std::string k = std::to_string(cfg.recall_k);
   std::vector<std::string> lines = {
       "resident KV: K+V bytes held after the last step, all layers (% FullKV: as a share of "
@@ -235,6 +240,20 @@ void print_legend(const demo::DemoConfig& cfg, bool with_skipkv, bool with_think
         "full precision, then replayed into ThinKV); L* = all layers; later sparsities are "
         "taken over ThinKV's resident tokens on the unquantized keys. Whole-sentence evictions "
         "are not tracked for it.");
+  }
+  if (with_quantizers) {
+    lines.push_back(
+        "kivi, pmkvq: quantizers that own their caches and evict nothing; resident KV counts "
+        "codes + scales + zero points + full-precision buffers. compressions = quantization "
+        "events (kivi: steps in which the 128 full-precision keys were flushed into 2-bit groups; "
+        "pmkvq: steps in which its 128-token 16-bit window was flushed into the body or the "
+        "body's width halved), ms = that end_step() time. Their recall@" +
+        k + " is the share of FullKV's top-" + k + " found among the top-" + k +
+        " by their dequantized keys, over the queries after each event. kivi: 2-bit keys per "
+        "channel and values per token, groups of 32, a 128-token fp16 residual. pmkvq: its byte "
+        "budget per layer and sequence is a quarter of an fp16 cache of the whole decode (at least "
+        "what fits it at 2 bits without evicting), so its body narrows 16 > 8 > 4 > 2 bits as "
+        "the decode grows.");
   }
   lines.push_back("docs/demo.md explains the generator and the metrics.");
   std::cout << '\n';
@@ -297,7 +316,7 @@ int run_demo_command(const std::vector<std::string>& argv) {
   const auto chosen = [&](const char* n) {
     return std::find(names.begin(), names.end(), n) != names.end();
   };
-  print_legend(cfg, chosen("skipkv"), chosen("thinkv"));
+  print_legend(cfg, chosen("skipkv"), chosen("thinkv"), chosen("kivi") || chosen("pmkvq"));
   return 0;
 }
 

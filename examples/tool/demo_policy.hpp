@@ -1,8 +1,8 @@
 // The demo's view of a method: the kvsift::Policy calls (observe, trigger, per-layer select) plus
 // what the runner measures — how memory is counted and which positions are resident (ThinKV's own
 // quantized tables answer these themselves) — and any extra table columns. Every registered
-// planning method joins the demo through RegistryPolicy; a cache-owning one (ThinKV) has its own
-// adapter (demo_thinkv.hpp).
+// planning method joins the demo through RegistryPolicy; a cache-owning one has its own adapter
+// (ThinKV: demo_thinkv.hpp; the quantizers KIVI and PM-KVQ: demo_quantizer.hpp).
 #pragma once
 
 #include <cstdint>
@@ -55,6 +55,20 @@ class DemoPolicy {
     (void)layer;
     n = cache.length(b);
     return cache.positions(b, h);
+  }
+  // Where attention goes on the policy's own stored keys, when they are not the engine's (the
+  // quantizers' dequantized keys): `top` = the sorted positions of the k resident tokens with the
+  // highest logits for `query` [head_dim] of (layer, b, query head). false: the policy stores the
+  // keys exactly, recall is measured on its resident positions.
+  virtual bool attended_positions(int layer, int b, int q_head, const float* query, int k,
+                                  std::vector<std::int32_t>& top) const {
+    (void)layer;
+    (void)b;
+    (void)q_head;
+    (void)query;
+    (void)k;
+    (void)top;
+    return false;
   }
   // Whether observe() compressed in the step just observed. Default: never (the runner's trigger).
   virtual SelfCompression self_compression() const { return {}; }

@@ -3,9 +3,10 @@
 // once per measured step. Per step and policy: append the token's K/V to every layer, push its
 // queries into the observation window, let the policy observe, measure recall if a compression
 // happened within the last `recall_steps` steps, then ask the trigger and, if it fires, select()
-// and compact() every layer (timed). A policy with its own storage (ThinKV) instead evicts inside
-// observe() and reports it (DemoPolicy::self_compression), and answers for its resident positions
-// and bytes itself.
+// and compact() every layer (timed). A policy with its own storage (ThinKV, the quantizers) instead
+// evicts or quantizes inside observe() and reports it (DemoPolicy::self_compression), and answers
+// for its resident positions and bytes itself; a quantizer also says where attention goes on its
+// dequantized keys (DemoPolicy::attended_positions), which recall then compares with FullKV's.
 #pragma once
 
 #include <chrono>
@@ -117,7 +118,8 @@ inline DemoResult run_demo(const DemoConfig& cfg, SyntheticDecode& decode,
 
   FullKVReference reference(L, B, Hkv, D, T);
   DecodeStep step;
-  std::vector<std::int32_t> before;  // scratch: one row's positions before a compression
+  std::vector<std::int32_t> before;    // scratch: one row's positions before a compression
+  std::vector<std::int32_t> attended;  // scratch: a quantizer's top-k on its dequantized keys
   while (!decode.done()) {
     decode.next(step);
     round_to_dtype(step.keys, cfg.dtype);
@@ -153,11 +155,17 @@ inline DemoResult run_demo(const DemoConfig& cfg, SyntheticDecode& decode,
         for (int l = 0; l < L; ++l) {
           for (int b = 0; b < B; ++b) {
             for (int q = 0; q < Hq; ++q) {
-              std::int64_t n = 0;
-              const std::int32_t* resident =
-                  policy.resident_positions(run.caches[l], l, b, q / G, n);
-              run.report.recall_sum +=
-                  recall_of(top[(static_cast<std::size_t>(l) * B + b) * Hq + q], resident, n);
+              const auto& want = top[(static_cast<std::size_t>(l) * B + b) * Hq + q];
+              if (policy.attended_positions(l, b, q, step.query(l, b, q), cfg.recall_k,
+                                            attended)) {  // quantized keys: where attention goes
+                run.report.recall_sum +=
+                    recall_of(want, attended.data(), static_cast<std::int64_t>(attended.size()));
+              } else {
+                std::int64_t n = 0;
+                const std::int32_t* resident =
+                    policy.resident_positions(run.caches[l], l, b, q / G, n);
+                run.report.recall_sum += recall_of(want, resident, n);
+              }
               ++run.report.recall_samples;
             }
           }

@@ -277,6 +277,30 @@ class Policy:
             plan = self._policy.select(int(layer), view, q, ws, nbytes, stream)
         return KeepPlan(plan)
 
+    def compress_step(self, layers, window_queries=None):
+        """One compression step of every layer, applied in place (kvsift_policy_compress_step):
+        layers a list of CacheView (one per layer, one device; their lengths and valid_mask are
+        rewritten), window_queries None or one [batch, q_heads, window, head_dim] tensor per
+        layer. Every layer is planned before any moves. On CUDA, R-KV runs every layer in one
+        launch sequence and waits for torch's current stream once; layers that share one
+        valid_mask tensor let it (the mask is per sequence, not per layer)."""
+        layers = list(layers)
+        if not layers:
+            raise error("compress_step: no layers given")
+        if window_queries is not None and len(window_queries) != len(layers):
+            raise error("compress_step: %d window_queries for %d layers"
+                        % (len(window_queries), len(layers)))
+        n = len(layers)
+        views = (_capi.CacheView * n)(*[_view(kv) for kv in layers])
+        queries = None
+        if window_queries is not None:
+            described = [self._queries(kv, q) for kv, q in zip(layers, window_queries)]
+            queries = (_capi.Tensor * n)(*[d for d in described])
+        nbytes = self._policy.step_workspace_bytes(views, queries)
+        ctx, ws, nbytes, stream = self._exec.context(layers[0].device, nbytes)
+        with ctx:
+            self._policy.compress_step(views, queries, ws, nbytes, stream)
+
     @staticmethod
     def _queries(kv, window_queries):
         if window_queries is None:

@@ -95,6 +95,10 @@ def _declare(lib):
                                                    P(c.c_size_t)]),
         "kvsift_policy_select": (status, [policy_p, c.c_int32, P(CacheView), P(Tensor),
                                           c.c_void_p, c.c_size_t, c.c_void_p, P(plan_p)]),
+        "kvsift_policy_step_workspace_bytes": (status, [policy_p, c.c_int32, P(CacheView),
+                                                        P(Tensor), P(c.c_size_t)]),
+        "kvsift_policy_compress_step": (status, [policy_p, c.c_int32, P(CacheView), P(Tensor),
+                                                 c.c_void_p, c.c_size_t, c.c_void_p]),
         "kvsift_plan_destroy": (None, [plan_p]),
         "kvsift_plan_shape": (status, [plan_p, P(c.c_int64), P(c.c_int64), P(c.c_int64),
                                        P(c.c_int64)]),
@@ -283,6 +287,16 @@ class Policy:
         self.lib.call("kvsift_policy_workspace_bytes", self.handle, layer, ctypes.byref(kv),
                       _ref(window_queries), ctypes.byref(out))
         return out.value
+
+    def step_workspace_bytes(self, views, queries):
+        out = ctypes.c_size_t()
+        self.lib.call("kvsift_policy_step_workspace_bytes", self.handle, len(views), views,
+                      queries, ctypes.byref(out))
+        return out.value
+
+    def compress_step(self, views, queries, workspace=None, workspace_bytes=0, stream=None):
+        self.lib.call("kvsift_policy_compress_step", self.handle, len(views), views, queries,
+                      workspace, workspace_bytes, stream)
 
     def select(self, layer, kv, window_queries=None, workspace=None, workspace_bytes=0,
                stream=None):

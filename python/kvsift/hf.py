@@ -14,8 +14,9 @@ How it works (docs/python.md):
   the post-RoPE window queries kvsift scores with.
 - A wrapper around the decoder's forward runs after each step: it feeds the policy what it
   observes (SkipKV: the step's token ids and final-norm hidden states) and, once a sequence
-  reaches budget + buffer, plans and compacts every layer in place (kvsift.compact, torch's
-  current stream).
+  reaches budget + buffer, plans and compacts every layer in place in one call
+  (Policy.compress_step, torch's current stream; on CUDA, R-KV does all layers in one launch
+  sequence with one wait per step).
 - Until a cache first compresses, its slots are exactly DynamicCache's (left pads in the first
   slots, the caller's attention mask untouched), so generation is token-identical. A compaction
   drops a compressed sequence's pads (kvsift's budget counts real tokens) and sequences may then
@@ -37,7 +38,7 @@ import numpy as np
 import torch
 
 from . import _api, _capi
-from ._api import CacheView, compact, make_policy
+from ._api import CacheView, make_policy
 from ._tensors import error
 
 try:  # transformers >= 5.5
@@ -242,7 +243,7 @@ class KVSiftCache(_HFCache):
     def __init__(self, model, method="rkv", capacity=None, vocabulary=None, **options):
         if method not in SUPPORTED_METHODS:
             raise error("KVSiftCache: method '%s' is not supported here (supported: %s; h2o "
-                        "needs every step's queries and thinkv owns its cache)"
+                        "needs every step's queries; thinkv, kivi and pmkvq own their caches)"
                         % (method, ", ".join(SUPPORTED_METHODS)))
         self._check_model(model)
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
@@ -290,6 +291,7 @@ class KVSiftCache(_HFCache):
         self._step = None         # the current step's facts (set by the decoder's wrapper)
         self._ring_pos = 0        # next slot of the window rings
         self._cos = self._sin = None  # [B or 1, window, head_dim] rotary of the window positions
+        self._valid = None        # [B, capacity] uint8 pad mask, shared by every layer
         self.pads = None          # [B] left pads of the prompt
         self.compressions = 0     # compression steps so far
         self.compress_events = []  # (start, end) CUDA events of each compression (timing)
@@ -553,8 +555,12 @@ class KVSiftCache(_HFCache):
             cap = max(cap, q + 256)
         L.k_buf = torch.zeros(B, H, cap, D, dtype=k.dtype, device=k.device)
         L.v_buf = torch.zeros(B, H, cap, v.shape[-1], dtype=v.dtype, device=v.device)
-        L.valid = torch.ones(B, cap, dtype=torch.uint8, device=k.device)
-        L.valid[:, :self._prompt_valid.shape[1]] = self._prompt_valid.to(k.device)
+        # One pad mask for every layer (it describes the sequences): compress_step compacts it
+        # once, and R-KV's device step requires it.
+        if self._valid is None or tuple(self._valid.shape) != (B, cap):
+            self._valid = torch.ones(B, cap, dtype=torch.uint8, device=k.device)
+            self._valid[:, :self._prompt_valid.shape[1]] = self._prompt_valid.to(k.device)
+        L.valid = self._valid
         L.lengths = np.zeros(B, dtype=np.int32)
         L.view = CacheView(L.k_buf, L.v_buf, L.lengths, valid_mask=L.valid)
         L.is_initialized = True
@@ -568,9 +574,12 @@ class KVSiftCache(_HFCache):
                               device=old.device)
             new[:, :, :old.shape[2]].copy_(old)
             setattr(L, name, new)
-        valid = torch.ones(L.valid.shape[0], cap, dtype=torch.uint8, device=L.valid.device)
-        valid[:, :L.valid.shape[1]].copy_(L.valid)
-        L.valid = valid
+        if self._valid.shape[1] < cap:  # the first layer to grow grows the shared mask
+            valid = torch.ones(self._valid.shape[0], cap, dtype=torch.uint8,
+                               device=self._valid.device)
+            valid[:, :self._valid.shape[1]].copy_(self._valid)
+            self._valid = valid
+        L.valid = self._valid
         L.view = CacheView(L.k_buf, L.v_buf, L.lengths, valid_mask=L.valid)
 
     def get_seq_length(self, layer_idx=0, *args, **kwargs):
@@ -672,12 +681,14 @@ class KVSiftCache(_HFCache):
         if timing:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
-        for i, L in enumerate(self.hf_layers):
+        for L in self.hf_layers:
             L.lengths[:] = self._lengths
-            self._refresh_valid(L)
-            wq = self._window_queries(i) if self.window > 0 else None
-            plan = self.policy.select(L.view, wq, layer=i)
-            compact(L.view, plan)
+        self._refresh_valid(self.hf_layers[0])  # the mask all layers share
+        wq = ([self._window_queries(i) for i in range(len(self.hf_layers))]
+              if self.window > 0 else None)
+        # Every layer in one call: on CUDA, R-KV selects and compacts all layers in one launch
+        # sequence and waits once per step (the kept lengths), instead of once per layer.
+        self.policy.compress_step([L.view for L in self.hf_layers], wq)
         kept = self.hf_layers[0].lengths.copy()
         for i, L in enumerate(self.hf_layers):
             if not np.array_equal(L.lengths, kept):

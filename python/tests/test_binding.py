@@ -51,6 +51,28 @@ def test_streaming_plan_is_sinks_plus_recent():
     assert t.dtype == torch.int64 and t.shape == (2, 3, 6)
 
 
+def test_compress_step_compacts_every_layer_in_place():
+    # The hand-computed StreamingLLM slots above, in two layers at once, one shared pad mask.
+    keys = [torch.randn(2, 3, 12, 8) for _ in range(2)]
+    values = [torch.randn(2, 3, 12, 8) for _ in range(2)]
+    before = [(k.clone(), v.clone()) for k, v in zip(keys, values)]
+    mask = torch.ones(2, 12, dtype=torch.uint8)
+    views = [kvsift.CacheView(k, v, [10, 5], valid_mask=mask) for k, v in zip(keys, values)]
+    ptrs = [k.data_ptr() for k in keys]
+    policy = kvsift.make_policy("streaming", budget=6, sink=2, buffer=4)
+    policy.compress_step(views)
+    kept = [0, 1, 6, 7, 8, 9]
+    for view, k, v, (k0, v0), ptr in zip(views, keys, values, before, ptrs):
+        assert list(view.lengths) == [6, 5]
+        assert k.data_ptr() == ptr  # in place, on the caller's tensor
+        assert torch.equal(k[0, :, :6], k0[0, :, kept]) and torch.equal(v[0, :, :6], v0[0, :, kept])
+        assert torch.equal(k[1, :, :5], k0[1, :, :5])
+    with pytest.raises(kvsift.Error, match="no layers"):
+        policy.compress_step([])
+    with pytest.raises(kvsift.Error, match="1 window_queries for 2 layers"):
+        policy.compress_step(views, [torch.zeros(2, 3, 4, 8)])
+
+
 def test_trigger_below_budget_plus_buffer():
     keys = torch.zeros(1, 1, 32, 4)
     policy = kvsift.make_policy("rkv", budget=16, window=4, buffer=8)

@@ -61,6 +61,54 @@ def test_cuda_select_matches_the_cpu_reference(dtype):
     assert differ <= 2 * 4 * 128 // 50, differ  # near-cut swaps only (fp32 sums in another order)
 
 
+@pytest.mark.parametrize("batch", [1, 3, 100])
+def test_cuda_rkv_compress_step_equals_the_cpu_step(batch):
+    # Four layers, one shared mask with left pads: the device step (every layer in one launch
+    # sequence; chunks of 256 // batch layers) against the CPU step, bit for bit.
+    layers, lengths, pads = 4, [300 - 7 * (b % 3) for b in range(batch)], [b % 4 for b in range(batch)]
+    mask = torch.ones(batch, 300, dtype=torch.uint8)
+    for b, p in enumerate(pads):
+        mask[b, :p] = 0
+    cpu, dev, queries, dqueries = [], [], [], []
+    dmask = mask.cuda()
+    for layer in range(layers):
+        k, v, q = random_cache(torch.bfloat16, B=batch, H=2, S=300, D=64, seed=layer)
+        cpu.append(kvsift.CacheView(k.clone(), v.clone(), lengths, valid_mask=mask))
+        dev.append(kvsift.CacheView(k.cuda(), v.cuda(), lengths, valid_mask=dmask))
+        queries.append(q[:, :8])
+        dqueries.append(q[:, :8].cuda())
+    policy = kvsift.make_policy("rkv", budget=128, window=8, buffer=16)
+    policy.compress_step(cpu, queries)
+    kvsift.make_policy("rkv", budget=128, window=8, buffer=16).compress_step(dev, dqueries)
+    torch.cuda.synchronize()
+    assert torch.equal(dmask.cpu(), mask)
+    for c, d in zip(cpu, dev):
+        assert list(d.lengths) == list(c.lengths)
+        for b, n in enumerate(c.lengths):
+            assert torch.equal(d.keys[b, :, :n].cpu(), c.keys[b, :, :n])
+            assert torch.equal(d.values[b, :, :n].cpu(), c.values[b, :, :n])
+
+
+def test_cuda_rkv_compress_step_leaves_a_nan_sequence_untouched_in_every_layer():
+    layers, batch = 3, 3
+    dmask = torch.ones(batch, 300, dtype=torch.uint8, device="cuda")
+    dev, dq, originals = [], [], []
+    for layer in range(layers):
+        k, v, q = random_cache(torch.bfloat16, B=batch, H=2, S=300, D=64, seed=layer)
+        if layer == 2:
+            k[1, 0, 17, 5] = float("nan")
+        originals.append(k.clone())
+        dev.append(kvsift.CacheView(k.cuda(), v.cuda(), [300] * batch, valid_mask=dmask))
+        dq.append(q.cuda())
+    policy = kvsift.make_policy("rkv", budget=128, window=8, buffer=16)
+    with pytest.raises(kvsift.Error, match=r"NaN scores in sequence\(s\) 1;"):
+        policy.compress_step(dev, dq)
+    for d, k in zip(dev, originals):
+        assert list(d.lengths) == [128, 300, 128]
+        # the NaN sequence's rows, bit for bit (NaN != NaN, so compare the bf16 bits)
+        assert torch.equal(d.keys[1].cpu().view(torch.int16), k[1].view(torch.int16))
+
+
 def test_device_mismatches_are_refused():
     k, v, q = random_cache(torch.float16, S=64)
     with pytest.raises(kvsift.Error, match="keys are on cuda:0 but values on cpu"):

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "convert.hpp"
 #include "handles.hpp"
@@ -51,6 +52,24 @@ void copy_lengths(const std::vector<std::int32_t>& from, int32_t* out, int64_t n
   KVSIFT_CHECK(n >= static_cast<int64_t>(from.size()), "n (", n, ") is smaller than batch (",
                from.size(), ")");
   std::copy(from.begin(), from.end(), out);
+}
+
+// The step's views: layers[n] and, when given, window_queries[n].
+struct StepViews {
+  std::vector<KVCacheView> layers;
+  std::vector<TensorView> queries;
+};
+StepViews step_views(int32_t n_layers, const kvsift_cache_view* layers,
+                     const kvsift_tensor* window_queries) {
+  KVSIFT_CHECK(n_layers >= 1, "n_layers must be >= 1, got ", n_layers);
+  KVSIFT_CHECK(layers != nullptr, "layers is NULL (n_layers = ", n_layers, ")");
+  StepViews v;
+  for (int32_t l = 0; l < n_layers; ++l) {
+    const StepInputs in = step_inputs(l, layers + l, window_queries ? window_queries + l : nullptr);
+    v.layers.push_back(in.kv);
+    v.queries.push_back(in.window_queries);
+  }
+  return v;
 }
 
 }  // namespace
@@ -134,6 +153,30 @@ kvsift_status kvsift_policy_select(kvsift_policy* policy, int32_t layer,
     auto handle = std::make_unique<kvsift_plan>();
     handle->plan = p.select(in, ExecContext{workspace, workspace_bytes, stream});
     *out = handle.release();
+  });
+}
+
+kvsift_status kvsift_policy_step_workspace_bytes(const kvsift_policy* policy, int32_t n_layers,
+                                                 const kvsift_cache_view* layers,
+                                                 const kvsift_tensor* window_queries,
+                                                 size_t* out_bytes) {
+  return guarded("kvsift_policy_step_workspace_bytes", [&] {
+    const kvsift::Policy& p = policy_of(policy);
+    KVSIFT_CHECK(out_bytes != nullptr, "out_bytes is NULL");
+    const StepViews v = step_views(n_layers, layers, window_queries);
+    *out_bytes = p.step_workspace_bytes(v.layers.data(), v.queries.data(), n_layers);
+  });
+}
+
+kvsift_status kvsift_policy_compress_step(kvsift_policy* policy, int32_t n_layers,
+                                          const kvsift_cache_view* layers,
+                                          const kvsift_tensor* window_queries, void* workspace,
+                                          size_t workspace_bytes, void* stream) {
+  return guarded("kvsift_policy_compress_step", [&] {
+    kvsift::Policy& p = policy_of(policy);
+    const StepViews v = step_views(n_layers, layers, window_queries);
+    p.compress_step(v.layers.data(), v.queries.data(), n_layers,
+                    ExecContext{workspace, workspace_bytes, stream});
   });
 }
 

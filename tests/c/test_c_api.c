@@ -239,6 +239,84 @@ static void test_owning_round_trip(int32_t i) {
   kvsift_owning_policy_destroy(NULL);
 }
 
+/* The quantizers by name (docs/algorithms.md §5.1–5.2): 1 layer, 2 KV heads, 4 query heads,
+ * head_dim 16, a 20-token prompt and 4 decode steps (24 tokens), resident bytes checked against
+ * the hand count in `expect`. */
+static void quantizer_by_hand(const char* name, const char* config, int64_t expect) {
+  enum { QH = 2, QQ = 4, QD = 16, QP = 20, QS = 4 };
+  static float prompt[QH * QP * QD], token[QH * QD], query[QQ * QD], out[QQ * QD];
+  const int64_t prompt_shape[4] = {1, QH, QP, QD}, token_shape[4] = {1, QH, 1, QD},
+                query_shape[4] = {1, QQ, 1, QD};
+  kvsift_owning_policy* p = NULL;
+  kvsift_tensor pk, tk, q, o;
+  int64_t resident = -1, fullkv = -1, count = -1, k;
+  int32_t positions[QP + QS];
+  uint32_t needs = 0;
+  int step, evicted = -1;
+  fprintf(stderr, "quantizer by hand: %s %s\n", name, config);
+  for (k = 0; k < QH * QP * QD; ++k) prompt[k] = (float)((k * 13) % 17) / 17.0f - 0.5f;
+  for (k = 0; k < QQ * QD; ++k) query[k] = (float)((k * 5) % 7) / 7.0f - 0.5f;
+  CHECK_OK(
+      kvsift_tensor_contiguous(&pk, prompt, KVSIFT_DTYPE_F32, KVSIFT_DEVICE_CPU, 4, prompt_shape));
+  CHECK_OK(
+      kvsift_tensor_contiguous(&tk, token, KVSIFT_DTYPE_F32, KVSIFT_DEVICE_CPU, 4, token_shape));
+  CHECK_OK(
+      kvsift_tensor_contiguous(&q, query, KVSIFT_DTYPE_F32, KVSIFT_DEVICE_CPU, 4, query_shape));
+  CHECK_OK(kvsift_tensor_contiguous(&o, out, KVSIFT_DTYPE_F32, KVSIFT_DEVICE_CPU, 4, query_shape));
+  CHECK_OK(kvsift_owning_policy_create(name, config, &p));
+  if (p == NULL) return;
+  CHECK_OK(kvsift_owning_policy_needs(p, &needs));
+  CHECK(needs == KVSIFT_NEEDS_APPEND);
+  CHECK_OK(kvsift_owning_policy_prefill(p, 0, &pk, &pk));
+  for (step = 0; step < QS; ++step) {
+    for (k = 0; k < QH * QD; ++k) token[k] = (float)((k + 3 * step) % 9) / 9.0f - 0.5f;
+    CHECK_OK(kvsift_owning_policy_append(p, 0, &tk, &tk));
+    for (k = 0; k < QQ * QD; ++k) out[k] = 1e30f;
+    CHECK_OK(kvsift_owning_policy_attention(p, 0, &q, &o));
+    for (k = 0; k < QQ * QD; ++k) CHECK(out[k] > -1.0f && out[k] < 1.0f);
+    CHECK_OK(kvsift_owning_policy_end_step(p, &evicted));
+    CHECK(evicted == 0); /* quantizers evict nothing here */
+  }
+  CHECK_OK(kvsift_owning_policy_memory(p, -1, &resident, &fullkv));
+  CHECK(resident == expect);
+  CHECK(fullkv == 24 * QH * QD * 2 * 2); /* fp16 K + V of 24 tokens */
+  CHECK_OK(kvsift_owning_policy_memory(p, 0, &resident, NULL));
+  CHECK(resident == expect);
+  CHECK_OK(kvsift_owning_policy_resident_positions(p, 0, 0, 1, positions, QP + QS, &count));
+  CHECK(count == QP + QS && positions[0] == 0 && positions[QP + QS - 1] == QP + QS - 1);
+  CHECK_ERROR(kvsift_owning_policy_attention(p, 1, &q, &o), KVSIFT_ERROR_INVALID_ARGUMENT,
+              "layer 1", "num_layers = 1");
+  kvsift_owning_policy_destroy(p);
+}
+
+static void test_quantizers_by_hand(void) {
+  kvsift_owning_policy* p = NULL;
+  /* KIVI-2, G = 16, R = 16. Keys: the prompt's first 16 quantized, then 4 + 4 full (no flush
+   * before 32). Values: 4 quantized after the prompt, one more each step: 8, 16 full. Per head:
+   * key codes 16 channels x one int32 word = 64 B, key scale + minimum 16 x 4 B = 64 B, value
+   * rows 8 x (one word + one group's 4 B) = 64 B, full rows 2 B x 16 x (8 + 16) = 768 B; 960 B,
+   * 2 heads: 1920 B. */
+  quantizer_by_hand("kivi",
+                    "{\"num_layers\": 1, \"kv_heads\": 2, \"q_heads\": 4, \"head_dim\": 16, "
+                    "\"group_size\": 16, \"residual_length\": 16}",
+                    1920);
+  /* PM-KVQ (real, graceful), G = 16, sink 1, window 8, budget 0.002 MiB = 2097.152 B. A token
+   * of K+V, 2 heads, at 16 bits: 4 x (16 words x 2 B + bf16 scale and zero 4 B) = 144 B; body at
+   * 8 bits 4 x (8 words x 2 B + 4 B) = 80 B, at 4 bits 4 x (4 x 2 B + 4 B) = 48 B. Prompt: sink 1,
+   * body 16, window 3; 2880 B > budget, halved to 8 bits: 1280 + 576 = 1856 B. Steps add window
+   * tokens of 144 B; the second reaches 2144 B and halves to 4 bits. End: 1 sink + 7 window at 16
+   * bits (1152 B) + 16 body at 4 bits (768 B) = 1920 B. */
+  quantizer_by_hand("pmkvq",
+                    "{\"num_layers\": 1, \"kv_heads\": 2, \"q_heads\": 4, \"head_dim\": 16, "
+                    "\"group_size\": 16, \"n_window\": 8, \"kv_budget_mb\": [0.002]}",
+                    1920);
+  CHECK_ERROR(kvsift_owning_policy_create("pmkvq", "{\"num_layers\": 1}", &p),
+              KVSIFT_ERROR_INVALID_ARGUMENT, "kv_budget_mb");
+  CHECK(p == NULL);
+  CHECK_ERROR(kvsift_owning_policy_create("kivi", "{\"v_bits\": 3}", &p),
+              KVSIFT_ERROR_INVALID_ARGUMENT, "v_bits", "got 3");
+}
+
 /* Every registered method: create, observe what it needs, trigger, select, compact, on host
  * memory; the plan must be a valid plan of the cache and compaction must move exactly it. */
 static void test_round_trip_every_method(void) {
@@ -367,6 +445,53 @@ static void test_streaming_by_hand(void) {
   CHECK_ERROR(kvsift_compact(&kv, plan, NULL, 0, NULL), KVSIFT_ERROR_INVALID_ARGUMENT,
               "kvsift_compact", "lengths[0] = 10", "holds 6");
   kvsift_plan_destroy(plan);
+  kvsift_policy_destroy(p);
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* kvsift_policy_compress_step over two layers: the same hand-computed StreamingLLM slots as above
+ * in both layers (each layer its own values), lengths rewritten, and its argument errors. */
+static void test_compress_step_by_hand(void) {
+  enum { SL = 2, SB = 2, SH = 2, SC = 12, SD = 4 };
+  static uint16_t keys[SL][SB * SH * SC * SD], values[SL][SB * SH * SC * SD];
+  const int64_t shape[4] = {SB, SH, SC, SD};
+  const int32_t expect_slots[SB * SH * 6] = {0, 1, 6, 7, 8, 9,  0, 1, 6, 7, 8, 9,
+                                             0, 1, 2, 3, 4, -1, 0, 1, 2, 3, 4, -1};
+  int32_t lengths[SL][SB] = {{10, 5}, {10, 5}};
+  kvsift_cache_view kv[SL];
+  kvsift_policy* p = NULL;
+  size_t ws = 99;
+  int64_t i, l, b, h, k;
+  memset(kv, 0, sizeof kv);
+  for (l = 0; l < SL; ++l) {
+    for (i = 0; i < SB * SH * SC * SD; ++i) keys[l][i] = (uint16_t)(i + 7 * l);
+    for (i = 0; i < SB * SH * SC * SD; ++i) values[l][i] = (uint16_t)(60000 - i - 7 * l);
+    CHECK_OK(kvsift_tensor_contiguous(&kv[l].keys, keys[l], KVSIFT_DTYPE_BF16, KVSIFT_DEVICE_CPU, 4,
+                                      shape));
+    CHECK_OK(kvsift_tensor_contiguous(&kv[l].values, values[l], KVSIFT_DTYPE_BF16,
+                                      KVSIFT_DEVICE_CPU, 4, shape));
+    kv[l].lengths = lengths[l];
+  }
+  CHECK_OK(kvsift_policy_create("streaming", "{\"budget\": 6, \"sink\": 2, \"buffer\": 1}", &p));
+  CHECK_OK(kvsift_policy_step_workspace_bytes(p, SL, kv, NULL, &ws));
+  CHECK(ws == 0); /* host views */
+  CHECK_ERROR(kvsift_policy_compress_step(p, 0, kv, NULL, NULL, 0, NULL),
+              KVSIFT_ERROR_INVALID_ARGUMENT, "n_layers must be >= 1, got 0");
+  CHECK_ERROR(kvsift_policy_compress_step(p, SL, NULL, NULL, NULL, 0, NULL),
+              KVSIFT_ERROR_INVALID_ARGUMENT, "layers is NULL");
+  CHECK(lengths[0][0] == 10 && lengths[1][0] == 10); /* the failures moved nothing */
+  CHECK_OK(kvsift_policy_compress_step(p, SL, kv, NULL, NULL, 0, NULL));
+  for (l = 0; l < SL; ++l) {
+    CHECK(lengths[l][0] == 6 && lengths[l][1] == 5);
+    for (b = 0; b < SB; ++b)
+      for (h = 0; h < SH; ++h)
+        for (k = 0; k < lengths[l][b]; ++k) {
+          const int64_t s = expect_slots[(b * SH + h) * 6 + k];
+          const int64_t at = ((b * SH + h) * SC + k) * SD + 1;
+          CHECK(keys[l][at] == (uint16_t)(((b * SH + h) * SC + s) * SD + 1 + 7 * l));
+          CHECK(values[l][at] == (uint16_t)(60000 - (((b * SH + h) * SC + s) * SD + 1) - 7 * l));
+        }
+  }
   kvsift_policy_destroy(p);
 }
 
@@ -588,7 +713,9 @@ int main(int argc, char** argv) {
   test_library();
   test_registry();
   test_round_trip_every_method();
+  test_quantizers_by_hand();
   test_streaming_by_hand();
+  test_compress_step_by_hand();
   test_rkv_golden(argv[1]);
   test_create_errors();
   test_argument_errors();

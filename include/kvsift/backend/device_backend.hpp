@@ -32,6 +32,9 @@ class DeviceBackend {
   virtual std::size_t compact_workspace_bytes(const KeepPlan& plan) const = 0;
   virtual void compact(const KVCacheView& kv, const KeepPlan& plan,
                        const ExecContext& ctx) const = 0;
+  // What compact() can need for any plan over `kv` at its current lengths (sizing a workspace
+  // before the plan exists).
+  virtual std::size_t compact_workspace_bound(const KVCacheView& kv) const = 0;
 
   // R-KV (§1.3) on a device cache.
   //   kv       keys/values [batch, kv_heads, capacity, head_dim] device; lengths host
@@ -40,6 +43,14 @@ class DeviceBackend {
                                           const RKVConfig& cfg) const = 0;
   virtual KeepPlan rkv_select(const KVCacheView& kv, const TensorView& queries,
                               const RKVConfig& cfg, const ExecContext& ctx) const = 0;
+  // R-KV's whole compression step (Policy::compress_step): every layer selected and compacted
+  // on the device, the kept rows never leave it; one host wait per step (the kept lengths).
+  // The layers share shape, strides, lengths and one padding mask.
+  //   layers   [n_layers] device caches; queries [n_layers] device window queries
+  virtual std::size_t rkv_step_workspace_bytes(const KVCacheView* layers, const TensorView* queries,
+                                               int n_layers, const RKVConfig& cfg) const = 0;
+  virtual void rkv_compress_step(const KVCacheView* layers, const TensorView* queries, int n_layers,
+                                 const RKVConfig& cfg, const ExecContext& ctx) const = 0;
 
   // SkipKV's eq. 6 selection (§2.4) on a device cache; penalties from the host range maps.
   virtual std::size_t skipkv_workspace_bytes(const KVCacheView& kv, const TensorView& queries,

@@ -7,10 +7,13 @@
  *                kvsift_policy_observe(policy, &layer_obs[l]);      (per layer, when needed)
  *   kvsift_policy_should_compress(policy, &cache[0], &go);
  *   if (go) for each layer l:
+ *     kvsift_policy_compress_step(policy, n_layers, cache, window_queries, ws, ws_bytes, stream);
+ *   or, per layer (an engine that applies plans itself, e.g. by remapping pages):
  *     kvsift_policy_select(policy, l, &cache[l], &window_queries[l], ws, ws_bytes, stream, &plan);
- *     kvsift_compact(&cache[l], plan, ws, ws_bytes, stream);   (or the engine remaps its pages)
+ *     kvsift_compact(&cache[l], plan, ws, ws_bytes, stream);
  *     kvsift_plan_destroy(plan);
- * Methods that own their KV storage (ThinKV) have their own handle: kvsift_owning_policy_*.
+ * Methods that own their KV storage (ThinKV, KIVI, PM-KVQ) have their own handle:
+ * kvsift_owning_policy_*.
  *
  * Conventions
  * - Every function that can fail returns a kvsift_status; KVSIFT_OK is 0. On failure
@@ -93,8 +96,9 @@ KVSIFT_C_EXPORT const char* kvsift_method_family(int32_t i);
 KVSIFT_C_EXPORT const char* kvsift_method_summary(int32_t i);
 /* The KVSIFT_NEEDS_* bits of method i (with its default config). */
 KVSIFT_C_EXPORT kvsift_status kvsift_method_needs(int32_t i, uint32_t* out_needs);
-/* *out = 1 when method i owns its KV storage (ThinKV): build it with kvsift_owning_policy_create;
- * it has no select/compact. 0: a policy over the engine's cache (kvsift_policy_create). */
+/* *out = 1 when method i owns its KV storage (ThinKV, KIVI, PM-KVQ): build it with
+ * kvsift_owning_policy_create; it has no select/compact. 0: a policy over the engine's cache
+ * (kvsift_policy_create). */
 KVSIFT_C_EXPORT kvsift_status kvsift_method_owns_cache(int32_t i, int* out);
 /* Every config key of method i with its default value, as a JSON object: the valid keys of
  * json_config. Static string; NULL when i is out of range. */
@@ -200,6 +204,25 @@ KVSIFT_C_EXPORT kvsift_status kvsift_policy_select(kvsift_policy* policy, int32_
                                                    const kvsift_tensor* window_queries,
                                                    void* workspace, size_t workspace_bytes,
                                                    void* stream, kvsift_plan** out);
+
+/* One compression step of every layer, applied in place: the engine's one call per step when
+ * kvsift_policy_should_compress says so. layers[l] is layer l's cache (its lengths, HOST, and
+ * valid_mask are rewritten), window_queries[l] its last `window` queries [batch, q_heads, window,
+ * head_dim] (window_queries NULL for methods that read none). Every layer is selected before any
+ * is compacted: a failing call leaves every layer as it was (except the one case documented in
+ * docs/c_api.md: NaN scores on the device leave only the affected sequences untouched).
+ * Device views: `workspace` of at least kvsift_policy_step_workspace_bytes bytes, enqueued on
+ * `stream`; R-KV runs every layer in one launch sequence and waits for the stream once (the kept
+ * lengths), other methods plan layer by layer. The layers share one device, shape, strides,
+ * lengths and (when set) one valid_mask pointer; 1 <= n_layers <= 128 on the device. */
+KVSIFT_C_EXPORT kvsift_status kvsift_policy_step_workspace_bytes(
+    const kvsift_policy* policy, int32_t n_layers, const kvsift_cache_view* layers,
+    const kvsift_tensor* window_queries, size_t* out_bytes);
+KVSIFT_C_EXPORT kvsift_status kvsift_policy_compress_step(kvsift_policy* policy, int32_t n_layers,
+                                                          const kvsift_cache_view* layers,
+                                                          const kvsift_tensor* window_queries,
+                                                          void* workspace, size_t workspace_bytes,
+                                                          void* stream);
 
 /* ---------------------------------------------------------------------------------------------
  * Plans: for every (sequence b, KV head h) the sorted cache slots that survive. Every head of

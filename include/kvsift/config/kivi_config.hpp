@@ -1,6 +1,8 @@
 // KIVI's config (docs/algorithms.md §5.1). Eigen-free.
 #pragma once
 
+#include <cstdint>
+
 #include "kvsift/core/error.hpp"
 
 namespace kvsift {
@@ -24,6 +26,29 @@ struct KiviConfig {
     KVSIFT_CHECK(residual_length >= 1 && residual_length % group_size == 0,
                  "KiviConfig: residual_length (", residual_length,
                  ") must be a positive multiple of group_size (", group_size, ")");
+  }
+};
+
+// KIVI behind the cache-owning interface (policy/quantizers/kivi_policy.hpp): the model's geometry
+// (defaults: DeepSeek-R1-Distill-Qwen-7B, as ThinKV's) and one KiviConfig for every layer.
+struct KiviPolicyConfig {
+  std::int64_t batch = 1;
+  int num_layers = 28;
+  int kv_heads = 4;
+  int q_heads = 28;  // a multiple of kv_heads (grouped-query attention)
+  int head_dim = 128;
+  KiviConfig kivi;
+
+  void validate() const {
+    KVSIFT_CHECK(batch >= 1 && batch <= (std::int64_t{1} << 30),
+                 "KiviPolicyConfig: batch must be in [1, 2^30], got ", batch);
+    KVSIFT_CHECK(num_layers >= 1, "KiviPolicyConfig: num_layers must be >= 1, got ", num_layers);
+    KVSIFT_CHECK(kv_heads >= 1, "KiviPolicyConfig: kv_heads must be >= 1, got ", kv_heads);
+    KVSIFT_CHECK(q_heads >= 1 && q_heads % kv_heads == 0, "KiviPolicyConfig: q_heads (", q_heads,
+                 ") must be a positive multiple of kv_heads (", kv_heads, ")");
+    kivi.validate();
+    KVSIFT_CHECK(head_dim >= 1 && head_dim % kivi.group_size == 0, "KiviPolicyConfig: head_dim (",
+                 head_dim, ") must be a positive multiple of group_size (", kivi.group_size, ")");
   }
 };
 

@@ -59,4 +59,33 @@ struct PmkvqConfig {
   }
 };
 
+// PM-KVQ behind the cache-owning interface (policy/quantizers/pmkvq_policy.hpp): one stream per
+// (layer, sequence), each with its layer's budget (the reference runs one sequence). The stream
+// config carries kv_heads and head_dim; this adds the rest of the geometry (defaults:
+// DeepSeek-R1-Distill-Qwen-7B). kv_budget_mb has no default: the offline sensitivity allocation
+// (out of scope) produces it, one entry for every layer or one per layer.
+struct PmkvqPolicyConfig {
+  std::int64_t batch = 1;
+  int num_layers = 28;
+  int q_heads = 28;  // a multiple of pmkvq.kv_heads
+  PmkvqConfig pmkvq = [] {
+    PmkvqConfig c;
+    c.kv_heads = 4;
+    return c;
+  }();
+
+  void validate() const {
+    KVSIFT_CHECK(batch >= 1, "PmkvqPolicyConfig: batch must be >= 1, got ", batch);
+    KVSIFT_CHECK(num_layers >= 1, "PmkvqPolicyConfig: num_layers must be >= 1, got ", num_layers);
+    pmkvq.validate();
+    KVSIFT_CHECK(q_heads >= 1 && q_heads % pmkvq.kv_heads == 0, "PmkvqPolicyConfig: q_heads (",
+                 q_heads, ") must be a positive multiple of kv_heads (", pmkvq.kv_heads, ")");
+    KVSIFT_CHECK(pmkvq.kv_budget_mb.size() == 1 ||
+                     pmkvq.kv_budget_mb.size() == static_cast<std::size_t>(num_layers),
+                 "PmkvqPolicyConfig: kv_budget_mb holds ", pmkvq.kv_budget_mb.size(),
+                 " budgets; give one for every layer or one per layer (num_layers = ", num_layers,
+                 ")");
+  }
+};
+
 }  // namespace kvsift

@@ -13,7 +13,20 @@
 
 namespace kvsift {
 
+// Which method's strength rule the fields came from.
+enum class SteeringPreset {
+  skipkv,  // adaptive: α = α0 + γ·N_o (docs/algorithms.md §2.5)
+  seal,    // SEAL: constant α = α0, γ = 0 (docs/algorithms.md §5.5)
+};
+
+// The models the seeds steer, each with its steered layer, think-tag ids and paragraph breaks.
+enum class SteeringModel { r1_qwen_7b, r1_llama_8b, r1_qwen_14b };
+
 struct SteeringConfig {
+  // What the fields below were built from (SteeringConfig::from_preset); `seal` also makes
+  // validate() insist on γ = 0.
+  SteeringPreset preset = SteeringPreset::skipkv;
+  SteeringModel model = SteeringModel::r1_qwen_7b;
   int layer = 20;        // R1-Qwen-7B and R1-Llama-8B: 20; R1-Qwen-14B: 35
   float alpha0 = 1.25f;  // α0 (the paper's runs use 1.0 or 1.25)
   float gamma = 0.02f;   // γ: strength added per check sentence
@@ -42,16 +55,42 @@ struct SteeringConfig {
   static SteeringConfig r1_qwen_7b() { return SteeringConfig{}; }
   static SteeringConfig r1_qwen_14b() {
     SteeringConfig c;
+    c.model = SteeringModel::r1_qwen_14b;
     c.layer = 35;
     return c;
   }
   // The think-tag ids are the added tokens of DeepSeek-R1-Distill-Llama-8B's tokenizer.
   static SteeringConfig r1_llama_8b() {
     SteeringConfig c;
+    c.model = SteeringModel::r1_llama_8b;
     c.think_start = {128013};
     c.think_end = {128014};
     c.boundary = paragraph_break_ids_r1_llama();
     return c;
+  }
+  static SteeringConfig for_model(SteeringModel m) {
+    switch (m) {
+      case SteeringModel::r1_llama_8b:
+        return r1_llama_8b();
+      case SteeringModel::r1_qwen_14b:
+        return r1_qwen_14b();
+      case SteeringModel::r1_qwen_7b:
+        break;
+    }
+    return r1_qwen_7b();
+  }
+  // SEAL (docs/algorithms.md §5.5): the model's layer (20 for R1-Qwen-7B and R1-Llama-8B, 35 for
+  // R1-Qwen-14B), ids and gate, constant strength α = α0 = 1.0 (γ = 0). The SkipKV paper runs
+  // its SEAL baseline at α0 = 1 or 1.25 (kvsift's sign); 1.0 is our default, set alpha0 for 1.25.
+  static SteeringConfig seal(SteeringModel m) {
+    SteeringConfig c = for_model(m);
+    c.preset = SteeringPreset::seal;
+    c.alpha0 = 1.0f;
+    c.gamma = 0.0f;
+    return c;
+  }
+  static SteeringConfig from_preset(SteeringPreset p, SteeringModel m) {
+    return p == SteeringPreset::seal ? seal(m) : for_model(m);
   }
 
   void validate() const {
@@ -64,6 +103,9 @@ struct SteeringConfig {
     KVSIFT_CHECK(!boundary.empty(),
                  "SteeringConfig: boundary (the ids of tokens containing "
                  "\"\\n\\n\") is empty, so steering would never apply");
+    KVSIFT_CHECK(preset != SteeringPreset::seal || gamma == 0.0f,
+                 "SteeringConfig: preset seal has a constant strength, so gamma must be 0, got ",
+                 gamma);
     KVSIFT_CHECK(refresh_steps >= 0, "SteeringConfig: refresh_steps (", refresh_steps,
                  ") must be >= 0 (0: refresh only at compression triggers)");
     for (std::int32_t id : think_start) {
@@ -72,5 +114,10 @@ struct SteeringConfig {
     }
   }
 };
+
+// SEAL's steering for a model (docs/algorithms.md §5.5): SteeringConfig::seal(model).
+inline SteeringConfig seal_steering_config(SteeringModel model) {
+  return SteeringConfig::seal(model);
+}
 
 }  // namespace kvsift

@@ -6,7 +6,9 @@
 //                           compact_workspace_bytes(plan)).
 #pragma once
 
+#include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "kvsift/backend/device_backend.hpp"
 #include "kvsift/core/exec_context.hpp"
@@ -81,6 +83,60 @@ inline void compact(const KVCacheView& kv, const KeepPlan& plan, const ExecConte
 // Device scratch compact(kv, plan, ctx) needs: 0 for host views.
 inline std::size_t compact_workspace_bytes(const KVCacheView& kv, const KeepPlan& plan) {
   return kv.device() == Device::cpu ? 0 : device_backend().compact_workspace_bytes(plan);
+}
+
+// Applies plans[l] to layers[l] for every layer of one compression step. Layers may share one
+// valid_mask (it describes the sequence, not the layer): it is then compacted once, by the first
+// layer that uses it, which requires every sharing layer's plan to leave it the same content —
+// true whenever pads are never kept (every method's default). Everything, that included (the mask
+// staged to the host for device views), is checked before anything moves.
+//   layers  [n_layers] caches, one device;  plans  [n_layers], plans[l] made for layers[l]
+inline void compact_layers(const KVCacheView* layers, const KeepPlan* plans, int n_layers,
+                           const ExecContext& ctx) {
+  std::vector<int> mask_owner(static_cast<std::size_t>(n_layers), -1);
+  std::vector<std::uint8_t> staged;  // a device mask, read once
+  for (int l = 0; l < n_layers; ++l) {
+    const KVCacheView& kv = layers[l];
+    kv.validate();
+    plans[l].validate();
+    plans[l].check_matches(kv);
+    for (int f = 0; f < l && kv.valid_mask != nullptr; ++f)
+      if (layers[f].valid_mask == kv.valid_mask && mask_owner[f] < 0) {
+        mask_owner[l] = f;
+        break;
+      }
+    if (mask_owner[l] < 0) continue;
+    const int f = mask_owner[l];
+    const std::size_t mask_bytes = static_cast<std::size_t>(kv.batch() * kv.capacity());
+    const std::uint8_t* mask = kv.valid_mask;
+    if (kv.device() != Device::cpu) {
+      if (staged.empty()) {
+        staged.resize(mask_bytes);
+        device_backend().copy_to_host(staged.data(), kv.valid_mask, mask_bytes, ctx);
+      }
+      mask = staged.data();
+    }
+    const KeepPlan &mine = plans[l], &first = plans[f];
+    for (std::int64_t b = 0; b < kv.batch(); ++b) {
+      const std::uint8_t* m = mask + b * kv.capacity();
+      KVSIFT_CHECK(mine.kept_length(b) == first.kept_length(b), "compact_layers: layers ", f,
+                   " and ", l, " share a valid_mask but keep ", first.kept_length(b), " and ",
+                   mine.kept_length(b), " tokens of sequence ", b);
+      const std::int32_t* ref = first.row(b, 0);
+      for (std::int64_t h = 0; h < mine.kv_heads(); ++h) {
+        const std::int32_t* s = mine.row(b, h);
+        for (std::int64_t i = 0; i < mine.kept_length(b); ++i)
+          KVSIFT_CHECK(m[s[i]] == m[ref[i]], "compact_layers: layers ", f, " and ", l,
+                       " share a valid_mask but keep pads at different positions (sequence ", b,
+                       ", head ", h, ", kept slot ", i, "); give each layer its own mask");
+      }
+    }
+  }
+  for (int l = 0; l < n_layers; ++l) {
+    KVCacheView kv = layers[l];
+    if (mask_owner[static_cast<std::size_t>(l)] >= 0) kv.valid_mask = nullptr;  // done by its owner
+    compact(kv, plans[l], ctx);
+  }
 }
 
 }  // namespace kvsift

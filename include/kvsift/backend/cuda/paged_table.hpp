@@ -39,6 +39,12 @@ namespace kvsift::cuda {
 
 inline constexpr int kPagedThoughtTypes = 3;
 
+// Element type of the device staging rows (full-precision keys of 16-slot key groups not yet
+// quantized). The one switch for the staging dtype: the attention kernels read it through
+// to_float(), so making it bf16_t (16-bit staging, docs/algorithms.md §3.4) touches only the
+// append kernel's writes.
+using PagedStaging = float;
+
 // Device buffer sizes of one layer's mirror.
 struct PagedTableSizes {
   std::int32_t mask_words = 1;           // uint64 words per (block, head) mask
@@ -59,8 +65,8 @@ struct PagedTableMemory {
   std::uint8_t* storage = nullptr;      // [num_blocks, frame_stride] bytes
   std::uint64_t* free_masks = nullptr;  // [num_blocks, kv_heads, mask_words] bit set = slot free
   std::uint32_t* sealed = nullptr;      // [num_blocks, kv_heads] bit g = key slot group g quantized
-  float* staging_keys = nullptr;        // [max_sequences, 3 types, kv_heads, 16, head_dim]
-  float* global_factors = nullptr;      // [kv_heads] NVFP4 g per KV head (filled by initialize)
+  PagedStaging* staging_keys = nullptr;  // [max_sequences, 3 types, kv_heads, 16, head_dim]
+  float* global_factors = nullptr;       // [kv_heads] NVFP4 g per KV head (filled by initialize)
 };
 
 // Settings of the split-KV (flash-decoding) attention launch.
@@ -69,10 +75,18 @@ struct DecodeAttentionConfig {
   // threads uses ~38 KB of shared memory at head_dim 128, GQA group 4, so 4-5 fit per SM). The
   // 32-slot tiles of a sequence are cut into ceil(tiles · kv_heads / target_ctas) tiles per split.
   std::int32_t target_ctas = 528;
+  // Split-sequence kernels only: each warp walks at least this many 32-slot tiles. 1 lets short
+  // sequences spread over as many warps as target_ctas allows (they are latency-bound); long ones
+  // get ceil(tiles / (4 · target_ctas)) per warp anyway. Raise it to trade parallelism for fewer
+  // partials (G · head_dim floats per warp, written once and read back by the merge).
+  std::int32_t min_tiles_per_warp = 1;
 
   void validate() const {
     KVSIFT_CHECK(target_ctas >= 1, "DecodeAttentionConfig: target_ctas must be >= 1, got ",
                  target_ctas);
+    KVSIFT_CHECK(min_tiles_per_warp >= 1,
+                 "DecodeAttentionConfig: min_tiles_per_warp must be >= 1, got ",
+                 min_tiles_per_warp);
   }
 };
 
@@ -203,10 +217,11 @@ class DevicePagedTable {
 // Decode attention of one query token over a sequence of the device table (§3.4): per query head
 // (GQA: KV head q / (q_heads / kv_heads)), over all blocks, evicted and never-written slots
 // skipped through the mask, each block dequantized by its own format, staged key rows read from
-// the staging buffer, online softmax split over tiles of 32 slots (flash-decoding) and merged.
-// A KV head with no live slot gives zero outputs (as the CPU reference).
+// the staging buffer. A KV head with no live slot gives zero outputs (as the CPU reference).
 //   query  device [q_heads, head_dim] f32; out device [q_heads, head_dim] f32
 // head_dim must be <= 256 here. Requires no pending append on `table`.
+// Runs the split-sequence tensor-core kernel (paged_decode_attention_batch) when it applies
+// (GQA group <= 8, head_dim 16/32/64/128/256, no f32 block), the tiled kernel otherwise.
 std::size_t paged_decode_attention_workspace_bytes(const DevicePagedTable& table, std::int32_t seq,
                                                    std::int64_t q_heads,
                                                    const DecodeAttentionConfig& cfg = {});
@@ -214,6 +229,64 @@ void paged_decode_attention(const DevicePagedTable& table, std::int32_t seq, con
                             std::int64_t q_heads, std::int64_t head_dim, float softmax_scale,
                             float* out, void* workspace, std::size_t workspace_bytes,
                             cudaStream_t stream, const DecodeAttentionConfig& cfg = {});
+
+// The first kernel (kept as the fallback and as the benchmark's "old" column): CTA (KV head,
+// split) dequantizes 32-slot tiles into shared memory in fp32 and runs the online softmax with
+// block-wide barriers per tile. Same contract as paged_decode_attention.
+std::size_t paged_decode_attention_tiled_workspace_bytes(const DevicePagedTable& table,
+                                                         std::int32_t seq, std::int64_t q_heads,
+                                                         const DecodeAttentionConfig& cfg = {});
+void paged_decode_attention_tiled(const DevicePagedTable& table, std::int32_t seq,
+                                  const float* query, std::int64_t q_heads, std::int64_t head_dim,
+                                  float softmax_scale, float* out, void* workspace,
+                                  std::size_t workspace_bytes, cudaStream_t stream,
+                                  const DecodeAttentionConfig& cfg = {});
+
+// --- batched split-sequence decode attention ---------------------------------------------------
+// The page tables of a batch of sequences in device memory (upload_paged_batch). They stay valid
+// while no sequence of the batch gains or loses a block (appends into existing blocks, evictions
+// and staging are read live), so an engine uploads once per new block, not once per step.
+struct PagedBatch {
+  const std::int32_t* frames = nullptr;       // [total_blocks] pool frame, sequence after sequence
+  const std::int32_t* meta = nullptr;         // [total_blocks] format | thought type << 4
+  const std::int32_t* block_begin = nullptr;  // [batch + 1] first block of each sequence
+  const std::int32_t* seq_ids = nullptr;      // [batch] sequence id (its staging rows)
+  std::int32_t batch = 0;
+  std::int32_t max_blocks = 0;             // longest sequence, in blocks
+  std::int64_t total_blocks = 0;           // Σ blocks
+  bool has_f32_blocks = false;             // blocks the split kernel does not take (f32, FP8)
+  std::vector<std::int32_t> host_seq_ids;  // for the per-sequence fallback
+};
+std::size_t paged_batch_bytes(const DevicePagedTable& table, const std::int32_t* seqs,  // [batch]
+                              std::int32_t batch);
+// Copies the page tables of `seqs` into `workspace` (enqueued on `stream`; the host side may be
+// freed at return). Requires no pending append.
+PagedBatch upload_paged_batch(const DevicePagedTable& table, const std::int32_t* seqs,  // [batch]
+                              std::int32_t batch, void* workspace, std::size_t workspace_bytes,
+                              cudaStream_t stream);
+
+// Whether paged_decode_attention_batch runs the split kernel for this shape (otherwise it runs
+// the tiled kernel once per sequence).
+bool paged_split_kernel_applies(const DevicePagedTable& table, const PagedBatch& batch,
+                                std::int64_t q_heads);
+
+// Flash-decoding over the paged table: the grid is (splits, KV heads, batch) with 4 warps per
+// CTA; every warp walks its own run of 32-slot tiles (interleaved with its CTA's other warps),
+// dequantizes each tile's codes into fp16/bf16 in registers and then its own shared-memory tile
+// (no dequantized copy in global memory), computes the logits of all query heads of the GQA
+// group at once with tensor-core MMAs (the KV head's tile is read once for the whole group),
+// folds them into its online softmax and writes one partial (max, sum, acc); a second kernel
+// merges the partials. Staged key rows are read in fp32 from the staging buffer.
+//   query  device [batch, q_heads, head_dim] f32; out device [batch, q_heads, head_dim] f32
+std::size_t paged_decode_attention_batch_workspace_bytes(const DevicePagedTable& table,
+                                                         const PagedBatch& batch,
+                                                         std::int64_t q_heads,
+                                                         const DecodeAttentionConfig& cfg = {});
+void paged_decode_attention_batch(const DevicePagedTable& table, const PagedBatch& batch,
+                                  const float* query, std::int64_t q_heads, std::int64_t head_dim,
+                                  float softmax_scale, float* out, void* workspace,
+                                  std::size_t workspace_bytes, cudaStream_t stream,
+                                  const DecodeAttentionConfig& cfg = {});
 
 // The same kernel over a dense bf16 cache (the baseline the CT table is measured against):
 //   keys, values device [kv_heads, tokens, head_dim] bf16; query [q_heads, head_dim] f32;
@@ -226,5 +299,22 @@ void dense_decode_attention_bf16(const bf16_t* keys, const bf16_t* values, std::
                                  std::int64_t head_dim, float softmax_scale, float* out,
                                  void* workspace, std::size_t workspace_bytes, cudaStream_t stream,
                                  const DecodeAttentionConfig& cfg = {});
+
+// The split-sequence tensor-core design over dense bf16 caches of equal length: the baseline the
+// paged kernel is benchmarked against (a fair one: split along the sequence, the GQA group served
+// by one read of each K/V tile, cp.async copies, tensor-core MMAs; it only skips the paging and
+// the dequantization). GQA group <= 8, head_dim 16/32/64/128/256.
+//   keys, values device [batch, kv_heads, tokens, head_dim] bf16, 16-byte aligned
+//   query device [batch, q_heads, head_dim] f32; out device [batch, q_heads, head_dim] f32
+std::size_t dense_split_decode_attention_workspace_bytes(std::int64_t batch, std::int64_t kv_heads,
+                                                         std::int64_t tokens, std::int64_t q_heads,
+                                                         std::int64_t head_dim,
+                                                         const DecodeAttentionConfig& cfg = {});
+void dense_split_decode_attention_bf16(const bf16_t* keys, const bf16_t* values, std::int64_t batch,
+                                       std::int64_t kv_heads, std::int64_t tokens,
+                                       const float* query, std::int64_t q_heads,
+                                       std::int64_t head_dim, float softmax_scale, float* out,
+                                       void* workspace, std::size_t workspace_bytes,
+                                       cudaStream_t stream, const DecodeAttentionConfig& cfg = {});
 
 }  // namespace kvsift::cuda

@@ -43,6 +43,21 @@ class RKV final : public Policy {
     return device_backend().rkv_workspace_bytes(in.kv, in.window_queries, cfg_);
   }
 
+  // Device views whose layers share one mask (or none), at most 128 layers: every layer in one
+  // launch sequence, the kept rows never leave the GPU. Otherwise layer by layer.
+  std::size_t step_workspace_bytes(const KVCacheView* layers, const TensorView* queries,
+                                   int n_layers) const override {
+    if (!one_device_step(layers, queries, n_layers))
+      return Policy::step_workspace_bytes(layers, queries, n_layers);
+    return device_backend().rkv_step_workspace_bytes(layers, queries, n_layers, cfg_);
+  }
+  void compress_step(const KVCacheView* layers, const TensorView* queries, int n_layers,
+                     const ExecContext& ctx) override {
+    if (!one_device_step(layers, queries, n_layers))
+      return Policy::compress_step(layers, queries, n_layers, ctx);
+    device_backend().rkv_compress_step(layers, queries, n_layers, cfg_, ctx);
+  }
+
   KeepPlan select(const StepInputs& in, const ExecContext& ctx) override {
     if (in.kv.device() != Device::cpu)
       return device_backend().rkv_select(in.kv, in.window_queries, cfg_, ctx);
@@ -52,6 +67,14 @@ class RKV final : public Policy {
   }
 
  private:
+  static bool one_device_step(const KVCacheView* layers, const TensorView* queries, int n_layers) {
+    check_step_args(layers, queries, n_layers);
+    if (layers[0].device() == Device::cpu || n_layers > 128) return false;
+    for (int l = 1; l < n_layers; ++l)
+      if (layers[l].valid_mask != layers[0].valid_mask) return false;
+    return true;
+  }
+
   RKVConfig cfg_;
 };
 

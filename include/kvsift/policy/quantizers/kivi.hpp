@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "kvsift/backend/cpu/dense_attention.hpp"
 #include "kvsift/config/kivi_config.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/quant/asymmetric_group.hpp"
@@ -114,7 +115,7 @@ class KiviStream {
   }
 
   // softmax(q·[K̂q; K_full]ᵀ/√D)·[V̂q; V_full] in fp32 (double accumulation); query head h reads
-  // KV head h / (q_heads / kv_heads).
+  // KV head h / (q_heads / kv_heads). Each KV head is dequantized once for its query group.
   void attend(const float* q,  // [batch, q_heads, head_dim]
               int q_heads,
               float* out) const {  // [batch, q_heads, head_dim]
@@ -122,27 +123,12 @@ class KiviStream {
                  ") must be a multiple of kv_heads (", kv_heads_, ")");
     const int group = q_heads / kv_heads_;
     for (int b = 0; b < batch_; ++b)
-      for (int hq = 0; hq < q_heads; ++hq) {
-        const KiviHeadState& s = heads_[index(b, hq / group)];
+      for (int h = 0; h < kv_heads_; ++h) {
+        const KiviHeadState& s = heads_[index(b, h)];
         const std::vector<float> K = dequantized_keys(s), V = dequantized_values(s);
-        const float* qq = q + (static_cast<std::size_t>(b) * q_heads + hq) * dim_;
-        float* o = out + (static_cast<std::size_t>(b) * q_heads + hq) * dim_;
-        const std::size_t n = K.size() / dim_;
-        std::vector<double> score(n);
-        double mx = -INFINITY;
-        for (std::size_t t = 0; t < n; ++t) {
-          double acc = 0.0;
-          for (int d = 0; d < dim_; ++d) acc += double(qq[d]) * K[t * dim_ + d];
-          score[t] = acc / std::sqrt(double(dim_));
-          mx = std::fmax(mx, score[t]);
-        }
-        double z = 0.0;
-        for (double& x : score) z += (x = std::exp(x - mx));
-        for (int d = 0; d < dim_; ++d) {
-          double acc = 0.0;
-          for (std::size_t t = 0; t < n; ++t) acc += score[t] * V[t * dim_ + d];
-          o[d] = static_cast<float>(acc / z);
-        }
+        const std::size_t first = (static_cast<std::size_t>(b) * q_heads + h * group) * dim_;
+        dense_decode_attention(q + first, group, K.data(), V.data(),
+                               static_cast<std::int64_t>(K.size()) / dim_, dim_, out + first);
       }
   }
 

@@ -79,20 +79,27 @@ class PmkvqStreamBase {
   // window (16 bit) and body (n bit), keys and values; in library mode also one scale and one
   // zero point per group (bf16 for the real ordering, fp32 for the fake one).
   std::int64_t memory_bytes(const pmkvq_detail::Counts& c, int n) const {
+    return bytes_of(c, n, !cfg_.reference_exact);
+  }
+  std::int64_t memory_bytes() const { return memory_bytes(counts_, n_bits_); }
+  // What the layer's storage holds in either mode: codes plus every scale and zero point (the
+  // reference_exact budget rule leaves the parameters out; the storage still has them).
+  std::int64_t storage_bytes() const { return bytes_of(counts_, n_bits_, true); }
+
+ protected:
+  std::int64_t bytes_of(const pmkvq_detail::Counts& c, int n, bool with_params) const {
     const std::int64_t groups = cfg_.head_dim / cfg_.group_size;
     const std::int64_t w16 = groups * pmkvq::packed_words(cfg_.group_size, 16);
     const std::int64_t wn = groups * pmkvq::packed_words(cfg_.group_size, n);
     std::int64_t words = (c.sink + c.window) * w16 + c.body * wn;
     std::int64_t bytes = 2 * 2 * cfg_.kv_heads * words;  // 2 bytes a word; keys and values
-    if (!cfg_.reference_exact) {
+    if (with_params) {
       const std::int64_t param = cfg_.backend == PmkvqBackend::real ? 2 : 4;
       bytes += 2 * cfg_.kv_heads * (c.sink + c.window + c.body) * groups * 2 * param;
     }
     return bytes;
   }
-  std::int64_t memory_bytes() const { return memory_bytes(counts_, n_bits_); }
 
- protected:
   // What every update does first: checks u and src_seq, the counts after appending u tokens, the
   // memory they would take at the current width and whether the reference would raise there
   // (raising now in reference_exact mode, before anything changes).

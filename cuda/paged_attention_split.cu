@@ -1,0 +1,1138 @@
+// Split-sequence (flash-decoding) decode attention over the device Continuous Thinking table
+// (docs/algorithms.md §3.4), with dequantization fused into the tensor-core MMAs.
+//
+// Grid (splits, KV heads, batch), 4 warps per CTA, and no block-wide barrier after the setup:
+// each warp is its own split. Warp w of CTA split s walks the 32-slot tiles s·4·T + w + 4·i,
+// i < T (T = tiles per warp, interleaved so the CTA's four warps read neighbouring blocks).
+// Per tile the warp
+//   1. issues all loads of the tile's codes and scales at once (registers),
+//   2. decodes them into 16-bit values in its own shared-memory tiles: keys channel-major
+//      (sK [head_dim][40]), values slot-major (sV [32][head_dim + 8]),
+//   3. computes S = Q·Kᵀ for the whole GQA group with mma.m16n8k16 (rows 0-7: the query heads'
+//      high halves, rows 8-15: their low halves, so the query is represented to ~2^-22),
+//   4. runs the online softmax per query head in registers (4 lanes per head),
+//   5. accumulates O += P·V with P again split into high and low halves.
+// Finally it writes one partial (max, sum, acc) per query head; merge_partials_kernel combines
+// them. Reading each KV tile once for all G query heads is what makes GQA cheap.
+//
+// Exactness of the 16-bit operands (why the MMAs lose nothing on the K/V side):
+//   - NVFP4: code (E2M1, 2 significant bits) × block scale (E4M3, 4 bits) has ≤ 6 significant
+//     bits and is a multiple of 2^-10, so code · scale · 2^-14 is an exact fp16 number (normal or
+//     subnormal). The bit trick below produces code · 2^-14 directly; the factor 2^14 / g (g the
+//     NVFP4 global factor) is applied to the fp32 logits and folded into P.
+//   - ternary: ±1 × E4M3 α is exact in fp16.
+//   - FP8: E4M3 code × 2^k (E8M0) is exact in bf16 (same exponent range as fp32), so FP8 tiles
+//     use bf16 MMAs; the query and P have bf16 high/low halves too.
+//   - staged key rows (16-slot key groups not yet quantized) are not 16-bit numbers: their logits
+//     are recomputed in fp32 from the staging buffer and replace the MMA's.
+// Evicted and never-written slots get weight exactly 0, and their value rows are written as zeros
+// so that stale codes (possibly NaN) never meet a zero weight in the MMA.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "kvsift/backend/cuda/check.hpp"
+#include "kvsift/backend/cuda/paged_table.hpp"
+#include "kvsift/backend/cuda/workspace.hpp"
+#include "kvsift/quant/e8m0.hpp"
+#include "mma.cuh"
+
+namespace kvsift::cuda {
+namespace {
+
+using detail::PagedHeadLayout;
+using detail::PagedLayouts;
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kTileSlots = 32;
+constexpr int kMaxGroup = 8;                         // query heads per KV head (MMA rows 0-7)
+constexpr int kKPitch = 40;                          // sK row pitch in halves (conflict-free)
+constexpr std::size_t kMaxSharedBytes = 227 * 1024;  // Hopper's per-block opt-in limit
+constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+
+// Meta word of a block, as uploaded: BlockFormat | thought type << 4.
+constexpr int kFormatNvfp4 = static_cast<int>(BlockFormat::nvfp4);
+constexpr int kFormatFp8 = static_cast<int>(BlockFormat::fp8);
+
+// Four 8×8 b16 matrices from shared memory, transposed: lane l supplies the row address of matrix
+// l / 8 and receives, of each matrix M, M[2(l%4)][l/4] (low half) and M[2(l%4)+1][l/4] (high):
+// the B fragment of mma.m16n8k16 when the operand is stored k-major ([k][n]).
+__device__ __forceinline__ void ldmatrix_x4_trans(std::uint32_t (&r)[4], const void* smem) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// Asks L2 to fetch the 128-byte line holding `p` (no register is held for it).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+}
+
+__device__ __forceinline__ std::uint32_t h2_bits(__half2 h) {
+  return *reinterpret_cast<const std::uint32_t*>(&h);
+}
+__device__ __forceinline__ __half2 bits_h2(std::uint32_t u) {
+  return *reinterpret_cast<const __half2*>(&u);
+}
+__device__ __forceinline__ std::uint32_t b2_bits(__nv_bfloat162 h) {
+  return *reinterpret_cast<const std::uint32_t*>(&h);
+}
+
+// x split into a 16-bit high part and the 16-bit rounding of the remainder (x − hi exact in
+// fp32): hi + lo carries ~22 significant bits.
+template <bool kBf16>
+__device__ __forceinline__ void split16(float x0, float x1, std::uint32_t& hi, std::uint32_t& lo) {
+  if constexpr (kBf16) {
+    const __nv_bfloat16 h0 = __float2bfloat16_rn(x0), h1 = __float2bfloat16_rn(x1);
+    hi = b2_bits(__halves2bfloat162(h0, h1));
+    lo = b2_bits(__floats2bfloat162_rn(x0 - __bfloat162float(h0), x1 - __bfloat162float(h1)));
+  } else {
+    const __half h0 = __float2half_rn(x0), h1 = __float2half_rn(x1);
+    hi = h2_bits(__halves2half2(h0, h1));
+    lo = h2_bits(__floats2half2_rn(x0 - __half2float(h0), x1 - __half2float(h1)));
+  }
+}
+
+// --- group decoders: 16 codes of one group -> 8 words of packed 16-bit values, element 2i in the
+// low half of out[i] (natural order). ---------------------------------------------------------
+
+// NVFP4: E2M1 nibbles (element 2i in the low nibble of byte i) -> fp16 code · scale · 2^-14.
+// Nibble s|e1 e0|m moved to bits 15..12 of a half becomes, with the e/m bits shifted right by 3,
+// the fp16 number 2^(e−15)(1 + m/2) (e > 0) or m · 2^-15 (e = 0): the E2M1 value times 2^-14.
+__device__ __forceinline__ void decode_nvfp4(uint2 codes, std::uint8_t scale_code,
+                                             std::uint32_t (&out)[8]) {
+  const __half2 s = __half2half2(__half(__nv_cvt_fp8_to_halfraw(scale_code, __NV_E4M3)));
+  const std::uint32_t words[2] = {codes.x, codes.y};
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+    std::uint32_t h[4];  // h[k]: elements (k, k + 4) of this word's 8
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const std::uint32_t q = words[w] << (12 - 4 * k);
+      const std::uint32_t bits = (q & 0x80008000u) | ((q & 0x70007000u) >> 3);
+      h[k] = h2_bits(__hmul2(bits_h2(bits), s));  // exact: see the file comment
+    }
+    out[4 * w + 0] = __byte_perm(h[0], h[1], 0x5410);  // (0, 1)
+    out[4 * w + 1] = __byte_perm(h[2], h[3], 0x5410);  // (2, 3)
+    out[4 * w + 2] = __byte_perm(h[0], h[1], 0x7632);  // (4, 5)
+    out[4 * w + 3] = __byte_perm(h[2], h[3], 0x7632);  // (6, 7)
+  }
+}
+
+// Ternary: 2-bit two's complement codes (element i at bits 2i) -> fp16 ±α. Flipping each code's
+// high bit gives c + 2 in [1, 3]; or-ed into the mantissa of 1024.0 it is 1024 + c + 2 exactly,
+// and subtracting 1026 leaves c. (The invalid code 10 would decode as −2α here and as 0 on the
+// CPU; no encoder writes it, and never-written slots are masked.)
+__device__ __forceinline__ void decode_ternary(std::uint32_t codes, std::uint8_t scale_code,
+                                               std::uint32_t (&out)[8]) {
+  const __half2 s = __half2half2(__half(__nv_cvt_fp8_to_halfraw(scale_code, __NV_E4M3)));
+  const __half2 bias = __float2half2_rn(1026.0f);
+  const std::uint32_t x = codes ^ 0xaaaaaaaau;
+  std::uint32_t h[8];  // h[k]: elements (k, k + 8)
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const std::uint32_t bits = ((x >> (2 * k)) & 0x00030003u) | 0x64006400u;
+    h[k] = h2_bits(__hmul2(__hsub2(bits_h2(bits), bias), s));
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    out[j] = __byte_perm(h[2 * j], h[2 * j + 1], 0x5410);      // (2j, 2j + 1)
+    out[4 + j] = __byte_perm(h[2 * j], h[2 * j + 1], 0x7632);  // (8 + 2j, 9 + 2j)
+  }
+}
+
+// FP8: E4M3 codes (one byte each) times the E8M0 power of two -> bf16, exact.
+__device__ __forceinline__ void decode_fp8(uint4 codes, std::uint8_t scale_code,
+                                           std::uint32_t (&out)[8]) {
+  const float s = e8m0_to_float(scale_code);
+  const std::uint32_t words[4] = {codes.x, codes.y, codes.z, codes.w};
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(
+          static_cast<__nv_fp8x2_storage_t>((words[w] >> (16 * half)) & 0xffffu), __NV_E4M3);
+      const float2 f = __half22float2(__half2(raw));
+      out[2 * w + half] = b2_bits(__floats2bfloat162_rn(f.x * s, f.y * s));
+    }
+  }
+}
+
+__device__ __forceinline__ uint4 load_group(const std::uint8_t* p, int format) {
+  uint4 r = make_uint4(0, 0, 0, 0);
+  if (format == kFormatFp8) {
+    r = __ldg(reinterpret_cast<const uint4*>(p));
+  } else if (format == kFormatNvfp4) {
+    const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+    r.x = v.x;
+    r.y = v.y;
+  } else {
+    r.x = __ldg(reinterpret_cast<const unsigned*>(p));
+  }
+  return r;
+}
+
+__device__ __forceinline__ void decode_group(uint4 codes, std::uint8_t scale, int format,
+                                             std::uint32_t (&out)[8]) {
+  if (format == kFormatFp8) {
+    decode_fp8(codes, scale, out);
+  } else if (format == kFormatNvfp4) {
+    decode_nvfp4(make_uint2(codes.x, codes.y), scale, out);
+  } else {
+    decode_ternary(codes.x, scale, out);
+  }
+}
+
+// Steps 4-5 of a tile, shared by the paged and the dense kernel. x2: this lane's logits in log2
+// units (−inf: dead slot) at slots nt·8 + 2t + j of MMA row g = lane / 4, tmax their maximum.
+// Updates the running max m2, sum l and accumulator acc (C fragments of P·V: rows g and g + 8
+// hold P_hi·V and P_lo·V). vfac scales P into the units of sV's values (see the file comment).
+template <int D>
+__device__ __forceinline__ void softmax_pv_tile(const float (&x2)[4][2], float tmax, int n, bool bf,
+                                                float vfac,
+                                                const __half* sV,  // [32][D + 8]
+                                                bool real_head, int lane, float& m2, float& l,
+                                                float (&acc)[D / 8][4]) {
+  constexpr int kVPitch = D + 8;
+  tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
+  tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 2));
+  const float m_new = fmaxf(m2, tmax);  // finite: the tile has a live slot
+  const float r = exp2f(m2 - m_new);    // 0 on the first live tile (m2 = −inf)
+  float psum = 0.0f, p[4][2];
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const float e = x2[nt][j] == -INFINITY ? 0.0f : exp2f(x2[nt][j] - m_new);
+      p[nt][j] = real_head ? e : 0.0f;
+      psum += p[nt][j];
+    }
+  }
+  psum += __shfl_xor_sync(0xffffffffu, psum, 1);
+  psum += __shfl_xor_sync(0xffffffffu, psum, 2);
+  l = l * r + psum;
+  m2 = m_new;
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) {
+    acc[i][0] *= r;
+    acc[i][1] *= r;
+    acc[i][2] *= r;
+    acc[i][3] *= r;
+  }
+  // O += P·V: A = P (rows g: high halves, g + 8: low halves), k-step ks = slots ks·16 .. + 15.
+  const int lrow = (lane & 7) + 8 * ((lane >> 3) & 1), lcol = 8 * (lane >> 4);
+#pragma unroll
+  for (int ks = 0; ks < 2; ++ks) {
+    if (ks * 16 >= n) break;
+    std::uint32_t pa[4];
+    if (bf) {
+      split16<true>(p[2 * ks][0] * vfac, p[2 * ks][1] * vfac, pa[0], pa[1]);
+      split16<true>(p[2 * ks + 1][0] * vfac, p[2 * ks + 1][1] * vfac, pa[2], pa[3]);
+    } else {
+      split16<false>(p[2 * ks][0] * vfac, p[2 * ks][1] * vfac, pa[0], pa[1]);
+      split16<false>(p[2 * ks + 1][0] * vfac, p[2 * ks + 1][1] * vfac, pa[2], pa[3]);
+    }
+#pragma unroll
+    for (int cp = 0; cp < D / 16; ++cp) {
+      std::uint32_t bv[4];
+      ldmatrix_x4_trans(bv, sV + (ks * 16 + lrow) * kVPitch + cp * 16 + lcol);
+      if (bf) {
+        detail::mma_16816<detail::Half16::bf16>(acc[2 * cp], pa, bv[0], bv[1]);
+        detail::mma_16816<detail::Half16::bf16>(acc[2 * cp + 1], pa, bv[2], bv[3]);
+      } else {
+        detail::mma_16816<detail::Half16::f16>(acc[2 * cp], pa, bv[0], bv[1]);
+        detail::mma_16816<detail::Half16::f16>(acc[2 * cp + 1], pa, bv[2], bv[3]);
+      }
+    }
+  }
+}
+
+// One warp's partial: rows [row0, row0 + G) of part_acc [.., D] and part_ml [.., 2]. acc · inv
+// is in value units; a head without a live slot writes (−inf, 0) and no acc.
+template <int D>
+__device__ __forceinline__ void write_partial(float* part_acc, float* part_ml, std::int64_t row0,
+                                              int g, int G, int t, float inv, float m2, float l,
+                                              const float (&acc)[D / 8][4]) {
+  if (g >= G) return;
+  const std::int64_t row = row0 + g;
+  if (l > 0.0f) {
+    float* dst = part_acc + row * D;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      const float2 o = make_float2((acc[i][0] + acc[i][2]) * inv, (acc[i][1] + acc[i][3]) * inv);
+      *reinterpret_cast<float2*>(dst + i * 8 + 2 * t) = o;
+    }
+  }
+  if (t == 0) {
+    part_ml[row * 2] = l > 0.0f ? m2 * kLn2 : -INFINITY;
+    part_ml[row * 2 + 1] = l;
+  }
+}
+
+// The query of one KV head's group as MMA A fragments (rows g: high halves, g + 8: low halves,
+// per head scaled by a power of two sQs[g] so that the 16-bit halves neither overflow nor lose
+// bits to subnormals), fp16 at sQa[0 .. D/16·32), bf16 after. All threads of the CTA call this.
+template <int D>
+__device__ void setup_query(const float* q,  // [G, D]
+                            int G, float* sQf, float* sQs, uint4* sQa) {
+  constexpr int kChunks = D / 16;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int i = threadIdx.x; i < G * D; i += kThreads) sQf[i] = q[i];
+  __syncthreads();
+  for (int g = warp; g < kMaxGroup; g += kWarps) {
+    float mx = 0.0f;
+    if (g < G) {
+      for (int c = lane; c < D; c += 32) mx = fmaxf(mx, fabsf(sQf[g * D + c]));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    if (lane == 0) {
+      int e = 0;
+      if (mx > 0.0f && isfinite(mx)) frexpf(mx, &e);  // mx < 2^e
+      sQs[g] = ldexpf(1.0f, 13 - e);                  // scaled max < 2^13
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < kChunks * 32; idx += kThreads) {
+    const int kc = idx / 32, l = idx % 32, g = l / 4, t = l % 4;
+    float x[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // channels kc·16 + 2t + {0, 1, 8, 9}
+    if (g < G) {
+      const float s = sQs[g];
+      const float* qg = sQf + g * D + kc * 16 + 2 * t;
+      x[0] = qg[0] * s;
+      x[1] = qg[1] * s;
+      x[2] = qg[8] * s;
+      x[3] = qg[9] * s;
+    }
+    uint4 f16, bf16;
+    split16<false>(x[0], x[1], f16.x, f16.y);  // a0: row g (hi), a1: row g + 8 (lo)
+    split16<false>(x[2], x[3], f16.z, f16.w);  // a2, a3: the same, columns + 8
+    split16<true>(x[0], x[1], bf16.x, bf16.y);
+    split16<true>(x[2], x[3], bf16.z, bf16.w);
+    sQa[kc * 32 + l] = f16;
+    sQa[(kChunks + kc) * 32 + l] = bf16;
+  }
+  __syncthreads();
+}
+
+struct SplitArgs {
+  const std::uint8_t* storage;  // [num_blocks, frame_stride]
+  std::int64_t frame_stride;
+  const std::uint64_t* masks;       // [num_blocks, kv_heads, mask_words]
+  const std::uint32_t* sealed;      // [num_blocks, kv_heads]
+  const PagedStaging* staging;      // [max_sequences, 3, kv_heads, 16, D]
+  const float* global_factors;      // [kv_heads]
+  const std::int32_t* frames;       // [total_blocks]
+  const std::int32_t* meta;         // [total_blocks]
+  const std::int32_t* block_begin;  // [batch + 1]
+  const std::int32_t* seq_ids;      // [batch]
+  PagedLayouts layouts;
+  int kv_heads, block_size, mask_words, tiles_per_block, group, tiles_per_warp, parts;
+  float softmax_scale;
+  const float* query;  // [batch, kv_heads · group, D]
+  float* part_acc;     // [batch, kv_heads, parts, group, D]
+  float* part_ml;      // [batch, kv_heads, parts, group, 2]: max (natural log units), sum
+};
+
+template <int D>
+constexpr std::size_t split_shared_bytes(int group) {
+  return static_cast<std::size_t>(2 * (D / 16) * 32) * 16 +         // sQa: 2 types
+         static_cast<std::size_t>(group) * D * 4 + kMaxGroup * 4 +  // sQf, sQs
+         static_cast<std::size_t>(kWarps) *                         //
+             (static_cast<std::size_t>(D) * kKPitch * 2 +           // sK
+              static_cast<std::size_t>(kTileSlots) * (D + 8) * 2);  // sV
+}
+
+template <int D>
+__global__ void __launch_bounds__(kThreads, 2) split_decode_kernel(SplitArgs a) {
+  static_assert(D % 16 == 0 && D >= 16 && D <= 256, "head_dim");
+  constexpr int kChunks = D / 16;             // 16-channel MMA k-steps of Q·Kᵀ
+  constexpr int kAccTiles = D / 8;            // 8-channel n-tiles of P·V
+  constexpr int kGroupsPerLane = 2 * D / 32;  // key (and value) groups of a full tile per lane
+  constexpr int kBatchGroups = kGroupsPerLane < 8 ? kGroupsPerLane : 8;  // loads in flight
+  constexpr int kVPitch = D + 8;
+
+  extern __shared__ __align__(16) std::uint8_t smem[];
+  uint4* sQa = reinterpret_cast<uint4*>(smem);  // [2 (f16, bf16)][kChunks][32 lanes] A fragments
+  float* sQf = reinterpret_cast<float*>(sQa + 2 * kChunks * 32);  // [G, D] the query, fp32
+  float* sQs = sQf + a.group * D;                                 // [kMaxGroup] 2^e per head
+  __half* sKall = reinterpret_cast<__half*>(sQs + kMaxGroup);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __half* sK = sKall + static_cast<std::size_t>(warp) * (D * kKPitch + kTileSlots * kVPitch);
+  __half* sV = sK + D * kKPitch;  // [32 slots][kVPitch]
+
+  const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z, G = a.group;
+  const int H = a.kv_heads;
+  const float* q = a.query + (static_cast<std::int64_t>(b) * H + h) * G * D;
+
+  setup_query<D>(q, G, sQf, sQs, sQa);
+
+  // --- this warp's run of tiles -----------------------------------------------------------------
+  const int g = lane / 4, t = lane % 4;  // MMA row (query head) and column pair of this lane
+  const int begin = a.block_begin[b];
+  const int units = (a.block_begin[b + 1] - begin) * a.tiles_per_block;
+  const std::int64_t seq = a.seq_ids[b];
+  const float gf = a.global_factors[h];
+  const float conv_nvfp4 = 16384.0f / gf;  // NVFP4 16-bit value × this = dequantized value
+  int pe = 0;
+  frexpf(fmaxf(conv_nvfp4, 1.0f), &pe);
+  const float pexp = ldexpf(1.0f, 15 - pe);  // P' = p · conv · pexp < 2^15 for every format
+  const float qinv = g < G ? 1.0f / sQs[g] : 0.0f;
+  const float* qrow = sQf + (g < G ? g : 0) * D;
+
+  float m2 = -INFINITY, l = 0.0f;  // running max (log2 units) and sum of this lane's head
+  float acc[kAccTiles][4];
+#pragma unroll
+  for (int i = 0; i < kAccTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+
+  const int u_first = split * kWarps * a.tiles_per_warp + warp;
+  for (int it = 0; it < a.tiles_per_warp; ++it) {
+    const int u = u_first + it * kWarps;
+    if (u >= units) break;
+    const int blk = begin + u / a.tiles_per_block, start = (u % a.tiles_per_block) * kTileSlots;
+    const int n = min(kTileSlots, a.block_size - start);  // 16 or 32 (block_size % 16 == 0)
+    const std::int64_t frame = a.frames[blk];
+    const std::uint64_t word =
+        a.masks[(frame * H + h) * a.mask_words + start / 64];  // free bit = 1
+    const unsigned live =
+        ~static_cast<unsigned>(word >> (start % 64)) & (n == 32 ? 0xffffffffu : 0xffffu);
+    if (live == 0) continue;  // the same in every lane
+    const int meta = a.meta[blk], format = meta & 0xf, type = meta >> 4;
+    const PagedHeadLayout& L = a.layouts.by_format[format];
+    const std::uint8_t* base = a.storage + frame * a.frame_stride + h * L.head_bytes;
+    const unsigned sealed_groups = a.sealed[frame * H + h] >> (start / 16);
+    const bool bf = format == kFormatFp8;
+    const float conv = format == kFormatNvfp4 ? conv_nvfp4 : 1.0f;
+
+    // 0. L2 prefetch of this warp's next tile: its loads then hit L2 while this tile is decoded
+    // and multiplied (the warp holds one tile's loads in registers at a time).
+    if (it + 1 < a.tiles_per_warp && u + kWarps < units) {
+      const int u2 = u + kWarps;
+      const int blk2 = begin + u2 / a.tiles_per_block;
+      const int start2 = (u2 % a.tiles_per_block) * kTileSlots;
+      const int n2 = min(kTileSlots, a.block_size - start2);
+      const PagedHeadLayout& L2 = a.layouts.by_format[a.meta[blk2] & 0xf];
+      const std::uint8_t* base2 = a.storage +
+                                  static_cast<std::int64_t>(a.frames[blk2]) * a.frame_stride +
+                                  h * L2.head_bytes;
+      const int code_bytes = (n2 / 16) * D * L2.code_bytes;  // of the keys; values the same
+      const int scale_bytes = (n2 / 16) * D;
+      const std::uint8_t* kp = base2 + static_cast<std::int64_t>(start2 / 16) * D * L2.code_bytes;
+      const std::uint8_t* vp =
+          base2 + L2.value_codes + static_cast<std::int64_t>(start2) * (D / 16) * L2.code_bytes;
+      for (int off = lane * 128; off < code_bytes; off += 32 * 128) {
+        prefetch_l2(kp + off);
+        prefetch_l2(vp + off);
+      }
+      if (lane * 128 < scale_bytes) {
+        prefetch_l2(base2 + L2.key_scales + (start2 / 16) * D + lane * 128);
+        prefetch_l2(base2 + L2.value_scales + start2 * (D / 16) + lane * 128);
+      }
+    }
+
+    // 1-2. Loads, then decode into sK (channel-major) and sV (slot-major).
+    const int ngroups = (n / 16) * D;  // key groups (= value groups) of this tile
+#pragma unroll
+    for (int j0 = 0; j0 < kGroupsPerLane; j0 += kBatchGroups) {
+      uint4 kc[kBatchGroups], vc[kBatchGroups];
+      std::uint8_t ks[kBatchGroups], vs[kBatchGroups];
+#pragma unroll
+      for (int j = 0; j < kBatchGroups; ++j) {
+        const int idx = (j0 + j) * 32 + lane;
+        if (idx < ngroups) {
+          // key group (sg, c): 16 slots of channel c; value group (s, cg): 16 channels of slot s
+          const std::int64_t kg = static_cast<std::int64_t>(start / 16) * D + idx;
+          const std::int64_t vg = static_cast<std::int64_t>(start) * (D / 16) + idx;
+          kc[j] = load_group(base + kg * L.code_bytes, format);
+          ks[j] = __ldg(base + L.key_scales + kg);
+          vc[j] = load_group(base + L.value_codes + vg * L.code_bytes, format);
+          vs[j] = __ldg(base + L.value_scales + vg);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kBatchGroups; ++j) {
+        const int idx = (j0 + j) * 32 + lane;
+        if (idx < ngroups) {
+          std::uint32_t w[8];
+          const int sg = idx / D, c = idx % D;
+          if ((sealed_groups >> sg) & 1u) {
+            decode_group(kc[j], ks[j], format, w);
+          } else {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) w[i] = 0;  // staged: logits come from fp32 below
+          }
+          uint4* dk = reinterpret_cast<uint4*>(sK + c * kKPitch + sg * 16);
+          dk[0] = make_uint4(w[0], w[1], w[2], w[3]);
+          dk[1] = make_uint4(w[4], w[5], w[6], w[7]);
+          const int s = idx / (D / 16), cg = idx % (D / 16);
+          if ((live >> s) & 1u) {
+            decode_group(vc[j], vs[j], format, w);
+          } else {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) w[i] = 0;  // dead slot: stale codes never enter
+          }
+          uint4* dv = reinterpret_cast<uint4*>(sV + s * kVPitch + cg * 16);
+          dv[0] = make_uint4(w[0], w[1], w[2], w[3]);
+          dv[1] = make_uint4(w[4], w[5], w[6], w[7]);
+        }
+      }
+    }
+    __syncwarp();
+
+    // 3. S = Q·Kᵀ: n-tile nt covers slots nt·8 .. nt·8 + 7.
+    float sacc[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) sacc[i][0] = sacc[i][1] = sacc[i][2] = sacc[i][3] = 0.0f;
+    const uint4* qa = sQa + (bf ? kChunks * 32 : 0) + lane;
+    const int lrow = (lane & 7) + 8 * ((lane >> 3) & 1), lcol = 8 * (lane >> 4);
+#pragma unroll
+    for (int kc2 = 0; kc2 < kChunks; ++kc2) {
+      const uint4 av = qa[kc2 * 32];
+      const std::uint32_t afr[4] = {av.x, av.y, av.z, av.w};
+#pragma unroll
+      for (int np = 0; np < 2; ++np) {
+        if (np * 16 >= n) break;
+        std::uint32_t bk[4];
+        ldmatrix_x4_trans(bk, sK + (kc2 * 16 + lrow) * kKPitch + np * 16 + lcol);
+        if (bf) {
+          detail::mma_16816<detail::Half16::bf16>(sacc[2 * np], afr, bk[0], bk[1]);
+          detail::mma_16816<detail::Half16::bf16>(sacc[2 * np + 1], afr, bk[2], bk[3]);
+        } else {
+          detail::mma_16816<detail::Half16::f16>(sacc[2 * np], afr, bk[0], bk[1]);
+          detail::mma_16816<detail::Half16::f16>(sacc[2 * np + 1], afr, bk[2], bk[3]);
+        }
+      }
+    }
+
+    // 4. Logits (log2 units) of head g at slots nt·8 + 2t + j; staged rows in fp32.
+    float x2[4][2];
+    const float kfac = conv * qinv * a.softmax_scale * kLog2e;
+    const unsigned staged_live = [&] {
+      unsigned m = 0;
+      for (int sg = 0; sg < n / 16; ++sg) {
+        if (!((sealed_groups >> sg) & 1u)) m |= 0xffffu << (16 * sg);
+      }
+      return m & live;
+    }();
+    float tmax = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int s = nt * 8 + 2 * t + j;
+        float x = (sacc[nt][j] + sacc[nt][2 + j]) * kfac;
+        if ((staged_live >> s) & 1u) {
+          const PagedStaging* row =
+              a.staging + (((seq * kPagedThoughtTypes + type) * H + h) * 16 + s % 16) * D;
+          float dot = 0.0f;
+          for (int c = 0; c < D; ++c) dot += qrow[c] * to_float(row[c]);
+          x = dot * a.softmax_scale * kLog2e;
+        }
+        x = ((live >> s) & 1u) ? x : -INFINITY;
+        x2[nt][j] = x;
+        tmax = fmaxf(tmax, x);
+      }
+    }
+    softmax_pv_tile<D>(x2, tmax, n, bf, conv * pexp, sV, g < G, lane, m2, l, acc);
+    __syncwarp();  // every lane's sK/sV reads are done before the next tile overwrites them
+  }
+
+  write_partial<D>(a.part_acc, a.part_ml,
+                   ((static_cast<std::int64_t>(b) * H + h) * a.parts + split * kWarps + warp) * G,
+                   g, G, t, 1.0f / pexp, m2, l, acc);
+}
+
+// --- the dense baseline: the same split-sequence design over a contiguous bf16 cache -----------
+
+struct DenseArgs {
+  const bf16_t* keys;    // [batch, kv_heads, tokens, D]
+  const bf16_t* values;  // [batch, kv_heads, tokens, D]
+  std::int64_t tokens;
+  int kv_heads, group, tiles_per_warp, parts;
+  float softmax_scale;
+  const float* query;  // [batch, kv_heads · group, D]
+  float* part_acc;     // [batch, kv_heads, parts, group, D]
+  float* part_ml;      // [batch, kv_heads, parts, group, 2]
+};
+
+template <int D>
+constexpr std::size_t dense_shared_bytes(int group) {
+  return static_cast<std::size_t>(2 * (D / 16) * 32) * 16 +
+         static_cast<std::size_t>(group) * D * 4 + kMaxGroup * 4 +
+         static_cast<std::size_t>(kWarps) * 2 * kTileSlots * (D + 8) * 2;
+}
+
+// Grid (splits, KV heads, batch), 4 warps: per 32-token tile, cp.async copies the K and V rows
+// into the warp's shared tiles (slot-major, both), then the same MMAs, softmax and partials as
+// the paged kernel (K here is read with a non-transposed ldmatrix).
+template <int D>
+__global__ void __launch_bounds__(kThreads, 2) dense_split_kernel(DenseArgs a) {
+  constexpr int kChunks = D / 16, kPitch = D + 8, kRowChunks = D / 8;
+  extern __shared__ __align__(16) std::uint8_t smem[];
+  uint4* sQa = reinterpret_cast<uint4*>(smem);
+  float* sQf = reinterpret_cast<float*>(sQa + 2 * kChunks * 32);
+  float* sQs = sQf + a.group * D;
+  __nv_bfloat16* sAll = reinterpret_cast<__nv_bfloat16*>(sQs + kMaxGroup);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __nv_bfloat16* sK = sAll + static_cast<std::size_t>(warp) * 2 * kTileSlots * kPitch;
+  __nv_bfloat16* sV = sK + kTileSlots * kPitch;
+  const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z, G = a.group, H = a.kv_heads;
+  setup_query<D>(a.query + (static_cast<std::int64_t>(b) * H + h) * G * D, G, sQf, sQs, sQa);
+
+  const int g = lane / 4, t = lane % 4;
+  const float qinv = g < G ? 1.0f / sQs[g] : 0.0f;
+  const std::int64_t head0 = (static_cast<std::int64_t>(b) * H + h) * a.tokens;
+  const int units = static_cast<int>((a.tokens + kTileSlots - 1) / kTileSlots);
+  float m2 = -INFINITY, l = 0.0f;
+  float acc[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+  const int u_first = split * kWarps * a.tiles_per_warp + warp;
+  for (int it = 0; it < a.tiles_per_warp; ++it) {
+    const int u = u_first + it * kWarps;
+    if (u >= units) break;
+    const std::int64_t first = static_cast<std::int64_t>(u) * kTileSlots;
+    const std::int64_t left = a.tokens - first;
+    const int n = left < kTileSlots ? static_cast<int>(left) : kTileSlots;
+    if (it + 1 < a.tiles_per_warp && u + kWarps < units) {  // L2 prefetch of the next tile
+      const std::int64_t first2 = first + kWarps * kTileSlots;
+      const std::int64_t bytes = std::min<std::int64_t>(kTileSlots, a.tokens - first2) * D * 2;
+      const std::int64_t row0 = (head0 + first2) * D;
+      for (std::int64_t off = lane * 128; off < bytes; off += 32 * 128) {
+        prefetch_l2(reinterpret_cast<const std::uint8_t*>(a.keys + row0) + off);
+        prefetch_l2(reinterpret_cast<const std::uint8_t*>(a.values + row0) + off);
+      }
+    }
+    for (int c = lane; c < kTileSlots * kRowChunks; c += 32) {
+      const int s = c / kRowChunks, ch = c % kRowChunks;
+      const bool valid = s < n;  // rows past the end are zero-filled
+      const std::int64_t off = valid ? (head0 + first + s) * D + ch * 8 : 0;
+      detail::cp_async16(sK + s * kPitch + ch * 8, a.keys + off, valid);
+      detail::cp_async16(sV + s * kPitch + ch * 8, a.values + off, valid);
+    }
+    detail::cp_async_commit();
+    detail::cp_async_wait<0>();
+    __syncwarp();
+    float sacc[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) sacc[i][0] = sacc[i][1] = sacc[i][2] = sacc[i][3] = 0.0f;
+    const uint4* qa = sQa + kChunks * 32 + lane;  // bf16 fragments
+    const int j = lane >> 3, r = lane & 7;
+#pragma unroll
+    for (int kc = 0; kc < kChunks; ++kc) {
+      const uint4 av = qa[kc * 32];
+      const std::uint32_t afr[4] = {av.x, av.y, av.z, av.w};
+#pragma unroll
+      for (int np = 0; np < 2; ++np) {
+        if (np * 16 >= n) break;
+        std::uint32_t bk[4];
+        detail::ldmatrix_x4(bk, sK + (np * 16 + r + 8 * (j >> 1)) * kPitch + kc * 16 + 8 * (j & 1));
+        detail::mma_16816<detail::Half16::bf16>(sacc[2 * np], afr, bk[0], bk[1]);
+        detail::mma_16816<detail::Half16::bf16>(sacc[2 * np + 1], afr, bk[2], bk[3]);
+      }
+    }
+    const unsigned live = n == 32 ? 0xffffffffu : ((1u << n) - 1u);
+    const float kfac = qinv * a.softmax_scale * kLog2e;
+    float x2[4][2], tmax = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj) {
+        const int s = nt * 8 + 2 * t + jj;
+        const float x = ((live >> s) & 1u) ? (sacc[nt][jj] + sacc[nt][2 + jj]) * kfac : -INFINITY;
+        x2[nt][jj] = x;
+        tmax = fmaxf(tmax, x);
+      }
+    }
+    softmax_pv_tile<D>(x2, tmax, n, true, 1.0f, reinterpret_cast<const __half*>(sV), g < G, lane,
+                       m2, l, acc);
+    __syncwarp();
+  }
+  write_partial<D>(a.part_acc, a.part_ml,
+                   ((static_cast<std::int64_t>(b) * H + h) * a.parts + split * kWarps + warp) * G,
+                   g, G, t, 1.0f, m2, l, acc);
+}
+
+// Grid (q_heads, batch): out = Σ_p acc_p·e^{m_p − m} / Σ_p l_p·e^{m_p − m}; zero without a live
+// slot. Partials with l = 0 are skipped (their acc was never written).
+__global__ void merge_partials_kernel(const float* __restrict__ part_acc,
+                                      const float* __restrict__ part_ml, int kv_heads, int group,
+                                      int parts, int head_dim,
+                                      float* __restrict__ out) {  // [batch, q_heads, D]
+  const int qh = blockIdx.x, b = blockIdx.y, h = qh / group, g = qh % group;
+  const std::int64_t first = (static_cast<std::int64_t>(b) * kv_heads + h) * parts * group + g;
+  float m = -INFINITY;
+  for (int p = 0; p < parts; ++p) {
+    const std::int64_t o = (first + static_cast<std::int64_t>(p) * group) * 2;
+    if (part_ml[o + 1] > 0.0f) m = fmaxf(m, part_ml[o]);
+  }
+  float denom = 0.0f;
+  for (int p = 0; p < parts; ++p) {
+    const std::int64_t o = (first + static_cast<std::int64_t>(p) * group) * 2;
+    if (part_ml[o + 1] > 0.0f) denom += part_ml[o + 1] * expf(part_ml[o] - m);
+  }
+  const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
+  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    float s = 0.0f;
+    for (int p = 0; p < parts; ++p) {
+      const std::int64_t r = first + static_cast<std::int64_t>(p) * group;
+      if (part_ml[r * 2 + 1] > 0.0f) s += part_acc[r * head_dim + d] * expf(part_ml[r * 2] - m);
+    }
+    out[(static_cast<std::int64_t>(b) * kv_heads * group + qh) * head_dim + d] = s * inv;
+  }
+}
+
+struct SplitPlan {
+  int tiles_per_block = 1, tiles_per_warp = 1, splits = 1, parts = kWarps;
+};
+
+SplitPlan plan_split(const DevicePagedTable& table, const PagedBatch& batch,
+                     const DecodeAttentionConfig& cfg) {
+  SplitPlan p;
+  const ThoughtBlockTableConfig& tc = table.config();
+  p.tiles_per_block = (tc.block_size + kTileSlots - 1) / kTileSlots;
+  const std::int64_t max_units = static_cast<std::int64_t>(batch.max_blocks) * p.tiles_per_block;
+  const std::int64_t total = batch.total_blocks * p.tiles_per_block * tc.kv_heads;
+  const std::int64_t warps = static_cast<std::int64_t>(cfg.target_ctas) * kWarps;
+  const std::int64_t per_warp =
+      std::max<std::int64_t>(cfg.min_tiles_per_warp, (total + warps - 1) / warps);
+  p.tiles_per_warp = static_cast<int>(std::min<std::int64_t>(per_warp, 1 << 30));
+  const std::int64_t per_cta = static_cast<std::int64_t>(p.tiles_per_warp) * kWarps;
+  p.splits = static_cast<int>(std::max<std::int64_t>(1, (max_units + per_cta - 1) / per_cta));
+  p.parts = p.splits * kWarps;
+  return p;
+}
+
+bool head_dim_supported(std::int64_t d) {
+  return d == 16 || d == 32 || d == 64 || d == 128 || d == 256;
+}
+
+std::size_t shared_bytes_for(std::int64_t head_dim, int group) {
+  switch (head_dim) {
+    case 16:
+      return split_shared_bytes<16>(group);
+    case 32:
+      return split_shared_bytes<32>(group);
+    case 64:
+      return split_shared_bytes<64>(group);
+    case 128:
+      return split_shared_bytes<128>(group);
+    default:
+      return split_shared_bytes<256>(group);
+  }
+}
+
+template <int D>
+void launch_split(const SplitArgs& args, const SplitPlan& plan, int kv_heads, int batch,
+                  cudaStream_t stream) {
+  const std::size_t smem = split_shared_bytes<D>(args.group);
+  // Once per instantiation, device and size: the attribute call costs host time that would
+  // otherwise show up between the events of a microsecond-scale launch.
+  static thread_local int device_done = -1;
+  static thread_local std::size_t smem_done = 0;
+  int device = 0;
+  KVSIFT_CUDA_CHECK(cudaGetDevice(&device));
+  if (device != device_done || smem > smem_done) {
+    KVSIFT_CUDA_CHECK(cudaFuncSetAttribute(split_decode_kernel<D>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(smem)));
+    device_done = device;
+    smem_done = smem;
+  }
+  const dim3 grid(static_cast<unsigned>(plan.splits), static_cast<unsigned>(kv_heads),
+                  static_cast<unsigned>(batch));
+  split_decode_kernel<D><<<grid, kThreads, smem, stream>>>(args);
+  KVSIFT_CUDA_CHECK(cudaGetLastError());
+}
+
+void check_common(const char* fn, const DevicePagedTable& table, std::int64_t q_heads,
+                  std::int64_t head_dim, float softmax_scale, const float* query, float* out) {
+  const ThoughtBlockTableConfig& tc = table.config();
+  KVSIFT_CHECK(head_dim == tc.head_dim, fn, ": query head_dim (", head_dim,
+               ") differs from the table's head_dim (", tc.head_dim, ")");
+  KVSIFT_CHECK(q_heads > 0 && q_heads % tc.kv_heads == 0, fn, ": q_heads (", q_heads,
+               ") must be a positive multiple of kv_heads (", tc.kv_heads, ")");
+  KVSIFT_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0.0f, fn, ": softmax_scale (",
+               softmax_scale, ") must be finite and > 0");
+  KVSIFT_CHECK(query != nullptr && out != nullptr, fn, ": query and out must not be null");
+  KVSIFT_CHECK(table.pending_tokens() == 0, fn, ": ", table.pending_tokens(),
+               " recorded tokens are not written yet (call append() first)");
+}
+
+std::size_t split_partial_bytes(const DevicePagedTable& table, const PagedBatch& batch,
+                                std::int64_t q_heads, const DecodeAttentionConfig& cfg) {
+  const SplitPlan plan = plan_split(table, batch, cfg);
+  const std::size_t rows = static_cast<std::size_t>(batch.batch) *
+                           static_cast<std::size_t>(q_heads) * static_cast<std::size_t>(plan.parts);
+  return align_up(rows * static_cast<std::size_t>(table.config().head_dim) * sizeof(float)) +
+         align_up(rows * 2 * sizeof(float));
+}
+
+// Formats the split kernel reads. f32 blocks are not 16-bit numbers. FP8 blocks run bf16 MMAs
+// whose query and P halves carry only ~2^-16 (fp16's carry ~2^-22): on the H200 a pure-FP8 table
+// with f32 inputs missed the CPU reference by 1.6e-4 relative (the test allows 1.2e-4), so FP8
+// blocks take the tiled kernel until that path gets a third split.
+bool split_kernel_takes(BlockFormat f) { return f != BlockFormat::f32 && f != BlockFormat::fp8; }
+
+// Per-sequence fallback: the tiled kernel's workspace, the largest over the batch.
+std::size_t tiled_bytes(const DevicePagedTable& table, const PagedBatch& batch,
+                        std::int64_t q_heads, const DecodeAttentionConfig& cfg) {
+  std::size_t need = 0;
+  for (std::int32_t s : batch.host_seq_ids) {
+    need = std::max(need, paged_decode_attention_tiled_workspace_bytes(table, s, q_heads, cfg));
+  }
+  return need;
+}
+
+}  // namespace
+
+std::size_t paged_batch_bytes(const DevicePagedTable& table, const std::int32_t* seqs,
+                              std::int32_t batch) {
+  KVSIFT_CHECK(batch >= 1 && seqs != nullptr, "cuda::paged_batch_bytes: batch (", batch,
+               ") must be >= 1 with a non-null sequence list");
+  std::size_t blocks = 0;
+  for (std::int32_t i = 0; i < batch; ++i) {
+    blocks += static_cast<std::size_t>(table.num_blocks(seqs[i]));
+  }
+  const std::size_t n = static_cast<std::size_t>(batch);
+  return 2 * align_up(std::max<std::size_t>(blocks, 1) * 4) + align_up((n + 1) * 4) +
+         align_up(n * 4);
+}
+
+PagedBatch upload_paged_batch(const DevicePagedTable& table, const std::int32_t* seqs,
+                              std::int32_t batch, void* workspace, std::size_t workspace_bytes,
+                              cudaStream_t stream) {
+  const char* fn = "cuda::upload_paged_batch";
+  const std::size_t need = paged_batch_bytes(table, seqs, batch);
+  KVSIFT_CHECK(workspace_bytes >= need, fn, ": workspace of ", workspace_bytes,
+               " bytes is too small (", need, " needed)");
+  KVSIFT_CHECK(table.pending_tokens() == 0, fn, ": ", table.pending_tokens(),
+               " recorded tokens are not written yet (call append() first)");
+  KVSIFT_CHECK(batch <= 65535, fn, ": batch (", batch, ") must be <= 65535");
+  PagedBatch out;
+  out.batch = batch;
+  std::vector<std::int32_t> frames, meta, begin(static_cast<std::size_t>(batch) + 1, 0);
+  for (std::int32_t i = 0; i < batch; ++i) {
+    const std::int32_t s = seqs[i], nb = table.num_blocks(s);
+    out.host_seq_ids.push_back(s);
+    out.max_blocks = std::max(out.max_blocks, nb);
+    for (std::int32_t k = 0; k < nb; ++k) {
+      frames.push_back(table.frame_of(s, k));
+      const BlockFormat f = table.format_of_block(s, k);
+      out.has_f32_blocks = out.has_f32_blocks || !split_kernel_takes(f);
+      meta.push_back(static_cast<std::int32_t>(f) |
+                     (static_cast<std::int32_t>(table.type_of_block(s, k)) << 4));
+    }
+    begin[static_cast<std::size_t>(i) + 1] = static_cast<std::int32_t>(frames.size());
+  }
+  out.total_blocks = static_cast<std::int64_t>(frames.size());
+  WorkspaceCarver carver(workspace, workspace_bytes, fn);
+  const std::size_t nb = std::max<std::size_t>(frames.size(), 1);
+  std::int32_t* d_frames = carver.take<std::int32_t>(nb);
+  std::int32_t* d_meta = carver.take<std::int32_t>(nb);
+  std::int32_t* d_begin = carver.take<std::int32_t>(begin.size());
+  std::int32_t* d_seqs = carver.take<std::int32_t>(static_cast<std::size_t>(batch));
+  if (!frames.empty()) {
+    KVSIFT_CUDA_CHECK(cudaMemcpyAsync(d_frames, frames.data(), frames.size() * 4,
+                                      cudaMemcpyHostToDevice, stream));
+    KVSIFT_CUDA_CHECK(
+        cudaMemcpyAsync(d_meta, meta.data(), meta.size() * 4, cudaMemcpyHostToDevice, stream));
+  }
+  KVSIFT_CUDA_CHECK(
+      cudaMemcpyAsync(d_begin, begin.data(), begin.size() * 4, cudaMemcpyHostToDevice, stream));
+  KVSIFT_CUDA_CHECK(cudaMemcpyAsync(d_seqs, out.host_seq_ids.data(), out.host_seq_ids.size() * 4,
+                                    cudaMemcpyHostToDevice, stream));
+  out.frames = d_frames;
+  out.meta = d_meta;
+  out.block_begin = d_begin;
+  out.seq_ids = d_seqs;
+  return out;
+}
+
+bool paged_split_kernel_applies(const DevicePagedTable& table, const PagedBatch& batch,
+                                std::int64_t q_heads) {
+  const ThoughtBlockTableConfig& tc = table.config();
+  const std::int64_t group = q_heads / tc.kv_heads;
+  return !batch.has_f32_blocks && group >= 1 && group <= kMaxGroup &&
+         head_dim_supported(tc.head_dim) &&
+         shared_bytes_for(tc.head_dim, static_cast<int>(group)) <= kMaxSharedBytes;
+}
+
+std::size_t paged_decode_attention_batch_workspace_bytes(const DevicePagedTable& table,
+                                                         const PagedBatch& batch,
+                                                         std::int64_t q_heads,
+                                                         const DecodeAttentionConfig& cfg) {
+  cfg.validate();
+  if (!paged_split_kernel_applies(table, batch, q_heads)) {
+    return tiled_bytes(table, batch, q_heads, cfg);
+  }
+  return split_partial_bytes(table, batch, q_heads, cfg);
+}
+
+void paged_decode_attention_batch(const DevicePagedTable& table, const PagedBatch& batch,
+                                  const float* query, std::int64_t q_heads, std::int64_t head_dim,
+                                  float softmax_scale, float* out, void* workspace,
+                                  std::size_t workspace_bytes, cudaStream_t stream,
+                                  const DecodeAttentionConfig& cfg) {
+  cfg.validate();
+  const char* fn = "cuda::paged_decode_attention_batch";
+  check_common(fn, table, q_heads, head_dim, softmax_scale, query, out);
+  KVSIFT_CHECK(batch.batch >= 1 && batch.block_begin != nullptr &&
+                   batch.host_seq_ids.size() == static_cast<std::size_t>(batch.batch),
+               fn, ": the batch (", batch.batch, " sequences) was not uploaded");
+  const std::size_t need = paged_decode_attention_batch_workspace_bytes(table, batch, q_heads, cfg);
+  KVSIFT_CHECK(workspace_bytes >= need, fn, ": workspace of ", workspace_bytes,
+               " bytes is too small (", need, " needed)");
+  const ThoughtBlockTableConfig& tc = table.config();
+  if (!paged_split_kernel_applies(table, batch, q_heads)) {
+    const std::int64_t stride = q_heads * head_dim;
+    for (std::int32_t i = 0; i < batch.batch; ++i) {
+      paged_decode_attention_tiled(table, batch.host_seq_ids[static_cast<std::size_t>(i)],
+                                   query + i * stride, q_heads, head_dim, softmax_scale,
+                                   out + i * stride, workspace, workspace_bytes, stream, cfg);
+    }
+    return;
+  }
+  const SplitPlan plan = plan_split(table, batch, cfg);
+  KVSIFT_CHECK(plan.splits <= std::numeric_limits<int>::max() / kWarps, fn, ": ", plan.splits,
+               " splits are too many");
+  WorkspaceCarver carver(workspace, workspace_bytes, fn);
+  const std::size_t rows = static_cast<std::size_t>(batch.batch) *
+                           static_cast<std::size_t>(q_heads) * static_cast<std::size_t>(plan.parts);
+  float* part_acc = carver.take<float>(rows * static_cast<std::size_t>(head_dim));
+  float* part_ml = carver.take<float>(rows * 2);
+  const PagedTableMemory& m = table.memory();
+  SplitArgs args;
+  args.storage = m.storage;
+  args.frame_stride = table.sizes().frame_stride;
+  args.masks = m.free_masks;
+  args.sealed = m.sealed;
+  args.staging = m.staging_keys;
+  args.global_factors = m.global_factors;
+  args.frames = batch.frames;
+  args.meta = batch.meta;
+  args.block_begin = batch.block_begin;
+  args.seq_ids = batch.seq_ids;
+  args.layouts = detail::paged_layouts(tc);
+  args.kv_heads = tc.kv_heads;
+  args.block_size = tc.block_size;
+  args.mask_words = table.sizes().mask_words;
+  args.tiles_per_block = plan.tiles_per_block;
+  args.group = static_cast<int>(q_heads / tc.kv_heads);
+  args.tiles_per_warp = plan.tiles_per_warp;
+  args.parts = plan.parts;
+  args.softmax_scale = softmax_scale;
+  args.query = query;
+  args.part_acc = part_acc;
+  args.part_ml = part_ml;
+  switch (head_dim) {
+    case 16:
+      launch_split<16>(args, plan, tc.kv_heads, batch.batch, stream);
+      break;
+    case 32:
+      launch_split<32>(args, plan, tc.kv_heads, batch.batch, stream);
+      break;
+    case 64:
+      launch_split<64>(args, plan, tc.kv_heads, batch.batch, stream);
+      break;
+    case 128:
+      launch_split<128>(args, plan, tc.kv_heads, batch.batch, stream);
+      break;
+    default:
+      launch_split<256>(args, plan, tc.kv_heads, batch.batch, stream);
+      break;
+  }
+  const dim3 grid(static_cast<unsigned>(q_heads), static_cast<unsigned>(batch.batch));
+  merge_partials_kernel<<<grid, 128, 0, stream>>>(part_acc, part_ml, tc.kv_heads, args.group,
+                                                  plan.parts, static_cast<int>(head_dim), out);
+  KVSIFT_CUDA_CHECK(cudaGetLastError());
+}
+
+// --- the single-sequence entry point: the split kernel where it applies -------------------------
+
+std::size_t paged_decode_attention_workspace_bytes(const DevicePagedTable& table, std::int32_t seq,
+                                                   std::int64_t q_heads,
+                                                   const DecodeAttentionConfig& cfg) {
+  cfg.validate();
+  // The batch view needs no device memory to be described: build it host-side only.
+  PagedBatch view;
+  view.batch = 1;
+  view.host_seq_ids = {seq};
+  view.max_blocks = table.num_blocks(seq);
+  view.total_blocks = view.max_blocks;
+  for (std::int32_t k = 0; k < view.max_blocks; ++k) {
+    view.has_f32_blocks = view.has_f32_blocks || !split_kernel_takes(table.format_of_block(seq, k));
+  }
+  const std::size_t tiled = paged_decode_attention_tiled_workspace_bytes(table, seq, q_heads, cfg);
+  if (q_heads <= 0 || q_heads % table.config().kv_heads != 0 ||
+      !paged_split_kernel_applies(table, view, q_heads)) {
+    return tiled;
+  }
+  return paged_batch_bytes(table, &seq, 1) + split_partial_bytes(table, view, q_heads, cfg);
+}
+
+void paged_decode_attention(const DevicePagedTable& table, std::int32_t seq, const float* query,
+                            std::int64_t q_heads, std::int64_t head_dim, float softmax_scale,
+                            float* out, void* workspace, std::size_t workspace_bytes,
+                            cudaStream_t stream, const DecodeAttentionConfig& cfg) {
+  cfg.validate();
+  const char* fn = "cuda::paged_decode_attention";
+  check_common(fn, table, q_heads, head_dim, softmax_scale, query, out);
+  KVSIFT_CHECK(head_dim <= 256 && head_dim % 16 == 0, fn, ": head_dim (", head_dim,
+               ") must be a multiple of 16 in [16, 256]");
+  const std::size_t need = paged_decode_attention_workspace_bytes(table, seq, q_heads, cfg);
+  KVSIFT_CHECK(workspace_bytes >= need, fn, ": workspace of ", workspace_bytes,
+               " bytes is too small (", need, " needed)");
+  const std::size_t view_bytes = paged_batch_bytes(table, &seq, 1);
+  bool split = workspace_bytes >= view_bytes;
+  if (split) {
+    PagedBatch probe;
+    probe.batch = 1;
+    probe.host_seq_ids = {seq};
+    for (std::int32_t k = 0; k < table.num_blocks(seq); ++k) {
+      probe.has_f32_blocks =
+          probe.has_f32_blocks || !split_kernel_takes(table.format_of_block(seq, k));
+    }
+    split = paged_split_kernel_applies(table, probe, q_heads);
+  }
+  if (!split) {
+    paged_decode_attention_tiled(table, seq, query, q_heads, head_dim, softmax_scale, out,
+                                 workspace, workspace_bytes, stream, cfg);
+    return;
+  }
+  const PagedBatch view = upload_paged_batch(table, &seq, 1, workspace, view_bytes, stream);
+  std::uint8_t* rest = static_cast<std::uint8_t*>(workspace) + view_bytes;
+  paged_decode_attention_batch(table, view, query, q_heads, head_dim, softmax_scale, out, rest,
+                               workspace_bytes - view_bytes, stream, cfg);
+}
+
+// --- dense baseline ------------------------------------------------------------------------------
+
+namespace {
+
+SplitPlan plan_dense(std::int64_t batch, std::int64_t kv_heads, std::int64_t tokens,
+                     const DecodeAttentionConfig& cfg) {
+  SplitPlan p;
+  const std::int64_t units = (tokens + kTileSlots - 1) / kTileSlots;
+  const std::int64_t warps = static_cast<std::int64_t>(cfg.target_ctas) * kWarps;
+  const std::int64_t per_warp = std::max<std::int64_t>(
+      cfg.min_tiles_per_warp, (batch * kv_heads * units + warps - 1) / warps);
+  p.tiles_per_warp = static_cast<int>(std::min<std::int64_t>(per_warp, 1 << 30));
+  const std::int64_t per_cta = static_cast<std::int64_t>(p.tiles_per_warp) * kWarps;
+  p.splits = static_cast<int>(std::max<std::int64_t>(1, (units + per_cta - 1) / per_cta));
+  p.parts = p.splits * kWarps;
+  return p;
+}
+
+template <int D>
+void launch_dense(const DenseArgs& args, const SplitPlan& plan, int batch, cudaStream_t stream) {
+  const std::size_t smem = dense_shared_bytes<D>(args.group);
+  // Once per instantiation, device and size: the attribute call costs host time that would
+  // otherwise show up between the events of a microsecond-scale launch.
+  static thread_local int device_done = -1;
+  static thread_local std::size_t smem_done = 0;
+  int device = 0;
+  KVSIFT_CUDA_CHECK(cudaGetDevice(&device));
+  if (device != device_done || smem > smem_done) {
+    KVSIFT_CUDA_CHECK(cudaFuncSetAttribute(dense_split_kernel<D>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(smem)));
+    device_done = device;
+    smem_done = smem;
+  }
+  const dim3 grid(static_cast<unsigned>(plan.splits), static_cast<unsigned>(args.kv_heads),
+                  static_cast<unsigned>(batch));
+  dense_split_kernel<D><<<grid, kThreads, smem, stream>>>(args);
+  KVSIFT_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace
+
+std::size_t dense_split_decode_attention_workspace_bytes(std::int64_t batch, std::int64_t kv_heads,
+                                                         std::int64_t tokens, std::int64_t q_heads,
+                                                         std::int64_t head_dim,
+                                                         const DecodeAttentionConfig& cfg) {
+  cfg.validate();
+  KVSIFT_CHECK(batch >= 1 && kv_heads >= 1 && tokens >= 0,
+               "cuda::dense_split_decode_attention: batch (", batch, ") and kv_heads (", kv_heads,
+               ") must be >= 1 and tokens (", tokens, ") >= 0");
+  const SplitPlan plan = plan_dense(batch, kv_heads, tokens, cfg);
+  const std::size_t rows = static_cast<std::size_t>(batch * q_heads * plan.parts);
+  return align_up(rows * static_cast<std::size_t>(head_dim) * sizeof(float)) +
+         align_up(rows * 2 * sizeof(float));
+}
+
+void dense_split_decode_attention_bf16(const bf16_t* keys, const bf16_t* values, std::int64_t batch,
+                                       std::int64_t kv_heads, std::int64_t tokens,
+                                       const float* query, std::int64_t q_heads,
+                                       std::int64_t head_dim, float softmax_scale, float* out,
+                                       void* workspace, std::size_t workspace_bytes,
+                                       cudaStream_t stream, const DecodeAttentionConfig& cfg) {
+  const char* fn = "cuda::dense_split_decode_attention_bf16";
+  const std::size_t need =
+      dense_split_decode_attention_workspace_bytes(batch, kv_heads, tokens, q_heads, head_dim, cfg);
+  KVSIFT_CHECK(q_heads > 0 && q_heads % kv_heads == 0 && q_heads / kv_heads <= kMaxGroup, fn,
+               ": q_heads (", q_heads, ") must be a multiple of kv_heads (", kv_heads,
+               ") with at most ", kMaxGroup, " query heads per KV head");
+  KVSIFT_CHECK(head_dim_supported(head_dim), fn, ": head_dim (", head_dim,
+               ") must be 16, 32, 64, 128 or 256");
+  KVSIFT_CHECK(batch <= 65535 && kv_heads <= 65535, fn, ": batch (", batch, ") and kv_heads (",
+               kv_heads, ") must be <= 65535");
+  KVSIFT_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0.0f, fn, ": softmax_scale (",
+               softmax_scale, ") must be finite and > 0");
+  KVSIFT_CHECK(query != nullptr && out != nullptr && (tokens == 0 || (keys && values)), fn,
+               ": query, out, keys and values must not be null");
+  KVSIFT_CHECK(reinterpret_cast<std::uintptr_t>(keys) % 16 == 0 &&
+                   reinterpret_cast<std::uintptr_t>(values) % 16 == 0,
+               fn, ": keys and values must be 16-byte aligned");
+  KVSIFT_CHECK(workspace_bytes >= need, fn, ": workspace of ", workspace_bytes,
+               " bytes is too small (", need, " needed)");
+  const SplitPlan plan = plan_dense(batch, kv_heads, tokens, cfg);
+  WorkspaceCarver carver(workspace, workspace_bytes, fn);
+  const std::size_t rows = static_cast<std::size_t>(batch * q_heads * plan.parts);
+  DenseArgs args;
+  args.keys = keys;
+  args.values = values;
+  args.tokens = tokens;
+  args.kv_heads = static_cast<int>(kv_heads);
+  args.group = static_cast<int>(q_heads / kv_heads);
+  args.tiles_per_warp = plan.tiles_per_warp;
+  args.parts = plan.parts;
+  args.softmax_scale = softmax_scale;
+  args.query = query;
+  args.part_acc = carver.take<float>(rows * static_cast<std::size_t>(head_dim));
+  args.part_ml = carver.take<float>(rows * 2);
+  const int nb = static_cast<int>(batch);
+  switch (head_dim) {
+    case 16:
+      launch_dense<16>(args, plan, nb, stream);
+      break;
+    case 32:
+      launch_dense<32>(args, plan, nb, stream);
+      break;
+    case 64:
+      launch_dense<64>(args, plan, nb, stream);
+      break;
+    case 128:
+      launch_dense<128>(args, plan, nb, stream);
+      break;
+    default:
+      launch_dense<256>(args, plan, nb, stream);
+      break;
+  }
+  const dim3 grid(static_cast<unsigned>(q_heads), static_cast<unsigned>(batch));
+  merge_partials_kernel<<<grid, 128, 0, stream>>>(args.part_acc, args.part_ml, args.kv_heads,
+                                                  args.group, plan.parts,
+                                                  static_cast<int>(head_dim), out);
+  KVSIFT_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace kvsift::cuda

@@ -1,0 +1,380 @@
+// The split-sequence paged decode attention (cuda::paged_decode_attention_batch, docs/algorithms.md
+// §3.4) against independent CPU oracles:
+//   - ternary blocks: dense softmax attention in double over the tokens obtained by dequantizing
+//     every block with the CPU codec (ThoughtBlockTable::dequantize_block, staged key rows
+//     included) and keeping the slots whose eviction bit is clear;
+//   - mixed NVFP4 / ternary blocks with NVFP4 global factors: the CPU reference
+//     paged_decode_attention, per sequence (FP8 blocks take the tiled kernel, checked as a
+//     fallback).
+// Covered: a batch of 3 sequences of different lengths, GQA groups 4 and 8, head_dim 128 and 64,
+// blocks of 32 and 48 slots (a 16-slot tile), staged (not yet quantized) key rows, random
+// evictions, a run of 8 blocks with every slot evicted in one head (whole splits without a live
+// slot), one sequence with no live token in a head, and splits forced from few to many.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "catch.hpp"
+#include "device_buffer.hpp"
+#include "kvsift/backend/cuda/paged_table.hpp"
+#include "kvsift/paged/paged_attention.hpp"
+#include "kvsift/paged/thought_block_table.hpp"
+
+using namespace kvsift;
+using test::DeviceBuffer;
+
+namespace {
+
+struct Mirror {
+  cuda::PagedTableSizes sizes;
+  DeviceBuffer<std::uint8_t> storage;
+  DeviceBuffer<std::uint64_t> masks;
+  DeviceBuffer<std::uint32_t> sealed;
+  DeviceBuffer<cuda::PagedStaging> staging;
+  DeviceBuffer<float> factors;
+  cuda::DevicePagedTable table;
+
+  Mirror(const ThoughtBlockTableConfig& cfg, std::int32_t max_sequences)
+      : sizes(cuda::paged_table_sizes(cfg, max_sequences)),
+        storage(static_cast<std::size_t>(sizes.storage_bytes)),
+        masks(static_cast<std::size_t>(sizes.mask_bytes / 8)),
+        sealed(static_cast<std::size_t>(sizes.sealed_bytes / 4)),
+        staging(static_cast<std::size_t>(sizes.staging_bytes) / sizeof(cuda::PagedStaging)),
+        factors(static_cast<std::size_t>(cfg.kv_heads)),
+        table(cfg, max_sequences,
+              cuda::PagedTableMemory{storage.get(), masks.get(), sealed.get(), staging.get(),
+                                     factors.get()}) {
+    // Poison: bytes the kernels must never use (never-written slots) hold 0xab, whose ternary
+    // codes include the invalid 10 and whose FP8 codes are finite garbage.
+    KVSIFT_CUDA_CHECK(cudaMemset(storage.get(), 0xab, storage.size()));
+    table.initialize(nullptr);
+    KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+};
+
+// Appends `lengths[i]` random tokens to sequence i of both tables (segments of 80 tokens with
+// random thought types, so every type leaves a partly staged key group), then evicts about 40 %
+// of each head's tokens at random, and every token of blocks [0, 8) of head 0 of sequence 0.
+std::vector<std::int32_t> fill(ThoughtBlockTable& cpu, Mirror& dev, const std::vector<int>& lengths,
+                               std::mt19937& rng) {
+  const std::int32_t H = cpu.config().kv_heads, D = cpu.config().head_dim;
+  std::normal_distribution<float> normal;
+  std::vector<std::int32_t> seqs;
+  std::vector<float> k(static_cast<std::size_t>(H) * D), v(k.size()), bk, bv;
+  std::vector<SlotAddress> where(static_cast<std::size_t>(H));
+  auto flush = [&] {
+    if (dev.table.pending_tokens() == 0) return;
+    DeviceBuffer<float> dk(bk), dv(bv);
+    DeviceBuffer<std::uint8_t> ws(dev.table.append_workspace_bytes());
+    dev.table.append(dk.get(), dv.get(), DType::f32, ws.get(), ws.size(), nullptr);
+    KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+    bk.clear();
+    bv.clear();
+  };
+  for (int len : lengths) {
+    const std::int32_t seq = cpu.create_sequence();
+    seqs.push_back(seq);
+    for (int t = 0; t < len; ++t) {
+      if (t % 80 == 0) cpu.open_segment(seq, static_cast<ThoughtType>(rng() % 3));
+      for (float& x : k) x = 1.5f * normal(rng);
+      for (float& x : v) x = normal(rng);
+      cpu.append(seq, k.data(), v.data(), H, D, where.data());
+      dev.table.record_append(cpu, seq, where.data());
+      bk.insert(bk.end(), k.begin(), k.end());
+      bv.insert(bv.end(), v.begin(), v.end());
+      if (dev.table.pending_tokens() == 64) flush();
+    }
+    flush();
+  }
+  for (std::size_t i = 0; i < seqs.size(); ++i) {
+    for (std::int32_t h = 0; h < H; ++h) {
+      std::vector<SlotAddress> victims;
+      for (const ResidentToken& t : cpu.resident_tokens(seqs[i], h)) {
+        const bool masked_run = i == 0 && h == 0 && t.address.block < 8;
+        if (masked_run || rng() % 5 < 2) victims.push_back(t.address);
+      }
+      for (const SlotAddress& a : victims) cpu.evict(seqs[i], h, a);
+      DeviceBuffer<std::uint8_t> ws(dev.table.evict_workspace_bytes(victims.size()));
+      dev.table.evict(seqs[i], h, victims, ws.get(), ws.size(), nullptr);
+    }
+  }
+  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+  return seqs;
+}
+
+// Dense softmax attention in double over the live slots of every block, each block dequantized
+// by the CPU codec. query [q_heads, D] -> [q_heads, D]; zeros for a KV head without live slots.
+std::vector<float> dequantized_dense_oracle(const ThoughtBlockTable& cpu, std::int32_t seq,
+                                            const float* query, std::int64_t q_heads, float scale) {
+  const std::int64_t H = cpu.config().kv_heads, D = cpu.config().head_dim, G = q_heads / H;
+  const std::int32_t B = cpu.config().block_size;
+  std::vector<float> out(static_cast<std::size_t>(q_heads * D), 0.0f);
+  std::vector<float> bk(static_cast<std::size_t>(B * D)), bv(bk.size());
+  for (std::int64_t h = 0; h < H; ++h) {
+    std::vector<std::vector<float>> K, V;
+    for (std::int32_t b = 0; b < cpu.num_blocks(seq); ++b) {
+      cpu.dequantize_block(seq, b, static_cast<std::int32_t>(h), bk.data(), bv.data());
+      const std::uint64_t* free = cpu.free_mask(seq, b, static_cast<std::int32_t>(h));
+      for (std::int32_t s = 0; s < B; ++s) {
+        if ((free[s / 64] >> (s % 64)) & 1u) continue;
+        K.emplace_back(bk.begin() + s * D, bk.begin() + (s + 1) * D);
+        V.emplace_back(bv.begin() + s * D, bv.begin() + (s + 1) * D);
+      }
+    }
+    if (K.empty()) continue;
+    for (std::int64_t g = 0; g < G; ++g) {
+      const float* q = query + (h * G + g) * D;
+      std::vector<double> w(K.size());
+      double mx = -1e300, sum = 0;
+      for (std::size_t j = 0; j < K.size(); ++j) {
+        double dot = 0;
+        for (std::int64_t d = 0; d < D; ++d) dot += double(q[d]) * K[j][d];
+        w[j] = dot * scale;
+        mx = std::max(mx, w[j]);
+      }
+      for (double& x : w) sum += (x = std::exp(x - mx));
+      for (std::int64_t d = 0; d < D; ++d) {
+        double acc = 0;
+        for (std::size_t j = 0; j < K.size(); ++j) acc += w[j] * V[j][d];
+        out[static_cast<std::size_t>((h * G + g) * D + d)] = static_cast<float>(acc / sum);
+      }
+    }
+  }
+  return out;
+}
+
+void require_close(const std::vector<float>& got, const std::vector<float>& want,
+                   std::size_t offset, float tol, const char* what) {
+  std::size_t bad = 0, first = want.size();
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    if (!(std::fabs(got[offset + i] - want[i]) <= tol * (1.0f + std::fabs(want[i])))) {
+      if (bad++ == 0) first = i;
+    }
+  }
+  if (bad > 0) {
+    INFO(what << ": " << bad << " of " << want.size() << " elements differ; first at " << first
+              << " got " << got[offset + first] << " want " << want[first]);
+    REQUIRE(bad == 0);
+  }
+}
+
+// Runs the batched split kernel over `seqs` (one query row block per sequence) with NaN-poisoned
+// output and returns [batch, q_heads, D].
+std::vector<float> run_batch(Mirror& dev, const std::vector<std::int32_t>& seqs,
+                             const std::vector<float>& query, std::int64_t q_heads, float scale,
+                             const cuda::DecodeAttentionConfig& ac) {
+  const std::int64_t D = dev.table.config().head_dim;
+  const auto n = static_cast<std::int32_t>(seqs.size());
+  DeviceBuffer<std::uint8_t> view_ws(cuda::paged_batch_bytes(dev.table, seqs.data(), n));
+  const cuda::PagedBatch batch =
+      cuda::upload_paged_batch(dev.table, seqs.data(), n, view_ws.get(), view_ws.size(), nullptr);
+  REQUIRE(cuda::paged_split_kernel_applies(dev.table, batch, q_heads));
+  DeviceBuffer<float> q(query), out(query.size());
+  KVSIFT_CUDA_CHECK(cudaMemset(out.get(), 0xff, out.size() * 4));
+  DeviceBuffer<std::uint8_t> ws(
+      cuda::paged_decode_attention_batch_workspace_bytes(dev.table, batch, q_heads, ac));
+  cuda::paged_decode_attention_batch(dev.table, batch, q.get(), q_heads, D, scale, out.get(),
+                                     ws.get(), ws.size(), nullptr, ac);
+  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+  return out.download();
+}
+
+ThoughtBlockTableConfig make_config(int kv_heads, int head_dim, int block_size, BlockFormat r,
+                                    BlockFormat e, BlockFormat t, int num_blocks) {
+  ThoughtBlockTableConfig c;
+  c.kv_heads = kv_heads;
+  c.head_dim = head_dim;
+  c.block_size = block_size;
+  c.num_blocks = num_blocks;
+  c.reasoning = r;
+  c.execution = e;
+  c.transition = t;
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE("split paged attention: ternary blocks equal dense attention over dequantized tokens") {
+  const ThoughtBlockTableConfig cfg = make_config(2, 128, 32, BlockFormat::ternary,
+                                                  BlockFormat::ternary, BlockFormat::ternary, 128);
+  const std::int64_t q_heads = 8;  // GQA group 4
+  std::mt19937 rng(11);
+  ThoughtBlockTable cpu(cfg);
+  Mirror dev(cfg, 3);
+  const std::vector<std::int32_t> seqs = fill(cpu, dev, {700, 333, 1100}, rng);
+  // Sanity of the scenario itself: blocks 0-7 of head 0 of sequence 0 are all evicted, and some
+  // key groups are still staged (not sealed) in every sequence.
+  for (std::int32_t b = 0; b < 8; ++b) {
+    const std::uint64_t* free = cpu.free_mask(seqs[0], b, 0);
+    REQUIRE((free[0] & 0xffffffffull) == 0xffffffffull);
+  }
+  std::normal_distribution<float> normal;
+  std::vector<float> query(seqs.size() * static_cast<std::size_t>(q_heads) * 128);
+  for (float& x : query) x = normal(rng);
+  const float scale = 1.0f / std::sqrt(128.0f);
+  for (int variant = 0; variant < 3; ++variant) {
+    cuda::DecodeAttentionConfig ac;
+    // 1 and 2 tiles per warp: many splits, and the masked blocks 0-7 fill whole splits (4 and 8
+    // tiles per CTA); target_ctas 1: one split per sequence, long runs per warp.
+    ac.min_tiles_per_warp = variant == 0 ? 1 : variant == 1 ? 2 : 4;
+    ac.target_ctas = variant == 2 ? 1 : 528;
+    INFO("min_tiles_per_warp " << ac.min_tiles_per_warp << " target_ctas " << ac.target_ctas);
+    const std::vector<float> got = run_batch(dev, seqs, query, q_heads, scale, ac);
+    for (std::size_t i = 0; i < seqs.size(); ++i) {
+      INFO("batch item " << i);
+      const std::size_t off = i * static_cast<std::size_t>(q_heads) * 128;
+      require_close(got, dequantized_dense_oracle(cpu, seqs[i], query.data() + off, q_heads, scale),
+                    off, 1e-4f, "split kernel vs dense attention over dequantized tokens");
+      std::vector<float> ref(static_cast<std::size_t>(q_heads) * 128);
+      paged_decode_attention(cpu, seqs[i], query.data() + off, q_heads, 128, scale, ref.data());
+      require_close(got, ref, off, 1e-4f, "split kernel vs CPU paged attention");
+    }
+  }
+}
+
+TEST_CASE("split paged attention: a head without live tokens gives zeros") {
+  const ThoughtBlockTableConfig cfg =
+      make_config(2, 64, 32, BlockFormat::ternary, BlockFormat::nvfp4, BlockFormat::ternary, 32);
+  std::mt19937 rng(5);
+  ThoughtBlockTable cpu(cfg);
+  Mirror dev(cfg, 1);
+  const std::vector<std::int32_t> seqs = fill(cpu, dev, {200}, rng);
+  std::vector<SlotAddress> all;
+  for (const ResidentToken& t : cpu.resident_tokens(seqs[0], 1)) all.push_back(t.address);
+  for (const SlotAddress& a : all) cpu.evict(seqs[0], 1, a);
+  DeviceBuffer<std::uint8_t> ews(dev.table.evict_workspace_bytes(all.size()));
+  dev.table.evict(seqs[0], 1, all, ews.get(), ews.size(), nullptr);
+  std::vector<float> query(4 * 64);
+  std::normal_distribution<float> normal;
+  for (float& x : query) x = normal(rng);
+  cuda::DecodeAttentionConfig ac;
+  ac.min_tiles_per_warp = 1;
+  const std::vector<float> got = run_batch(dev, seqs, query, 4, 0.125f, ac);
+  for (std::size_t i = 2 * 64; i < got.size(); ++i) {
+    INFO("element " << i);
+    REQUIRE(got[i] == 0.0f);
+  }
+  require_close(got, dequantized_dense_oracle(cpu, seqs[0], query.data(), 4, 0.125f), 0, 1e-4f,
+                "split kernel vs dense oracle");
+}
+
+TEST_CASE("split paged attention: NVFP4 and ternary blocks with global factors") {
+  // (FP8 blocks take the tiled kernel: see split_kernel_takes in cuda/paged_attention_split.cu.)
+  for (int block_size : {32, 48}) {
+    ThoughtBlockTableConfig cfg = make_config(2, 64, block_size, BlockFormat::nvfp4,
+                                              BlockFormat::ternary, BlockFormat::nvfp4, 128);
+    cfg.global_factors = {300.0f, 0.7f};
+    const std::int64_t q_heads = 16;  // GQA group 8
+    std::mt19937 rng(static_cast<std::uint32_t>(block_size));
+    ThoughtBlockTable cpu(cfg);
+    Mirror dev(cfg, 2);
+    const std::vector<std::int32_t> seqs = fill(cpu, dev, {900, 517}, rng);
+    std::normal_distribution<float> normal;
+    std::vector<float> query(seqs.size() * static_cast<std::size_t>(q_heads) * 64);
+    for (float& x : query) x = normal(rng);
+    for (int tiles : {1, 4}) {
+      cuda::DecodeAttentionConfig ac;
+      ac.min_tiles_per_warp = tiles;
+      INFO("block_size " << block_size << " min_tiles_per_warp " << tiles);
+      const std::vector<float> got = run_batch(dev, seqs, query, q_heads, 0.125f, ac);
+      for (std::size_t i = 0; i < seqs.size(); ++i) {
+        INFO("batch item " << i);
+        const std::size_t off = i * static_cast<std::size_t>(q_heads) * 64;
+        std::vector<float> ref(static_cast<std::size_t>(q_heads) * 64);
+        paged_decode_attention(cpu, seqs[i], query.data() + off, q_heads, 64, 0.125f, ref.data());
+        require_close(got, ref, off, 1e-4f, "split kernel vs CPU paged attention");
+        require_close(got,
+                      dequantized_dense_oracle(cpu, seqs[i], query.data() + off, q_heads, 0.125f),
+                      off, 1e-4f, "split kernel vs dense oracle");
+      }
+    }
+  }
+}
+
+TEST_CASE("split paged attention: shapes it does not take run the tiled kernel") {
+  // f32 blocks, FP8 blocks, and a GQA group of 16: the batch entry point falls back per sequence.
+  const BlockFormat first = GENERATE(BlockFormat::f32, BlockFormat::fp8);
+  ThoughtBlockTableConfig cfg =
+      make_config(1, 32, 32, first, BlockFormat::nvfp4, BlockFormat::ternary, 64);
+  std::mt19937 rng(3);
+  ThoughtBlockTable cpu(cfg);
+  Mirror dev(cfg, 2);
+  const std::vector<std::int32_t> seqs = fill(cpu, dev, {300, 170}, rng);
+  for (std::int64_t q_heads : {4, 16}) {
+    std::vector<float> query(seqs.size() * static_cast<std::size_t>(q_heads) * 32);
+    std::normal_distribution<float> normal;
+    for (float& x : query) x = normal(rng);
+    DeviceBuffer<std::uint8_t> view_ws(cuda::paged_batch_bytes(dev.table, seqs.data(), 2));
+    const cuda::PagedBatch batch =
+        cuda::upload_paged_batch(dev.table, seqs.data(), 2, view_ws.get(), view_ws.size(), nullptr);
+    REQUIRE_FALSE(cuda::paged_split_kernel_applies(dev.table, batch, q_heads));
+    DeviceBuffer<float> q(query), out(query.size());
+    DeviceBuffer<std::uint8_t> ws(
+        cuda::paged_decode_attention_batch_workspace_bytes(dev.table, batch, q_heads));
+    cuda::paged_decode_attention_batch(dev.table, batch, q.get(), q_heads, 32, 0.2f, out.get(),
+                                       ws.get(), ws.size(), nullptr);
+    KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<float> got = out.download();
+    for (std::size_t i = 0; i < seqs.size(); ++i) {
+      const std::size_t off = i * static_cast<std::size_t>(q_heads) * 32;
+      std::vector<float> ref(static_cast<std::size_t>(q_heads) * 32);
+      paged_decode_attention(cpu, seqs[i], query.data() + off, q_heads, 32, 0.2f, ref.data());
+      require_close(got, ref, off, 1e-4f, "fallback vs CPU paged attention");
+    }
+  }
+}
+
+TEST_CASE("dense split attention (the benchmark's baseline) equals a double oracle") {
+  const std::int64_t B = 2, H = 2, G = 4, D = 64, Hq = H * G;
+  const float scale = 0.125f;
+  std::mt19937 rng(21);
+  std::normal_distribution<float> normal;
+  for (std::int64_t T : {0, 5, 77, 300}) {
+    std::vector<bf16_t> k(static_cast<std::size_t>(B * H * T * D)), v(k.size());
+    for (bf16_t& x : k) x = from_float<bf16_t>(normal(rng));
+    for (bf16_t& x : v) x = from_float<bf16_t>(normal(rng));
+    std::vector<float> q(static_cast<std::size_t>(B * Hq * D)), want(q.size(), 0.0f);
+    for (float& x : q) x = normal(rng);
+    for (std::int64_t b = 0; b < B && T > 0; ++b) {
+      for (std::int64_t qh = 0; qh < Hq; ++qh) {
+        const std::int64_t kv = (b * H + qh / G) * T;
+        std::vector<double> w(static_cast<std::size_t>(T));
+        double mx = -1e300, sum = 0;
+        for (std::int64_t j = 0; j < T; ++j) {
+          double dot = 0;
+          for (std::int64_t d = 0; d < D; ++d)
+            dot += double(q[(b * Hq + qh) * D + d]) * to_float(k[(kv + j) * D + d]);
+          w[j] = dot * scale;
+          mx = std::max(mx, w[j]);
+        }
+        for (double& x : w) sum += (x = std::exp(x - mx));
+        for (std::int64_t d = 0; d < D; ++d) {
+          double acc = 0;
+          for (std::int64_t j = 0; j < T; ++j) acc += w[j] * to_float(v[(kv + j) * D + d]);
+          want[(b * Hq + qh) * D + d] = static_cast<float>(acc / sum);
+        }
+      }
+    }
+    for (int tiles : {1, 4}) {
+      INFO("tokens " << T << " min_tiles_per_warp " << tiles);
+      cuda::DecodeAttentionConfig ac;
+      ac.min_tiles_per_warp = tiles;
+      DeviceBuffer<bf16_t> dk(std::max<std::size_t>(k.size(), 8)),
+          dv(std::max<std::size_t>(v.size(), 8));
+      if (!k.empty()) {
+        KVSIFT_CUDA_CHECK(cudaMemcpy(dk.get(), k.data(), k.size() * 2, cudaMemcpyHostToDevice));
+        KVSIFT_CUDA_CHECK(cudaMemcpy(dv.get(), v.data(), v.size() * 2, cudaMemcpyHostToDevice));
+      }
+      DeviceBuffer<float> dq(q), out(q.size());
+      KVSIFT_CUDA_CHECK(cudaMemset(out.get(), 0xff, out.size() * 4));
+      DeviceBuffer<std::uint8_t> ws(
+          cuda::dense_split_decode_attention_workspace_bytes(B, H, T, Hq, D, ac));
+      cuda::dense_split_decode_attention_bf16(dk.get(), dv.get(), B, H, T, dq.get(), Hq, D, scale,
+                                              out.get(), ws.get(), ws.size(), nullptr, ac);
+      KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+      require_close(out.download(), want, 0, 1e-4f, "dense split vs double oracle");
+    }
+  }
+}
