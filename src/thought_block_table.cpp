@@ -608,9 +608,9 @@ const std::vector<std::uint8_t>& ThoughtBlockTable::block_storage(std::int32_t s
 // --- memory ----------------------------------------------------------------------------------
 
 namespace {
-// Per sequence: page table (4 B per block), segment starts and types (5 B per segment), length.
+// Per sequence: page table, segment starts and types, length (block_bytes.hpp).
 std::int64_t sequence_metadata(std::size_t blocks, std::size_t segments) {
-  return 4 * static_cast<std::int64_t>(blocks) + 5 * static_cast<std::int64_t>(segments) + 4;
+  return page_table_bytes(static_cast<std::int64_t>(blocks), static_cast<std::int64_t>(segments));
 }
 }  // namespace
 
@@ -626,7 +626,7 @@ TableBytes ThoughtBlockTable::resident_bytes() const {
     out.metadata += b.metadata;
     any_nvfp4 = any_nvfp4 || f.format == BlockFormat::nvfp4;
   }
-  if (any_nvfp4) out.metadata += 4 * config_.kv_heads;  // the fp32 global factor g per KV head
+  if (any_nvfp4) out.metadata += global_factor_bytes(config_.kv_heads);
   for (const Sequence& s : sequences_) {
     if (!s.active) continue;
     out.metadata += sequence_metadata(s.blocks.size(), s.segment_starts.size());
@@ -649,7 +649,7 @@ TableBytes ThoughtBlockTable::allocated_bytes() const {
                     kBlockHeaderBytes;
     any_nvfp4 = any_nvfp4 || f.format == BlockFormat::nvfp4;
   }
-  if (any_nvfp4) out.metadata += 4 * config_.kv_heads;
+  if (any_nvfp4) out.metadata += global_factor_bytes(config_.kv_heads);
   for (const Sequence& s : sequences_) {
     if (!s.active) continue;
     out.metadata += sequence_metadata(s.blocks.size(), s.segment_starts.size());

@@ -84,4 +84,16 @@ KVSIFT_HOST_DEVICE constexpr std::int64_t staging_bytes(std::int64_t kv_heads,
   return kStagedThoughtTypes * kv_heads * kQuantGroupSize * (2 * head_dim * 2 + 4);
 }
 
+// One sequence's page table in one layer: 4 B per block (its frame id), 5 B per segment (start and
+// thought type), 4 B for its length.
+KVSIFT_HOST_DEVICE constexpr std::int64_t page_table_bytes(std::int64_t blocks,
+                                                           std::int64_t segments) {
+  return 4 * blocks + 5 * segments + 4;
+}
+
+// NVFP4's fp32 global factor g per KV head, held once a table has an NVFP4 block.
+KVSIFT_HOST_DEVICE constexpr std::int64_t global_factor_bytes(std::int64_t kv_heads) {
+  return 4 * kv_heads;
+}
+
 }  // namespace kvsift
