@@ -187,7 +187,7 @@ TEST_CASE("split paged attention: ternary blocks equal dense attention over dequ
   Mirror dev(cfg, 3);
   const std::vector<std::int32_t> seqs = fill(cpu, dev, {700, 333, 1100}, rng);
   // Sanity of the scenario itself: blocks 0-7 of head 0 of sequence 0 are all evicted, and some
-  // key groups are still staged (not sealed) in every sequence.
+  // tokens are still staged (not yet quantized) in every sequence.
   for (std::int32_t b = 0; b < 8; ++b) {
     const std::uint64_t* free = cpu.free_mask(seqs[0], b, 0);
     REQUIRE((free[0] & 0xffffffffull) == 0xffffffffull);

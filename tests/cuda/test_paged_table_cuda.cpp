@@ -159,7 +159,7 @@ void run_scenario(const Scenario& sc, std::uint32_t seed, int steps) {
     if (op == 0) {
       cpu.open_segment(seq, static_cast<ThoughtType>(pick(3)));
     } else if (op <= 11) {
-      // Append: mostly N(0, 2²) keys, sometimes an outlier (saturates in sealed groups) or a
+      // Append: mostly N(0, 2²) keys, sometimes an outlier (dominates its groups' scales) or a
       // zero key (zero scales).
       std::vector<float> k(static_cast<std::size_t>(H * D)), v(k.size());
       const int kind = pick(12);

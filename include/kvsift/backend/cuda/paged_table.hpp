@@ -1,5 +1,5 @@
 // kvsift::cuda device mirror of ThinKV's Continuous Thinking table (docs/algorithms.md §3.4;
-// docs/thinkv.md §7): the block storage (one pool per block format), the per-(block, KV head)
+// docs/thinkv.md §8): the block storage (one pool per block format), the per-(block, KV head)
 // eviction masks and slot positions, and the 16-bit staging buffers of not yet quantized tokens
 // (keys AND values) live in device memory; slot allocation and segment metadata stay on the host.
 //
@@ -280,12 +280,13 @@ class DevicePagedTable {
 
 // Decode attention of one query token over a sequence of the device table (§3.4): per query head
 // (GQA: KV head q / (q_heads / kv_heads)), over all blocks, evicted and never-written slots
-// skipped through the mask, each block dequantized by its own format, staged key rows read from
-// the staging buffer. A KV head with no live slot gives zero outputs (as the CPU reference).
+// skipped through the mask, each block dequantized by its own format, and the staged tokens'
+// 16-bit keys and values read in fp32 (exact). A KV head with no live token gives zero outputs
+// (as the CPU reference).
 //   query  device [q_heads, head_dim] f32; out device [q_heads, head_dim] f32
 // head_dim must be <= 256 here. Requires no pending append on `table`.
 // Runs the split-sequence tensor-core kernel (paged_decode_attention_batch) when it applies
-// (GQA group <= 8, head_dim 16/32/64/128/256, no f32 block), the tiled kernel otherwise.
+// (GQA group <= 8, head_dim 16/32/64/128/256, no f32 or FP8 block), the tiled kernel otherwise.
 std::size_t paged_decode_attention_workspace_bytes(const DevicePagedTable& table, std::int32_t seq,
                                                    std::int64_t q_heads,
                                                    const DecodeAttentionConfig& cfg = {});
@@ -308,8 +309,9 @@ void paged_decode_attention_tiled(const DevicePagedTable& table, std::int32_t se
 
 // --- batched split-sequence decode attention ---------------------------------------------------
 // The page tables of a batch of sequences in device memory (upload_paged_batch). They stay valid
-// while no sequence of the batch gains or loses a block (appends into existing blocks, evictions
-// and staging are read live), so an engine uploads once per new block, not once per step.
+// while no sequence of the batch gains or loses a block (appends into existing blocks, eviction
+// bits and staging are read live), so an engine uploads again only after an append took a block
+// or an eviction freed one (num_blocks changed), not once per step.
 struct PagedBatch {
   const std::int32_t* frames = nullptr;       // [total_blocks] pool frame, sequence after sequence
   const std::int32_t* meta = nullptr;         // [total_blocks] format | thought type << 4
@@ -340,7 +342,8 @@ bool paged_split_kernel_applies(const DevicePagedTable& table, const PagedBatch&
 // (no dequantized copy in global memory), computes the logits of all query heads of the GQA
 // group at once with tensor-core MMAs (the KV head's tile is read once for the whole group),
 // folds them into its online softmax and writes one partial (max, sum, acc); a second kernel
-// merges the partials. Staged key rows are read in fp32 from the staging buffer.
+// merges the partials. The staged tokens (16-bit K and V) never enter the MMAs (bf16 is not exact
+// in the fp16 path): one more kernel computes their partial in fp32 on CUDA cores.
 //   query  device [batch, q_heads, head_dim] f32; out device [batch, q_heads, head_dim] f32
 std::size_t paged_decode_attention_batch_workspace_bytes(const DevicePagedTable& table,
                                                          const PagedBatch& batch,
