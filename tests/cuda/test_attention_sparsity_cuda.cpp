@@ -12,8 +12,8 @@
 
 #include "catch.hpp"
 #include "device_buffer.hpp"
-#include "kvsift/backend/cpu/attention_sparsity.hpp"
 #include "kvsift/backend/cuda/attention_sparsity.hpp"
+#include "kvsift/backend/cpu/attention_sparsity.hpp"
 
 using namespace kvsift;
 using test::DeviceBuffer;

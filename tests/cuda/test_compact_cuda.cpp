@@ -1,5 +1,5 @@
-// kvsift::cuda::compact against the CPU reference kvsift::compact: same rows, bit for bit, for
-// every dtype, head_dim and a padding mask; error paths leave the device cache untouched.
+// kvsift::cuda::compact against the CPU reference kvsift::compact: same rows, bit for bit, for every
+// dtype, head_dim and a padding mask; error paths leave the device cache untouched.
 #include <algorithm>
 #include <cstring>
 #include <random>
@@ -84,8 +84,7 @@ void check_against_cpu(int B, int H, int C, int D, bool with_mask, std::uint32_t
   if (with_mask) {
     const auto gm = dmask.download();
     for (int b = 0; b < B; ++b)
-      REQUIRE(
-          std::equal(gm.begin() + b * C, gm.begin() + b * C + host_lens[b], mask.begin() + b * C));
+      REQUIRE(std::equal(gm.begin() + b * C, gm.begin() + b * C + host_lens[b], mask.begin() + b * C));
   }
 }
 
@@ -111,8 +110,8 @@ TEST_CASE("cuda::compact rejects bad calls before writing anything", "[cuda][com
   for (std::size_t i = 0; i < k.size(); ++i) k[i] = float(i);
   DeviceBuffer<float> dk(k), dv(k);
   std::vector<std::int32_t> lens = {16};
-  auto view =
-      make_kv_cache_view(dk.get(), dv.get(), DType::f32, Device::cuda, B, H, C, D, lens.data());
+  auto view = make_kv_cache_view(dk.get(), dv.get(), DType::f32, Device::cuda, B, H, C, D,
+                                 lens.data());
   std::mt19937 rng(3);
   const KeepPlan plan = random_plan(B, H, C, {16}, {6}, 2, rng, false);
   SECTION("workspace too small") {

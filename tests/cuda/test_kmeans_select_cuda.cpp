@@ -11,8 +11,8 @@
 
 #include "catch.hpp"
 #include "device_buffer.hpp"
-#include "kvsift/backend/cpu/kmeans_select.hpp"
 #include "kvsift/backend/cuda/kmeans_select.hpp"
+#include "kvsift/backend/cpu/kmeans_select.hpp"
 
 using namespace kvsift;
 using test::DeviceBuffer;
