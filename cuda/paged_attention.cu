@@ -3,15 +3,14 @@
 // head_dims) and as the "old" column of the benchmark, and the same body over a dense bf16 cache.
 //
 // Split-KV (flash-decoding): CTA (KV head h, split s) walks its run of 32-slot tiles. For each
-// tile with a live slot it dequantizes keys and values into shared memory (per the block's format),
-// computes the logits of
-// the GQA group's query heads, and folds them into a running max / sum / accumulator (online
-// softmax, FlashAttention). Evicted and never-written slots get logit −inf and weight exactly 0,
-// and their (stale) data is never multiplied in. The sequence's staged tokens (16-bit keys and
-// values waiting for their 16-token group, §3.4) are three more units after the blocks' tiles, one
-// per thought type, read in fp32 from the staging rows (exact), their live rows given by the
-// staged mask. A second kernel merges the splits per query head.
-// Every reduction runs in a fixed order, so results are deterministic.
+// tile with a live slot it dequantizes keys and values into shared memory (per the block's
+// format), computes the logits of the GQA group's query heads, and folds them into a running
+// max / sum / accumulator (online softmax, FlashAttention). Evicted and never-written slots get
+// logit −inf and weight exactly 0, and their (stale) data is never multiplied in. The sequence's
+// staged tokens (16-bit keys and values waiting for their 16-token group, §3.4) are three more
+// units after the blocks' tiles, one per thought type, read in fp32 from the staging rows (exact),
+// their live rows given by the staged mask. A second kernel merges the splits per query head. Every
+// reduction runs in a fixed order, so results are deterministic.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

@@ -46,7 +46,6 @@ struct PagedMirror {
     // Poison: 0xab bytes hold the invalid ternary code 10 and finite FP8 garbage; the fresh-frame
     // initialisation must zero every byte the CPU table zeroes.
     KVSIFT_CUDA_CHECK(cudaMemset(storage.get(), 0xab, storage.size()));
-    KVSIFT_CUDA_CHECK(cudaMemset(staged_keys.get(), 0x7f, staged_keys.size() * 2));
     table.initialize(nullptr);
     KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
   }

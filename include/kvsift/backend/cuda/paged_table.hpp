@@ -31,7 +31,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
-#include <set>
 #include <vector>
 
 #include "kvsift/core/dtype.hpp"
