@@ -1,6 +1,6 @@
-// ThoughtBlockTable operations (docs/algorithms.md §3.4) on the CPU: appending tokens (with the staged
-// quantization of 16-slot key groups), soft eviction plus slot reuse, and the reference paged
-// decode attention. Shapes are R1-Qwen-7B-like: 4 KV heads, 28 query heads, head_dim 128.
+// ThoughtBlockTable operations (docs/algorithms.md §3.4) on the CPU: appending tokens (with the
+// staged quantization of 16-slot key groups), soft eviction plus slot reuse, and the reference
+// paged decode attention. Shapes are R1-Qwen-7B-like: 4 KV heads, 28 query heads, head_dim 128.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -59,8 +59,9 @@ void BM_Append(benchmark::State& state) {
 }
 BENCHMARK(BM_Append)->Args({1024, 0, 32})->Args({1024, 1, 16})->Args({1024, 1, 32});
 
-// One TBE-like round: evict a quarter of each head (different tokens per head), then append as
-// many new tokens, which all land in the holes. Args: tokens, quantized.
+// One TBE-like round: evict one whole 16-slot group of each head (a different group per head),
+// then append 16 new tokens, whose group refills the freed runs with fresh scales (§3.4; a run
+// with any survivor is never refilled). Args: tokens, quantized.
 void BM_EvictAndReuse(benchmark::State& state) {
   const std::int64_t n = state.range(0);
   const auto k = random_tokens(n, 3), v = random_tokens(n, 4);
@@ -70,12 +71,17 @@ void BM_EvictAndReuse(benchmark::State& state) {
   std::mt19937 rng(5);
   const std::int64_t stride = kKvHeads * kHeadDim;
   for (auto _ : state) {
-    // Evict within the open segment's type so the refill reuses the holes.
     for (std::int32_t h = 0; h < kKvHeads; ++h) {
       auto tokens = t.resident_tokens(seq, h, t.num_segments(seq) - 1);
-      std::shuffle(tokens.begin(), tokens.end(), rng);
+      std::vector<kvsift::ResidentToken> placed;
+      for (const auto& r : tokens)
+        if (r.address.block >= 0) placed.push_back(r);
+      const auto& pick = placed[rng() % placed.size()];
       std::vector<std::int32_t> victims;
-      for (std::size_t i = 0; i < 16; ++i) victims.push_back(tokens[i].position);
+      for (const auto& r : tokens) {
+        if (r.address.block == pick.address.block && r.address.slot / 16 == pick.address.slot / 16)
+          victims.push_back(r.position);
+      }
       t.evict_positions(seq, h, victims);
     }
     for (int i = 0; i < 16; ++i) t.append(seq, &k[i * stride], &v[i * stride], kKvHeads, kHeadDim);

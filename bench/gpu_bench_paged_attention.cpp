@@ -2,9 +2,9 @@
 // Thinking table, R1-Llama-8B shapes (32 query heads, 8 KV heads, head_dim 128), blocks of 32
 // slots, R4 E4 T2 formats by default (NVFP4 for reasoning and execution segments, ternary for
 // transitions; --fp8-reasoning makes reasoning blocks FP8), segments of 128 tokens with random
-// thought types, exactly half of every head's tokens evicted by mask bits. Per sequence length
-// (default 4K 8K 16K 32K) and batch (default 1 8 64), all in one run, CUDA events, median of 50
-// after 5 warm-up launches:
+// thought types, exactly half of every head's tokens evicted (mask bits; staged tokens dropped).
+// Per sequence length (default 4K 8K 16K 32K) and batch (default 1 8 64), all in one run, CUDA
+// events, median of 50 after 5 warm-up launches:
 //   new    cuda::paged_decode_attention_batch: the split-sequence tensor-core kernel, one launch
 //          for the whole batch (page tables uploaded once, outside the timing);
 //   old    cuda::paged_decode_attention_tiled, once per sequence (its API uploads the sequence's
@@ -14,7 +14,8 @@
 //          tensor-core design (GQA group served by one read of each tile, cp.async copies) without
 //          paging or dequantization;
 //   floor  the bytes the paged kernel must read (codes and scales of every block of every head,
-//          eviction masks, sealed-group words, page table) at the device-to-device copy bandwidth
+//          eviction masks, frame offsets, page table; the few staged rows are left out) at the
+//          device-to-device copy bandwidth
 //          measured by cudaMemcpyAsync in this run (read + write bytes per second).
 // Also printed: max |new − dense| and |new − old| over the outputs, the device append cost per
 // token, and the pool bytes that differ before and after eviction (must be 0: eviction only sets
@@ -79,13 +80,18 @@ void run(int tokens, const Options& opt, double copy_bw, cudaStream_t stream) {
   const cuda::PagedTableSizes sizes = cuda::paged_table_sizes(cfg, max_batch);
   DeviceArray<std::uint8_t> storage(static_cast<std::size_t>(sizes.storage_bytes));
   DeviceArray<std::uint64_t> masks(static_cast<std::size_t>(sizes.mask_bytes / 8));
-  DeviceArray<std::uint32_t> sealed(static_cast<std::size_t>(sizes.sealed_bytes / 4));
-  DeviceArray<cuda::PagedStaging> staging(static_cast<std::size_t>(sizes.staging_bytes) /
-                                          sizeof(cuda::PagedStaging));
+  DeviceArray<std::int32_t> positions(static_cast<std::size_t>(sizes.position_bytes / 4));
+  DeviceArray<std::int64_t> offsets(static_cast<std::size_t>(sizes.frame_offset_bytes / 8));
+  const std::size_t staged_rows =
+      static_cast<std::size_t>(sizes.staging_bytes) / sizeof(cuda::PagedStaging);
+  DeviceArray<cuda::PagedStaging> staged_keys(staged_rows), staged_values(staged_rows);
+  DeviceArray<std::uint32_t> staged_masks(static_cast<std::size_t>(sizes.staged_mask_bytes / 4));
   DeviceArray<float> factors(kKVHeads);
-  cuda::DevicePagedTable dev(cfg, max_batch,
-                             cuda::PagedTableMemory{storage.get(), masks.get(), sealed.get(),
-                                                    staging.get(), factors.get()});
+  cuda::DevicePagedTable dev(
+      cfg, max_batch,
+      cuda::PagedTableMemory{storage.get(), masks.get(), positions.get(), offsets.get(),
+                             staged_keys.get(), staged_values.get(), staged_masks.get(),
+                             factors.get()});
   dev.initialize(stream);
 
   // One random token stream (bf16-representable) appended to every sequence: the same content in
@@ -150,10 +156,12 @@ void run(int tokens, const Options& opt, double copy_bw, cudaStream_t stream) {
       std::shuffle(live.begin(), live.end(), rng);
       live.resize(live.size() / 2);
       std::vector<SlotAddress> victims;
+      std::vector<std::int32_t> victim_positions;
       for (const ResidentToken& t : live) {
-        cpu.evict(seq, h, t.address);
         victims.push_back(t.address);
+        victim_positions.push_back(t.position);
       }
+      cpu.evict_positions(seq, h, victim_positions);  // bits first: the addresses stay valid
       DeviceArray<std::uint8_t> ws(dev.evict_workspace_bytes(victims.size()));
       dev.evict(seq, h, victims, ws.get(), ws.size(), stream);
       KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -188,6 +196,16 @@ void run(int tokens, const Options& opt, double copy_bw, cudaStream_t stream) {
           ++j;
         }
       }
+      std::vector<float> sk, sv;  // staged tokens: 16-bit already
+      cpu.staged_rows(seq, h, sk, sv);
+      for (std::size_t r = 0; r * kHeadDim < sk.size(); ++r, ++j) {
+        KVSIFT_CHECK(j < n, "bench: sequence ", b, " head ", h, " keeps more than ", n, " tokens");
+        for (int d = 0; d < kHeadDim; ++d) {
+          const std::size_t o = (head0 + static_cast<std::size_t>(j)) * kHeadDim + d;
+          dense_k[o] = from_float<bf16_t>(sk[r * kHeadDim + d]);
+          dense_v[o] = from_float<bf16_t>(sv[r * kHeadDim + d]);
+        }
+      }
       KVSIFT_CHECK(j == n, "bench: sequence ", b, " head ", h, " keeps ", j, " tokens, not ", n);
     }
   }
@@ -204,7 +222,7 @@ void run(int tokens, const Options& opt, double copy_bw, cudaStream_t stream) {
         kKVHeads * dev.head_bytes(cpu.block_info(seqs[0], blk).format));  // codes + scales
   }
   seq_bytes += static_cast<double>(cpu.num_blocks(seqs[0])) *
-               (kKVHeads * (8.0 * sizes.mask_words + 4.0) + 8.0);  // masks, sealed, page table
+               (kKVHeads * 8.0 * sizes.mask_words + 12.0);  // masks, frame offset, page table
 
   const float scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
   for (int batch : opt.batches) {

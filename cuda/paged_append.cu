@@ -1,19 +1,19 @@
 // Continuous Thinking on the device (docs/algorithms.md §3.4): the host bookkeeping of
-// DevicePagedTable, the append kernels (value rows quantized per token, key groups staged until
-// their 16th slot arrives and then quantized per channel, keys of reused slots written under the
-// sealed group's scales) and the eviction kernel (mask bits only).
+// DevicePagedTable (replaying the CPU ThoughtBlockTable's decisions: staging, group refill into
+// the lowest free 16-slot run, new blocks, blocks freed when all their slots are evicted, pools
+// per format), the append kernels and the eviction kernel.
 //
-// Why the batch is race-free:
-//   - a slot is written at most once per batch (record_append rejects a second write), so value
-//     rows, f32 key rows and key elements of distinct (token, head) pairs are distinct bytes;
-//   - packed key codes (2 NVFP4 or 4 ternary slots per byte) are shared by the slots of one key
-//     group, so all of a batch's writes into one (frame, head, key group) form one task, and one
-//     thread per channel applies them in order (each channel is its own group of codes);
-//   - the (sequence, type, head) staging rows are shared by consecutive key groups: a batch can
-//     seal group A and start group B. Sealing tasks run first (launch 1) and read the rows staged
-//     by earlier batches plus this batch's keys straight from the input; pure staging tasks run
-//     after them (launch 2). Within one (sequence, type, head) at most one group is staging in a
-//     batch, because slots are filled lowest first (docs/continuous_thinking.md, choice 8).
+// Why a batch is race-free:
+//   - f32 rows: a slot is written at most once per batch (the host mask is cleared at record time
+//     and a second write into a live slot is rejected), so rows of distinct (token, head) pairs
+//     are distinct bytes; their mask words are updated with atomicAnd.
+//   - staged tokens and seals: all ops of one (sequence, type, head) stream run in one CTA, in
+//     recording order, separated by __syncthreads (a seal reads the 16 rows its stage ops wrote,
+//     the next stage op may reuse a row the seal has read). Distinct streams touch distinct
+//     staging rows and distinct (frame, head) bytes (a block has one thought type and one owner),
+//     so CTAs never share a byte; masks are updated with atomicAnd all the same.
+//   - fresh frames are initialised by the first launch of the batch, before any write into them
+//     (stream order).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -28,48 +28,50 @@ namespace kvsift::cuda {
 namespace {
 
 using detail::PagedEviction;
+using detail::PagedFreshFrame;
 using detail::PagedHeadLayout;
-using detail::PagedKeyEntry;
-using detail::PagedKeyTask;
 using detail::PagedLayouts;
 using detail::PagedRowWrite;
+using detail::PagedStagedMask;
+using detail::PagedStreamOp;
+using detail::PagedStreamTask;
 
 constexpr int kThreads = 256;
+constexpr int kStreamThreads = 128;
 
-__device__ __forceinline__ QuantFormat quant_of(int block_format) {
-  return quant_format_of(static_cast<BlockFormat>(block_format));
-}
-
-// A frame the CPU table has just taken: zero bytes, every slot free, key groups unsealed (sealed
-// from the start in f32 blocks), as ThoughtBlockTable::take_frame does. One CTA per frame.
-__global__ void init_frames_kernel(std::uint8_t* __restrict__ storage, std::int64_t frame_stride,
+// A frame the CPU table has just taken: zero bytes, every slot free, positions -1 (as
+// ThoughtBlockTable::take_frame), and its byte offset published. One CTA per frame.
+__global__ void init_frames_kernel(std::uint8_t* __restrict__ storage,
                                    std::uint64_t* __restrict__ masks,
-                                   std::uint32_t* __restrict__ sealed, int kv_heads, int block_size,
-                                   int mask_words,
-                                   const std::int32_t* __restrict__ frames,     // [n]
-                                   const std::int32_t* __restrict__ formats) {  // [n]
-  const std::int64_t frame = frames[blockIdx.x];
-  uint4* base = reinterpret_cast<uint4*>(storage + frame * frame_stride);  // stride % 256 == 0
-  const std::int64_t units = frame_stride / 16;
+                                   std::int32_t* __restrict__ positions,
+                                   std::int64_t* __restrict__ frame_offsets, int kv_heads,
+                                   int block_size, int mask_words, PagedLayouts layouts,
+                                   const PagedFreshFrame* __restrict__ fresh) {  // [gridDim.x]
+  const PagedFreshFrame f = fresh[blockIdx.x];
+  const std::int64_t frame = f.frame;
+  // Every (block, head) section is a multiple of 16 bytes and offsets are 256-aligned.
+  uint4* base = reinterpret_cast<uint4*>(storage + f.offset);
+  const std::int64_t units = kv_heads * layouts.by_format[f.format].head_bytes / 16;
   for (std::int64_t i = threadIdx.x; i < units; i += blockDim.x) base[i] = make_uint4(0, 0, 0, 0);
   for (int i = threadIdx.x; i < kv_heads * mask_words; i += blockDim.x) {
     const int w = i % mask_words;
     const int bits = min(64, block_size - 64 * w);
     masks[frame * kv_heads * mask_words + i] = bits == 64 ? ~0ull : ((1ull << bits) - 1ull);
   }
-  for (int h = threadIdx.x; h < kv_heads; h += blockDim.x) {
-    sealed[frame * kv_heads + h] =
-        static_cast<BlockFormat>(formats[blockIdx.x]) == BlockFormat::f32 ? ~0u : 0u;
+  for (int i = threadIdx.x; i < kv_heads * block_size; i += blockDim.x) {
+    positions[frame * kv_heads * block_size + i] = -1;
   }
+  if (threadIdx.x == 0) frame_offsets[frame] = f.offset;
 }
 
-// One thread per (token, head, 16-channel chunk): the value group (quantized per token, §3.2 /
-// KIVI), or for f32 blocks 16 raw keys and values. Chunk 0 marks the slot live.
+// f32 blocks: one thread per (token, head, 16-channel chunk) copies 16 keys and values; chunk 0
+// writes the position and marks the slot live.
 template <class T>
-__global__ void write_rows_kernel(std::uint8_t* __restrict__ storage, std::int64_t frame_stride,
-                                  std::uint64_t* __restrict__ masks, int mask_words, int kv_heads,
-                                  int head_dim, PagedLayouts layouts,
-                                  const float* __restrict__ global_factors,  // [kv_heads]
+__global__ void write_rows_kernel(std::uint8_t* __restrict__ storage,
+                                  std::uint64_t* __restrict__ masks,
+                                  std::int32_t* __restrict__ positions, int mask_words,
+                                  int kv_heads, int block_size, int head_dim,
+                                  std::int64_t value_offset,    // f32 values within a head
                                   const T* __restrict__ key,    // [tokens, kv_heads, head_dim]
                                   const T* __restrict__ value,  // [tokens, kv_heads, head_dim]
                                   const PagedRowWrite* __restrict__ rows, int n_rows) {
@@ -78,99 +80,106 @@ __global__ void write_rows_kernel(std::uint8_t* __restrict__ storage, std::int64
   if (t >= static_cast<std::int64_t>(n_rows) * chunks) return;
   const PagedRowWrite r = rows[t / chunks];
   const int cb = static_cast<int>(t % chunks);
-  const PagedHeadLayout& L = layouts.by_format[r.format];
-  std::uint8_t* base = storage + r.frame * frame_stride + r.head * L.head_bytes;
+  std::uint8_t* base = storage + r.base;
   const std::int64_t in =
       (static_cast<std::int64_t>(r.token) * kv_heads + r.head) * head_dim + cb * kQuantGroupSize;
-  if (static_cast<BlockFormat>(r.format) == BlockFormat::f32) {
-    float* k = reinterpret_cast<float*>(base) + static_cast<std::int64_t>(r.slot) * head_dim;
-    float* v = reinterpret_cast<float*>(base + L.value_codes) +
-               static_cast<std::int64_t>(r.slot) * head_dim;
+  float* k = reinterpret_cast<float*>(base) + static_cast<std::int64_t>(r.slot) * head_dim;
+  float* v =
+      reinterpret_cast<float*>(base + value_offset) + static_cast<std::int64_t>(r.slot) * head_dim;
 #pragma unroll
-    for (int i = 0; i < kQuantGroupSize; ++i) {
-      k[cb * kQuantGroupSize + i] = to_float(key[in + i]);
-      v[cb * kQuantGroupSize + i] = to_float(value[in + i]);
-    }
-  } else {
-    const std::int64_t g = static_cast<std::int64_t>(r.slot) * chunks + cb;  // channel-axis group
-    base[L.value_scales + g] =
-        quantize_group(quant_of(r.format), value + in, 1, kQuantGroupSize, global_factors[r.head],
-                       base + L.value_codes + g * L.code_bytes);
+  for (int i = 0; i < kQuantGroupSize; ++i) {
+    k[cb * kQuantGroupSize + i] = to_float(key[in + i]);
+    v[cb * kQuantGroupSize + i] = to_float(value[in + i]);
   }
   if (cb == 0) {
-    atomicAnd(reinterpret_cast<unsigned long long*>(
-                  &masks[(r.frame * static_cast<std::int64_t>(kv_heads) + r.head) * mask_words +
-                         r.slot / 64]),
+    const std::int64_t fh = static_cast<std::int64_t>(r.frame) * kv_heads + r.head;
+    positions[fh * block_size + r.slot] = r.position;
+    atomicAnd(reinterpret_cast<unsigned long long*>(&masks[fh * mask_words + r.slot / 64]),
               ~(1ull << (r.slot % 64)));
   }
 }
 
-// One CTA per key task, one thread per channel (loop): the channel's group of codes belongs to
-// this thread alone, so read-modify-writes of packed codes never race.
+// One CTA per (sequence, type, head) stream: its ops in order. A stage op writes the token's key
+// and value rows at 16 bits (from_float<PagedStaging>, the CPU staging's rounding); a seal then
+// quantizes the 16 rows, in position order, exactly as quantize_token_group does on the CPU:
+// keys per channel (16 slots), values per token (16 channels), each with its own fresh scale.
 template <class T>
-__global__ void write_keys_kernel(std::uint8_t* __restrict__ storage, std::int64_t frame_stride,
-                                  std::uint32_t* __restrict__ sealed,
-                                  float* __restrict__ staging_keys, int kv_heads, int head_dim,
-                                  PagedLayouts layouts, const float* __restrict__ global_factors,
-                                  const T* __restrict__ key,  // [tokens, kv_heads, head_dim]
-                                  const PagedKeyTask* __restrict__ tasks, int first_task,
-                                  const PagedKeyEntry* __restrict__ entries) {
-  const PagedKeyTask task = tasks[first_task + blockIdx.x];
-  const PagedHeadLayout& L = layouts.by_format[task.format];
-  const QuantFormat q = quant_of(task.format);
+__global__ void __launch_bounds__(kStreamThreads)
+    stream_ops_kernel(std::uint8_t* __restrict__ storage, std::uint64_t* __restrict__ masks,
+                      std::int32_t* __restrict__ positions,
+                      PagedStaging* __restrict__ staged_keys,    // [streams, 16, head_dim]
+                      PagedStaging* __restrict__ staged_values,  // [streams, 16, head_dim]
+                      std::uint32_t* __restrict__ staged_masks,  // [streams]
+                      int mask_words, int kv_heads, int block_size, int head_dim,
+                      PagedLayouts layouts, const float* __restrict__ global_factors,
+                      const T* __restrict__ key,    // [tokens, kv_heads, head_dim]
+                      const T* __restrict__ value,  // [tokens, kv_heads, head_dim]
+                      const PagedStreamTask* __restrict__ tasks,
+                      const PagedStreamOp* __restrict__ ops) {
+  const PagedStreamTask task = tasks[blockIdx.x];
+  const int D = head_dim, per_token = D / kQuantGroupSize;
+  PagedStaging* sk = staged_keys + task.stream * kQuantGroupSize * D;
+  PagedStaging* sv = staged_values + task.stream * kQuantGroupSize * D;
   const float gf = global_factors[task.head];
-  std::uint8_t* base = storage + task.frame * frame_stride + task.head * L.head_bytes;
-  for (int c = threadIdx.x; c < head_dim; c += blockDim.x) {
-    const std::int64_t g = static_cast<std::int64_t>(task.group) * head_dim + c;  // token axis
-    std::uint8_t* codes = base + g * L.code_bytes;
-    if (task.staging < 0) {  // reused slots of a sealed group: its scales stay
-      const std::uint8_t scale = base[L.key_scales + g];
-      for (int e = task.first; e < task.first + task.count; ++e) {
-        const PagedKeyEntry en = entries[e];
-        const float x = to_float(
-            key[(static_cast<std::int64_t>(en.token) * kv_heads + task.head) * head_dim + c]);
-        // The CPU table's own element writers (block_codec.hpp, host/device), so both sides write
-        // bit-identical codes under a sealed group's scales.
-        kvsift::detail::set_element_code(q, codes, en.row,
-                                         kvsift::detail::encode_with_scale(q, x, scale, gf));
+  for (int o = task.first; o < task.first + task.count; ++o) {
+    const PagedStreamOp& op = ops[o];
+    const std::int64_t in = (static_cast<std::int64_t>(op.token) * kv_heads + task.head) * D;
+    for (int c = threadIdx.x; c < D; c += blockDim.x) {
+      sk[op.row * D + c] = from_float<PagedStaging>(to_float(key[in + c]));
+      sv[op.row * D + c] = from_float<PagedStaging>(to_float(value[in + c]));
+    }
+    __syncthreads();  // the seal below reads rows other threads wrote
+    if (op.seal) {
+      const PagedHeadLayout& L = layouts.by_format[op.format];
+      const QuantFormat q = quant_format_of(static_cast<BlockFormat>(op.format));
+      std::uint8_t* base = storage + op.base;
+      const int group = op.first_slot / kQuantGroupSize;
+      float x[kQuantGroupSize];
+      for (int c = threadIdx.x; c < D; c += blockDim.x) {  // key group (slot group, channel c)
+        for (int i = 0; i < kQuantGroupSize; ++i) x[i] = to_float(sk[op.order[i] * D + c]);
+        const std::int64_t g = static_cast<std::int64_t>(group) * D + c;
+        base[L.key_scales + g] =
+            quantize_group(q, x, 1, kQuantGroupSize, gf, base + g * L.code_bytes);
       }
-      continue;
-    }
-    float* rows = staging_keys + task.staging;  // [16, head_dim]
-    if (!task.seal) {
-      for (int e = task.first; e < task.first + task.count; ++e) {
-        const PagedKeyEntry en = entries[e];
-        rows[en.row * head_dim + c] = to_float(
-            key[(static_cast<std::int64_t>(en.token) * kv_heads + task.head) * head_dim + c]);
+      for (int k = threadIdx.x; k < kQuantGroupSize * per_token; k += blockDim.x) {
+        const int i = k / per_token, b = k % per_token;  // value group (slot first + i, block b)
+        const PagedStaging* row = sv + op.order[i] * D + b * kQuantGroupSize;
+        for (int j = 0; j < kQuantGroupSize; ++j) x[j] = to_float(row[j]);
+        const std::int64_t g = static_cast<std::int64_t>(op.first_slot + i) * per_token + b;
+        base[L.value_scales + g] =
+            quantize_group(q, x, 1, kQuantGroupSize, gf, base + L.value_codes + g * L.code_bytes);
       }
-      continue;
+      const std::int64_t fh = static_cast<std::int64_t>(op.frame) * kv_heads + task.head;
+      if (threadIdx.x < kQuantGroupSize) {
+        positions[fh * block_size + op.first_slot + threadIdx.x] = op.positions[threadIdx.x];
+      }
+      if (threadIdx.x == 0) {
+        atomicAnd(
+            reinterpret_cast<unsigned long long*>(&masks[fh * mask_words + op.first_slot / 64]),
+            ~(0xffffull << (op.first_slot % 64)));
+      }
+      __syncthreads();  // the next op may overwrite a row this seal has read
     }
-    // The 16th slot arrived: quantize the whole group of this channel at once (TBQ §3.2),
-    // taking this batch's keys from the input and earlier ones from the staging rows.
-    float group[kQuantGroupSize];
-    for (int i = 0; i < kQuantGroupSize; ++i) group[i] = rows[i * head_dim + c];
-    for (int e = task.first; e < task.first + task.count; ++e) {
-      const PagedKeyEntry en = entries[e];
-      group[en.row] = to_float(
-          key[(static_cast<std::int64_t>(en.token) * kv_heads + task.head) * head_dim + c]);
-    }
-    base[L.key_scales + g] = quantize_group(q, group, 1, kQuantGroupSize, gf, codes);
   }
-  if (task.seal && threadIdx.x == 0) {
-    atomicOr(&sealed[task.frame * static_cast<std::int64_t>(kv_heads) + task.head],
-             1u << task.group);
-  }
+  if (threadIdx.x == 0) staged_masks[task.stream] = task.final_mask;
 }
 
-__global__ void evict_kernel(std::uint64_t* __restrict__ masks, int kv_heads, int mask_words,
-                             const PagedEviction* __restrict__ list, int n) {
+// Items [0, n_slots): eviction bits; items [n_slots, n_slots + n_staged): staged masks.
+__global__ void evict_kernel(std::uint64_t* __restrict__ masks,
+                             std::uint32_t* __restrict__ staged_masks, int kv_heads, int mask_words,
+                             const PagedEviction* __restrict__ list, int n_slots,
+                             const PagedStagedMask* __restrict__ staged, int n_staged) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= n) return;
-  const PagedEviction e = list[i];
-  atomicOr(reinterpret_cast<unsigned long long*>(
-               &masks[(static_cast<std::int64_t>(e.frame) * kv_heads + e.head) * mask_words +
-                      e.slot / 64]),
-           1ull << (e.slot % 64));
+  if (i < n_slots) {
+    const PagedEviction e = list[i];
+    atomicOr(reinterpret_cast<unsigned long long*>(
+                 &masks[(static_cast<std::int64_t>(e.frame) * kv_heads + e.head) * mask_words +
+                        e.slot / 64]),
+             1ull << (e.slot % 64));
+  } else if (i < n_slots + n_staged) {
+    const PagedStagedMask s = staged[i - n_slots];
+    staged_masks[s.stream] = s.mask;
+  }
 }
 
 template <class T>
@@ -190,9 +199,9 @@ T* upload(WorkspaceCarver& carver, const std::vector<T>& host, cudaStream_t stre
 
 template <class T>
 void launch_append(const DevicePagedTable& t, const T* key, const T* value,
-                   const std::vector<PagedRowWrite>& rows, const PagedRowWrite* d_rows,
-                   const PagedKeyTask* d_tasks, int sealing_tasks, int total_tasks,
-                   const PagedKeyEntry* d_entries, cudaStream_t stream) {
+                   const std::vector<PagedRowWrite>& rows, const PagedRowWrite* d_rows, int n_tasks,
+                   const PagedStreamTask* d_tasks, const PagedStreamOp* d_ops,
+                   cudaStream_t stream) {
   const ThoughtBlockTableConfig& cfg = t.config();
   const PagedTableMemory& m = t.memory();
   const PagedLayouts layouts = detail::paged_layouts(cfg);
@@ -201,59 +210,88 @@ void launch_append(const DevicePagedTable& t, const T* key, const T* value,
   if (threads > 0) {
     write_rows_kernel<T>
         <<<static_cast<unsigned>((threads + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
-            m.storage, t.sizes().frame_stride, m.free_masks, t.sizes().mask_words, cfg.kv_heads,
-            cfg.head_dim, layouts, m.global_factors, key, value, d_rows,
+            m.storage, m.free_masks, m.positions, t.sizes().mask_words, cfg.kv_heads,
+            cfg.block_size, cfg.head_dim,
+            layouts.by_format[static_cast<int>(BlockFormat::f32)].value_codes, key, value, d_rows,
             static_cast<int>(rows.size()));
     KVSIFT_CUDA_CHECK(cudaGetLastError());
   }
-  const int key_threads = std::min(cfg.head_dim, 128);
-  const int counts[2] = {sealing_tasks, total_tasks - sealing_tasks};
-  const int firsts[2] = {0, sealing_tasks};
-  for (int phase = 0; phase < 2; ++phase) {
-    if (counts[phase] == 0) continue;
-    write_keys_kernel<T><<<counts[phase], key_threads, 0, stream>>>(
-        m.storage, t.sizes().frame_stride, m.sealed, m.staging_keys, cfg.kv_heads, cfg.head_dim,
-        layouts, m.global_factors, key, d_tasks, firsts[phase], d_entries);
+  if (n_tasks > 0) {
+    stream_ops_kernel<T><<<static_cast<unsigned>(n_tasks), kStreamThreads, 0, stream>>>(
+        m.storage, m.free_masks, m.positions, m.staged_keys, m.staged_values, m.staged_masks,
+        t.sizes().mask_words, cfg.kv_heads, cfg.block_size, cfg.head_dim, layouts, m.global_factors,
+        key, value, d_tasks, d_ops);
     KVSIFT_CUDA_CHECK(cudaGetLastError());
   }
+}
+
+bool bit_free(const std::uint64_t* mask, std::int32_t slot) {
+  return (mask[slot / 64] >> (slot % 64)) & 1u;
+}
+bool run_free(const std::uint64_t* mask, std::int32_t first) {  // 16 slots, never across words
+  return ((mask[first / 64] >> (first % 64)) & 0xffffu) == 0xffffu;
 }
 
 }  // namespace
 
-PagedTableSizes paged_table_sizes(const ThoughtBlockTableConfig& cfg, std::int32_t max_sequences) {
+PagedTableSizes paged_table_sizes(const ThoughtBlockTableConfig& cfg, std::int32_t max_sequences,
+                                  const PagedPoolFrames& pools) {
   cfg.validate();
   KVSIFT_CHECK(max_sequences > 0, "paged_table_sizes: max_sequences must be > 0, got ",
                max_sequences);
   PagedTableSizes s;
-  s.mask_words = (cfg.block_size + 63) / 64;
-  std::int64_t largest = 0;
-  for (BlockFormat f : {cfg.reasoning, cfg.execution, cfg.transition}) {
-    largest = std::max(largest, BlockHeadLayout{f, cfg.block_size, cfg.head_dim}.bytes());
+  s.mask_words = static_cast<std::int32_t>(block_mask_words(cfg.block_size));
+  std::int64_t offset = 0;
+  for (int f = 0; f < 4; ++f) {
+    const BlockFormat format = static_cast<BlockFormat>(f);
+    const bool used =
+        cfg.reasoning == format || cfg.execution == format || cfg.transition == format;
+    const std::int32_t n = pools.frames[f];
+    KVSIFT_CHECK(n >= -1 && n <= cfg.num_blocks, "paged_table_sizes: pool of ",
+                 block_format_name(format), " has ", n,
+                 " frames (expected -1 or [0, num_blocks = ", cfg.num_blocks, "])");
+    s.pool_frames[f] = n < 0 ? (used ? cfg.num_blocks : 0) : n;
+    // The one accounting (block_bytes.hpp): codes and scales of every KV head of one block.
+    const BlockBytes b = block_bytes(format, cfg.block_size, cfg.head_dim, cfg.kv_heads);
+    s.frame_bytes[f] =
+        static_cast<std::int64_t>(align_up(static_cast<std::size_t>(b.codes + b.scales), 256));
+    s.pool_offset[f] = offset;
+    offset += s.frame_bytes[f] * s.pool_frames[f];
   }
-  s.frame_stride = static_cast<std::int64_t>(
-      align_up(static_cast<std::size_t>(largest * cfg.kv_heads), kWorkspaceAlign));
-  s.storage_bytes = s.frame_stride * cfg.num_blocks;
-  s.mask_bytes = static_cast<std::int64_t>(cfg.num_blocks) * cfg.kv_heads * s.mask_words * 8;
-  s.sealed_bytes = static_cast<std::int64_t>(cfg.num_blocks) * cfg.kv_heads * 4;
-  s.staging_bytes = static_cast<std::int64_t>(max_sequences) * kPagedThoughtTypes * cfg.kv_heads *
-                    kQuantGroupSize * cfg.head_dim * 4;
-  s.global_factor_bytes = static_cast<std::int64_t>(cfg.kv_heads) * 4;
+  s.storage_bytes = offset;
+  const std::int64_t N = cfg.num_blocks, H = cfg.kv_heads;
+  s.mask_bytes = N * H * s.mask_words * 8;
+  s.position_bytes = N * H * cfg.block_size * 4;
+  s.frame_offset_bytes = N * 8;
+  const std::int64_t streams = static_cast<std::int64_t>(max_sequences) * kPagedThoughtTypes * H;
+  s.staging_bytes =
+      streams * kQuantGroupSize * cfg.head_dim * static_cast<std::int64_t>(sizeof(PagedStaging));
+  s.staged_mask_bytes = streams * 4;
+  s.global_factor_bytes = H * 4;
   return s;
 }
 
 DevicePagedTable::DevicePagedTable(const ThoughtBlockTableConfig& cfg, std::int32_t max_sequences,
-                                   const PagedTableMemory& memory)
+                                   const PagedTableMemory& memory, const PagedPoolFrames& pools)
     : cfg_(cfg),
       max_sequences_(max_sequences),
-      sizes_(paged_table_sizes(cfg, max_sequences)),
+      sizes_(paged_table_sizes(cfg, max_sequences, pools)),
       mem_(memory) {
-  KVSIFT_CHECK(mem_.storage != nullptr && mem_.free_masks != nullptr && mem_.sealed != nullptr &&
-                   mem_.staging_keys != nullptr && mem_.global_factors != nullptr,
+  KVSIFT_CHECK(cfg_.staging == kPagedStagingDType, "DevicePagedTable: the CPU table stages in ",
+               dtype_name(cfg_.staging), " but the device staging (PagedStaging) is ",
+               dtype_name(kPagedStagingDType));
+  KVSIFT_CHECK(mem_.storage != nullptr && mem_.free_masks != nullptr && mem_.positions != nullptr &&
+                   mem_.frame_offsets != nullptr && mem_.staged_keys != nullptr &&
+                   mem_.staged_values != nullptr && mem_.staged_masks != nullptr &&
+                   mem_.global_factors != nullptr,
                "DevicePagedTable: every PagedTableMemory pointer must be non-null (storage ",
                static_cast<const void*>(mem_.storage), ", free_masks ",
-               static_cast<const void*>(mem_.free_masks), ", sealed ",
-               static_cast<const void*>(mem_.sealed), ", staging_keys ",
-               static_cast<const void*>(mem_.staging_keys), ", global_factors ",
+               static_cast<const void*>(mem_.free_masks), ", positions ",
+               static_cast<const void*>(mem_.positions), ", frame_offsets ",
+               static_cast<const void*>(mem_.frame_offsets), ", staged_keys ",
+               static_cast<const void*>(mem_.staged_keys), ", staged_values ",
+               static_cast<const void*>(mem_.staged_values), ", staged_masks ",
+               static_cast<const void*>(mem_.staged_masks), ", global_factors ",
                static_cast<const void*>(mem_.global_factors), ")");
   KVSIFT_CHECK(reinterpret_cast<std::uintptr_t>(mem_.storage) % 16 == 0,
                "DevicePagedTable: storage must be 16-byte aligned, got ",
@@ -261,18 +299,30 @@ DevicePagedTable::DevicePagedTable(const ThoughtBlockTableConfig& cfg, std::int3
   // g = 1 for every head when none are given (ThoughtBlockTableConfig::global_factor).
   if (cfg_.global_factors.empty())
     cfg_.global_factors.assign(static_cast<std::size_t>(cfg_.kv_heads), 1.0f);
-  pages_.resize(static_cast<std::size_t>(max_sequences));
-  written_.assign(static_cast<std::size_t>(cfg_.num_blocks) * cfg_.kv_heads * groups_per_block(),
-                  0);
+  seqs_.resize(static_cast<std::size_t>(max_sequences));
+  masks_.assign(static_cast<std::size_t>(cfg_.num_blocks) * cfg_.kv_heads * sizes_.mask_words, 0);
+  offsets_.assign(static_cast<std::size_t>(cfg_.num_blocks), -1);
+  for (int f = 0; f < 4; ++f) {
+    for (std::int32_t i = sizes_.pool_frames[f] - 1; i >= 0; --i) pool_free_[f].push_back(i);
+  }
+  staged_positions_.assign(static_cast<std::size_t>(max_sequences) * kPagedThoughtTypes *
+                               cfg_.kv_heads * kQuantGroupSize,
+                           -1);
 }
 
 void DevicePagedTable::initialize(cudaStream_t stream) {
   KVSIFT_CUDA_CHECK(
       cudaMemsetAsync(mem_.free_masks, 0xff, static_cast<std::size_t>(sizes_.mask_bytes), stream));
+  KVSIFT_CUDA_CHECK(cudaMemsetAsync(mem_.positions, 0xff,
+                                    static_cast<std::size_t>(sizes_.position_bytes), stream));
+  KVSIFT_CUDA_CHECK(cudaMemsetAsync(mem_.frame_offsets, 0xff,
+                                    static_cast<std::size_t>(sizes_.frame_offset_bytes), stream));
   KVSIFT_CUDA_CHECK(
-      cudaMemsetAsync(mem_.sealed, 0, static_cast<std::size_t>(sizes_.sealed_bytes), stream));
-  KVSIFT_CUDA_CHECK(cudaMemsetAsync(mem_.staging_keys, 0,
+      cudaMemsetAsync(mem_.staged_keys, 0, static_cast<std::size_t>(sizes_.staging_bytes), stream));
+  KVSIFT_CUDA_CHECK(cudaMemsetAsync(mem_.staged_values, 0,
                                     static_cast<std::size_t>(sizes_.staging_bytes), stream));
+  KVSIFT_CUDA_CHECK(cudaMemsetAsync(mem_.staged_masks, 0,
+                                    static_cast<std::size_t>(sizes_.staged_mask_bytes), stream));
   // The factors live in cfg_ for the table's lifetime, so the async copy's source stays valid.
   KVSIFT_CUDA_CHECK(cudaMemcpyAsync(mem_.global_factors, cfg_.global_factors.data(),
                                     static_cast<std::size_t>(sizes_.global_factor_bytes),
@@ -284,6 +334,16 @@ void DevicePagedTable::check_seq(std::int32_t seq, const char* fn) const {
                " outside [0, max_sequences = ", max_sequences_, ")");
 }
 
+std::uint32_t DevicePagedTable::staged_mask(std::int64_t stream) const {
+  std::uint32_t m = 0;
+  for (int r = 0; r < kQuantGroupSize; ++r) {
+    if (staged_positions_[static_cast<std::size_t>(stream) * kQuantGroupSize + r] >= 0) {
+      m |= 1u << r;
+    }
+  }
+  return m;
+}
+
 void DevicePagedTable::record_append(const ThoughtBlockTable& table, std::int32_t seq,
                                      const SlotAddress* where) {
   check_seq(seq, "record_append");
@@ -291,93 +351,145 @@ void DevicePagedTable::record_append(const ThoughtBlockTable& table, std::int32_
   KVSIFT_CHECK(tc.kv_heads == cfg_.kv_heads && tc.head_dim == cfg_.head_dim &&
                    tc.block_size == cfg_.block_size && tc.num_blocks == cfg_.num_blocks &&
                    tc.reasoning == cfg_.reasoning && tc.execution == cfg_.execution &&
-                   tc.transition == cfg_.transition,
+                   tc.transition == cfg_.transition && tc.staging == cfg_.staging,
                "DevicePagedTable::record_append: the CPU table's config (kv_heads ", tc.kv_heads,
                ", head_dim ", tc.head_dim, ", block_size ", tc.block_size, ", num_blocks ",
                tc.num_blocks, ") differs from the mirror's (kv_heads ", cfg_.kv_heads,
                ", head_dim ", cfg_.head_dim, ", block_size ", cfg_.block_size, ", num_blocks ",
-               cfg_.num_blocks, ") or in block formats");
+               cfg_.num_blocks, ") or in block formats or staging dtype");
   KVSIFT_CHECK(table.has_sequence(seq), "DevicePagedTable::record_append: sequence ", seq,
                " is not active in the CPU table");
   KVSIFT_CHECK(where != nullptr, "DevicePagedTable::record_append: where must not be null");
-  std::vector<BlockRef>& pages = pages_[static_cast<std::size_t>(seq)];
-  const std::int32_t known = static_cast<std::int32_t>(pages.size());
-  const std::int32_t H = cfg_.kv_heads, S = cfg_.block_size, G = groups_per_block();
-  // Validate everything before recording anything.
-  BlockRef fresh;
+  KVSIFT_CHECK(table.length(seq) > 0 && table.num_segments(seq) > 0,
+               "DevicePagedTable::record_append: sequence ", seq,
+               " has no appended token in the CPU table");
+  SeqState& st = seqs_[static_cast<std::size_t>(seq)];
+  const ThoughtType type = table.segment_type(seq, table.num_segments(seq) - 1);
+  const BlockFormat format = cfg_.format_of(type);
+  const bool quantized = is_quantized(format);
+  const std::int32_t position = table.length(seq) - 1;
+  const std::int32_t known = static_cast<std::int32_t>(st.pages.size());
+  const std::int32_t H = cfg_.kv_heads, S = cfg_.block_size;
+  const int f = static_cast<int>(format);
+
+  // 1. Validate everything before recording anything: replay the CPU table's rule per head.
   bool takes_block = false;
   for (std::int32_t h = 0; h < H; ++h) {
     const SlotAddress a = where[h];
+    int staged = 0;
+    if (quantized) {
+      staged = __builtin_popcount(staged_mask(stream_index(seq, static_cast<int>(type), h)));
+      if (staged < kQuantGroupSize - 1) {
+        KVSIFT_CHECK(a.block == kStagedBlock && a.slot == position,
+                     "DevicePagedTable::record_append: kv head ", h, " of sequence ", seq,
+                     " holds ", staged, " staged ", thought_type_name(type),
+                     " tokens, so position ", position,
+                     " must be staged, but the CPU table put "
+                     "it at block ",
+                     a.block, " slot ", a.slot, " (is the mirror out of step?)");
+        continue;
+      }
+    }
     KVSIFT_CHECK(a.block >= 0 && a.block <= known && a.block < table.num_blocks(seq),
                  "DevicePagedTable::record_append: kv head ", h, " block ", a.block,
                  " outside [0, ", known, "] (blocks known to the mirror; the CPU table has ",
                  table.num_blocks(seq), ")");
     KVSIFT_CHECK(a.slot >= 0 && a.slot < S, "DevicePagedTable::record_append: kv head ", h,
                  " slot ", a.slot, " outside [0, block_size = ", S, ")");
-    if (a.block == known && !takes_block) {
-      const BlockInfo info = table.block_info(seq, a.block);
-      fresh = BlockRef{info.frame, info.format, info.type};
+    const std::int32_t first = quantized ? a.slot - (kQuantGroupSize - 1) : a.slot;
+    KVSIFT_CHECK(!quantized || a.slot % kQuantGroupSize == kQuantGroupSize - 1,
+                 "DevicePagedTable::record_append: kv head ", h, " completes a ",
+                 thought_type_name(type), " group, so its slot must end a 16-slot group, got ",
+                 a.slot);
+    if (a.block == known) {
       takes_block = true;
+      continue;  // a fresh block: every slot free
     }
-    const BlockRef& ref = a.block == known ? fresh : pages[static_cast<std::size_t>(a.block)];
-    const std::int64_t slot_key = (static_cast<std::int64_t>(ref.frame) * H + h) * S + a.slot;
-    KVSIFT_CHECK(!batch_slots_.count(slot_key), "DevicePagedTable::record_append: slot ", a.slot,
-                 " of block ", a.block, " in kv head ", h, " of sequence ", seq,
-                 " is written twice in one batch (call append() before evicting and refilling)");
-    if (is_quantized(ref.format) && a.block < known) {
-      const std::int64_t task_key =
-          (static_cast<std::int64_t>(ref.frame) * H + h) * G + a.slot / 16;
-      const auto it = task_index_.find(task_key);
-      KVSIFT_CHECK(it == task_index_.end() || !tasks_[static_cast<std::size_t>(it->second)].seal,
-                   "DevicePagedTable::record_append internal error: key group ", a.slot / 16,
-                   " of block ", a.block, " in kv head ", h, " sealed earlier in this batch");
-    }
+    const BlockRef& ref = st.pages[static_cast<std::size_t>(a.block)];
+    KVSIFT_CHECK(ref.type == type, "DevicePagedTable::record_append: kv head ", h, " block ",
+                 a.block, " holds ", thought_type_name(ref.type), " tokens, not ",
+                 thought_type_name(type));
+    const std::uint64_t* mask = host_mask(ref.frame, h);
+    KVSIFT_CHECK(quantized ? run_free(mask, first) : bit_free(mask, first),
+                 "DevicePagedTable::record_append: kv head ", h, " slot ", first, " of block ",
+                 a.block, " of sequence ", seq,
+                 quantized ? " does not start a free 16-slot run" : " is not free",
+                 " in the mirror (is the mirror out of step?)");
   }
+  BlockRef fresh;
   if (takes_block) {
-    pages.push_back(fresh);
-    fresh_frames_.push_back(fresh.frame);
-    fresh_formats_.push_back(static_cast<std::int32_t>(fresh.format));
-    std::fill_n(written_.begin() + static_cast<std::ptrdiff_t>(fresh.frame) * H * G, H * G, 0);
+    const BlockInfo info = table.block_info(seq, known);
+    KVSIFT_CHECK(info.type == type && info.format == format,
+                 "DevicePagedTable::record_append: the CPU table's new block holds ",
+                 thought_type_name(info.type), " tokens, not ", thought_type_name(type));
+    KVSIFT_CHECK(info.frame >= 0 && info.frame < cfg_.num_blocks &&
+                     offsets_[static_cast<std::size_t>(info.frame)] < 0,
+                 "DevicePagedTable::record_append: the CPU table's new block has frame ",
+                 info.frame, ", which the mirror holds in use");
+    KVSIFT_CHECK(!pool_free_[f].empty(), "DevicePagedTable::record_append: the ",
+                 block_format_name(format), " pool is exhausted (all ", sizes_.pool_frames[f],
+                 " frames are in use; sequence ", seq, " needs a new block)");
+    fresh = BlockRef{info.frame, format, type};
+  }
+
+  // 2. Record.
+  if (takes_block) {
+    const std::int32_t index = pool_free_[f].back();
+    pool_free_[f].pop_back();
+    const std::int64_t offset = sizes_.pool_offset[f] + index * sizes_.frame_bytes[f];
+    offsets_[static_cast<std::size_t>(fresh.frame)] = offset;
+    for (std::int32_t h = 0; h < H; ++h) {
+      std::uint64_t* mask = host_mask(fresh.frame, h);
+      for (std::int32_t w = 0; w < sizes_.mask_words; ++w) {
+        const std::int32_t bits = std::min(64, S - 64 * w);
+        mask[w] = bits == 64 ? ~0ull : ((1ull << bits) - 1ull);
+      }
+    }
+    st.pages.push_back(fresh);
+    fresh_.push_back(PagedFreshFrame{fresh.frame, f, offset});
   }
   const std::int32_t token = pending_tokens_++;
+  const std::int64_t head_bytes = this->head_bytes(format);
   for (std::int32_t h = 0; h < H; ++h) {
     const SlotAddress a = where[h];
-    const BlockRef& ref = pages[static_cast<std::size_t>(a.block)];
-    batch_slots_.insert((static_cast<std::int64_t>(ref.frame) * H + h) * S + a.slot);
-    rows_.push_back(
-        detail::PagedRowWrite{token, h, ref.frame, a.slot, static_cast<std::int32_t>(ref.format)});
-    if (!is_quantized(ref.format)) continue;
-    const std::int32_t group = a.slot / 16, row = a.slot % 16;
-    const std::size_t wi = (static_cast<std::size_t>(ref.frame) * H + h) * G + group;
-    const std::int64_t task_key = static_cast<std::int64_t>(wi);
-    auto it = task_index_.find(task_key);
-    if (it == task_index_.end()) {
-      const bool sealed = written_[wi] == 0xffffu;
-      const std::int64_t staging = sealed ? -1
-                                          : ((static_cast<std::int64_t>(seq) * kPagedThoughtTypes +
-                                              static_cast<int>(ref.type)) *
-                                                 H +
-                                             h) *
-                                                16 * cfg_.head_dim;
-      it = task_index_.emplace(task_key, static_cast<std::int32_t>(tasks_.size())).first;
-      tasks_.push_back(detail::PagedKeyTask{
-          ref.frame, h, group, static_cast<std::int32_t>(ref.format), 0, 0, 0, staging});
+    if (!quantized) {
+      const BlockRef& ref = st.pages[static_cast<std::size_t>(a.block)];
+      host_mask(ref.frame, h)[a.slot / 64] &= ~(1ull << (a.slot % 64));
+      rows_.push_back(
+          PagedRowWrite{token, h, ref.frame, a.slot, position, 0,
+                        offsets_[static_cast<std::size_t>(ref.frame)] + h * head_bytes});
+      continue;
     }
-    detail::PagedKeyTask& task = tasks_[static_cast<std::size_t>(it->second)];
-    entries_.push_back(detail::PagedKeyEntry{it->second, token, row});
-    ++task.count;
-    if (task.staging >= 0) {
-      written_[wi] = static_cast<std::uint16_t>(written_[wi] | (1u << row));
-      if (written_[wi] == 0xffffu) task.seal = 1;
+    const std::int64_t stream = stream_index(seq, static_cast<int>(type), h);
+    std::int32_t* rows = &staged_positions_[static_cast<std::size_t>(stream) * kQuantGroupSize];
+    PagedStreamOp op{};
+    op.token = token;
+    op.row = 0;
+    while (rows[op.row] >= 0) ++op.row;  // the lowest free row (one exists: < 16 staged)
+    rows[op.row] = position;
+    if (a.block != kStagedBlock) {  // the 16th token: the group is sealed into its run
+      const BlockRef& ref = st.pages[static_cast<std::size_t>(a.block)];
+      op.seal = 1;
+      op.frame = ref.frame;
+      op.first_slot = a.slot - (kQuantGroupSize - 1);
+      op.format = f;
+      op.base = offsets_[static_cast<std::size_t>(ref.frame)] + h * head_bytes;
+      for (int i = 0; i < kQuantGroupSize; ++i) op.order[i] = i;
+      std::sort(op.order, op.order + kQuantGroupSize,
+                [&](std::int32_t x, std::int32_t y) { return rows[x] < rows[y]; });
+      for (int i = 0; i < kQuantGroupSize; ++i) op.positions[i] = rows[op.order[i]];
+      std::fill_n(rows, kQuantGroupSize, -1);
+      host_mask(ref.frame, h)[op.first_slot / 64] &= ~(0xffffull << (op.first_slot % 64));
     }
+    ops_[stream].push_back(op);
   }
 }
 
 std::size_t DevicePagedTable::append_workspace_bytes() const {
-  return bytes_of<std::int32_t>(fresh_frames_.size()) * 2 +
-         bytes_of<detail::PagedRowWrite>(rows_.size()) +
-         bytes_of<detail::PagedKeyTask>(tasks_.size()) +
-         bytes_of<detail::PagedKeyEntry>(entries_.size());
+  std::size_t ops = 0;
+  for (const auto& kv : ops_) ops += kv.second.size();
+  return bytes_of<PagedFreshFrame>(fresh_.size()) + bytes_of<PagedRowWrite>(rows_.size()) +
+         bytes_of<PagedStreamTask>(ops_.size()) + bytes_of<PagedStreamOp>(ops);
 }
 
 void DevicePagedTable::append(const void* key, const void* value, DType dtype, void* workspace,
@@ -391,66 +503,55 @@ void DevicePagedTable::append(const void* key, const void* value, DType dtype, v
   const std::size_t need = append_workspace_bytes();
   KVSIFT_CHECK(workspace_bytes >= need, "DevicePagedTable::append: workspace of ", workspace_bytes,
                " bytes is too small (", need, " needed)");
-  // Sealing and sealed-write tasks first (launch 1), pure staging tasks after (launch 2); the
-  // entries of each task become contiguous, in recording order.
-  std::vector<std::int32_t> order(tasks_.size());
-  for (std::size_t i = 0; i < order.size(); ++i) order[i] = static_cast<std::int32_t>(i);
-  std::stable_partition(order.begin(), order.end(), [&](std::int32_t i) {
-    const detail::PagedKeyTask& t = tasks_[static_cast<std::size_t>(i)];
-    return t.seal || t.staging < 0;
-  });
-  std::vector<std::int32_t> new_index(tasks_.size());
-  std::vector<detail::PagedKeyTask> tasks(tasks_.size());
-  std::int32_t sealing = 0, next = 0;
-  for (std::size_t k = 0; k < order.size(); ++k) {
-    detail::PagedKeyTask t = tasks_[static_cast<std::size_t>(order[k])];
-    sealing += (t.seal || t.staging < 0) ? 1 : 0;
-    t.first = next;
-    next += t.count;
-    t.count = 0;
-    new_index[static_cast<std::size_t>(order[k])] = static_cast<std::int32_t>(k);
-    tasks[k] = t;
+  std::vector<PagedStreamTask> tasks;
+  std::vector<PagedStreamOp> ops;
+  for (const auto& kv : ops_) {
+    const std::int64_t s = kv.first;
+    tasks.push_back(PagedStreamTask{s, static_cast<std::int32_t>(s % cfg_.kv_heads),
+                                    static_cast<std::int32_t>(ops.size()),
+                                    static_cast<std::int32_t>(kv.second.size()), staged_mask(s)});
+    ops.insert(ops.end(), kv.second.begin(), kv.second.end());
   }
-  std::vector<detail::PagedKeyEntry> entries(entries_.size());
-  for (const detail::PagedKeyEntry& e : entries_) {
-    detail::PagedKeyTask& t =
-        tasks[static_cast<std::size_t>(new_index[static_cast<std::size_t>(e.task)])];
-    entries[static_cast<std::size_t>(t.first + t.count++)] =
-        detail::PagedKeyEntry{new_index[static_cast<std::size_t>(e.task)], e.token, e.row};
-  }
-
   WorkspaceCarver carver(workspace, workspace_bytes, "DevicePagedTable::append");
-  const std::int32_t* d_frames = upload(carver, fresh_frames_, stream);
-  const std::int32_t* d_formats = upload(carver, fresh_formats_, stream);
-  const detail::PagedRowWrite* d_rows = upload(carver, rows_, stream);
-  const detail::PagedKeyTask* d_tasks = upload(carver, tasks, stream);
-  const detail::PagedKeyEntry* d_entries = upload(carver, entries, stream);
-  if (!fresh_frames_.empty()) {
-    init_frames_kernel<<<static_cast<unsigned>(fresh_frames_.size()), kThreads, 0, stream>>>(
-        mem_.storage, sizes_.frame_stride, mem_.free_masks, mem_.sealed, cfg_.kv_heads,
-        cfg_.block_size, sizes_.mask_words, d_frames, d_formats);
+  const PagedFreshFrame* d_fresh = upload(carver, fresh_, stream);
+  const PagedRowWrite* d_rows = upload(carver, rows_, stream);
+  const PagedStreamTask* d_tasks = upload(carver, tasks, stream);
+  const PagedStreamOp* d_ops = upload(carver, ops, stream);
+  if (!fresh_.empty()) {
+    init_frames_kernel<<<static_cast<unsigned>(fresh_.size()), kThreads, 0, stream>>>(
+        mem_.storage, mem_.free_masks, mem_.positions, mem_.frame_offsets, cfg_.kv_heads,
+        cfg_.block_size, sizes_.mask_words, detail::paged_layouts(cfg_), d_fresh);
     KVSIFT_CUDA_CHECK(cudaGetLastError());
   }
-  const int total = static_cast<int>(tasks.size());
+  const int n_tasks = static_cast<int>(tasks.size());
   if (dtype == DType::f32) {
     launch_append(*this, static_cast<const float*>(key), static_cast<const float*>(value), rows_,
-                  d_rows, d_tasks, sealing, total, d_entries, stream);
+                  d_rows, n_tasks, d_tasks, d_ops, stream);
   } else {
     launch_append(*this, static_cast<const bf16_t*>(key), static_cast<const bf16_t*>(value), rows_,
-                  d_rows, d_tasks, sealing, total, d_entries, stream);
+                  d_rows, n_tasks, d_tasks, d_ops, stream);
   }
   pending_tokens_ = 0;
-  fresh_frames_.clear();
-  fresh_formats_.clear();
+  fresh_.clear();
   rows_.clear();
-  tasks_.clear();
-  entries_.clear();
-  task_index_.clear();
-  batch_slots_.clear();
+  ops_.clear();
 }
 
 std::size_t DevicePagedTable::evict_workspace_bytes(std::size_t count) const {
-  return bytes_of<detail::PagedEviction>(count);
+  return bytes_of<PagedEviction>(count) + bytes_of<PagedStagedMask>(count);
+}
+
+void DevicePagedTable::release_frame(std::int32_t frame, BlockFormat format) {
+  const int f = static_cast<int>(format);
+  std::int64_t& offset = offsets_[static_cast<std::size_t>(frame)];
+  const std::int32_t index =
+      static_cast<std::int32_t>((offset - sizes_.pool_offset[f]) / sizes_.frame_bytes[f]);
+  offset = -1;
+  // Kept sorted with the lowest index on top (back), as the CPU pool.
+  std::vector<std::int32_t>& pool = pool_free_[f];
+  pool.insert(std::upper_bound(pool.begin(), pool.end(), index,
+                               [](std::int32_t x, std::int32_t y) { return x > y; }),
+              index);
 }
 
 void DevicePagedTable::evict(std::int32_t seq, std::int32_t head,
@@ -461,53 +562,158 @@ void DevicePagedTable::evict(std::int32_t seq, std::int32_t head,
                " outside [0, ", cfg_.kv_heads, ")");
   KVSIFT_CHECK(pending_tokens_ == 0, "DevicePagedTable::evict: ", pending_tokens_,
                " recorded tokens are not written yet (call append() first)");
-  const std::vector<BlockRef>& pages = pages_[static_cast<std::size_t>(seq)];
-  std::vector<detail::PagedEviction> list;
-  list.reserve(slots.size());
+  KVSIFT_CHECK(workspace_bytes >= evict_workspace_bytes(slots.size()),
+               "DevicePagedTable::evict: workspace of ", workspace_bytes, " bytes is too small (",
+               evict_workspace_bytes(slots.size()), " needed)");
+  SeqState& st = seqs_[static_cast<std::size_t>(seq)];
+  // 1. Validate every address (live, listed once) before changing anything.
+  std::vector<PagedEviction> list;
+  std::vector<std::pair<std::int64_t, int>> staged;  // (stream, row)
   for (const SlotAddress& a : slots) {
-    KVSIFT_CHECK(a.block >= 0 && a.block < static_cast<std::int32_t>(pages.size()),
+    if (a.block == kStagedBlock) {
+      bool found = false;
+      for (int t = 0; t < kPagedThoughtTypes && !found; ++t) {
+        const std::int64_t s = stream_index(seq, t, head);
+        for (int r = 0; r < kQuantGroupSize && !found; ++r) {
+          if (staged_positions_[static_cast<std::size_t>(s) * kQuantGroupSize + r] != a.slot) {
+            continue;
+          }
+          found = std::find(staged.begin(), staged.end(), std::make_pair(s, r)) == staged.end();
+          if (found) staged.emplace_back(s, r);
+        }
+      }
+      KVSIFT_CHECK(found, "DevicePagedTable::evict: position ", a.slot,
+                   " is not staged in kv head ", head, " of sequence ", seq,
+                   " (or is listed twice)");
+      continue;
+    }
+    KVSIFT_CHECK(a.block >= 0 && a.block < static_cast<std::int32_t>(st.pages.size()),
                  "DevicePagedTable::evict: block ", a.block, " of sequence ", seq, " outside [0, ",
-                 pages.size(), ")");
+                 st.pages.size(), ")");
     KVSIFT_CHECK(a.slot >= 0 && a.slot < cfg_.block_size, "DevicePagedTable::evict: slot ", a.slot,
                  " outside [0, block_size = ", cfg_.block_size, ")");
-    list.push_back(
-        detail::PagedEviction{pages[static_cast<std::size_t>(a.block)].frame, head, a.slot});
+    const std::int32_t frame = st.pages[static_cast<std::size_t>(a.block)].frame;
+    bool twice = false;
+    for (const PagedEviction& e : list) twice = twice || (e.frame == frame && e.slot == a.slot);
+    KVSIFT_CHECK(!twice && !bit_free(host_mask(frame, head), a.slot),
+                 "DevicePagedTable::evict: slot ", a.slot, " of block ", a.block, " in kv head ",
+                 head, " of sequence ", seq,
+                 " is not live (already evicted, never written, or listed twice)");
+    list.push_back(PagedEviction{frame, head, a.slot});
   }
-  if (list.empty()) return;
+  // 2. Apply on the host: bits, staged rows; then free the blocks left empty in every head.
+  for (const PagedEviction& e : list)
+    host_mask(e.frame, head)[e.slot / 64] |= 1ull << (e.slot % 64);
+  std::vector<PagedStagedMask> masks;
+  for (const auto& sr : staged) {
+    staged_positions_[static_cast<std::size_t>(sr.first) * kQuantGroupSize + sr.second] = -1;
+  }
+  for (const auto& sr : staged) {
+    bool listed = false;
+    for (const PagedStagedMask& m : masks) listed = listed || m.stream == sr.first;
+    if (!listed) masks.push_back(PagedStagedMask{sr.first, staged_mask(sr.first)});
+  }
+  std::vector<BlockRef> kept;
+  for (const BlockRef& ref : st.pages) {
+    bool empty = true;
+    for (std::int32_t h = 0; h < cfg_.kv_heads && empty; ++h) {
+      const std::uint64_t* mask = host_mask(ref.frame, h);
+      for (std::int32_t w = 0; w < sizes_.mask_words && empty; ++w) {
+        const std::int32_t bits = std::min(64, cfg_.block_size - 64 * w);
+        empty = mask[w] == (bits == 64 ? ~0ull : ((1ull << bits) - 1ull));
+      }
+    }
+    if (empty) {
+      release_frame(ref.frame, ref.format);  // the device frame is re-initialised when reused
+    } else {
+      kept.push_back(ref);
+    }
+  }
+  st.pages.swap(kept);
+  // 3. The device: bits and staged masks.
+  const int n = static_cast<int>(list.size()), n_staged = static_cast<int>(masks.size());
+  if (n + n_staged == 0) return;
   WorkspaceCarver carver(workspace, workspace_bytes, "DevicePagedTable::evict");
-  const detail::PagedEviction* d_list = upload(carver, list, stream);
-  const int n = static_cast<int>(list.size());
-  evict_kernel<<<(n + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
-      mem_.free_masks, cfg_.kv_heads, sizes_.mask_words, d_list, n);
+  const PagedEviction* d_list = upload(carver, list, stream);
+  const PagedStagedMask* d_staged = upload(carver, masks, stream);
+  evict_kernel<<<(n + n_staged + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
+      mem_.free_masks, mem_.staged_masks, cfg_.kv_heads, sizes_.mask_words, d_list, n, d_staged,
+      n_staged);
   KVSIFT_CUDA_CHECK(cudaGetLastError());
 }
 
-void DevicePagedTable::release_sequence(std::int32_t seq) {
+void DevicePagedTable::release_sequence(std::int32_t seq, cudaStream_t stream) {
   check_seq(seq, "release_sequence");
   KVSIFT_CHECK(pending_tokens_ == 0, "DevicePagedTable::release_sequence: ", pending_tokens_,
                " recorded tokens are not written yet (call append() first)");
-  pages_[static_cast<std::size_t>(seq)].clear();
+  SeqState& st = seqs_[static_cast<std::size_t>(seq)];
+  for (const BlockRef& ref : st.pages) release_frame(ref.frame, ref.format);
+  st = SeqState{};
+  const std::int64_t first = stream_index(seq, 0, 0);
+  const std::int64_t streams = static_cast<std::int64_t>(kPagedThoughtTypes) * cfg_.kv_heads;
+  std::fill_n(staged_positions_.begin() + first * kQuantGroupSize, streams * kQuantGroupSize, -1);
+  KVSIFT_CUDA_CHECK(
+      cudaMemsetAsync(mem_.staged_masks + first, 0, static_cast<std::size_t>(streams) * 4, stream));
 }
 
 std::int32_t DevicePagedTable::num_blocks(std::int32_t seq) const {
   check_seq(seq, "num_blocks");
-  return static_cast<std::int32_t>(pages_[static_cast<std::size_t>(seq)].size());
+  return static_cast<std::int32_t>(seqs_[static_cast<std::size_t>(seq)].pages.size());
 }
 
 std::int32_t DevicePagedTable::frame_of(std::int32_t seq, std::int32_t block) const {
   KVSIFT_CHECK(block >= 0 && block < num_blocks(seq), "DevicePagedTable::frame_of: block ", block,
                " of sequence ", seq, " outside [0, ", num_blocks(seq), ")");
-  return pages_[static_cast<std::size_t>(seq)][static_cast<std::size_t>(block)].frame;
+  return seqs_[static_cast<std::size_t>(seq)].pages[static_cast<std::size_t>(block)].frame;
 }
 
 BlockFormat DevicePagedTable::format_of_block(std::int32_t seq, std::int32_t block) const {
   frame_of(seq, block);
-  return pages_[static_cast<std::size_t>(seq)][static_cast<std::size_t>(block)].format;
+  return seqs_[static_cast<std::size_t>(seq)].pages[static_cast<std::size_t>(block)].format;
 }
 
 ThoughtType DevicePagedTable::type_of_block(std::int32_t seq, std::int32_t block) const {
   frame_of(seq, block);
-  return pages_[static_cast<std::size_t>(seq)][static_cast<std::size_t>(block)].type;
+  return seqs_[static_cast<std::size_t>(seq)].pages[static_cast<std::size_t>(block)].type;
+}
+
+std::int64_t DevicePagedTable::block_offset(std::int32_t seq, std::int32_t block) const {
+  return offsets_[static_cast<std::size_t>(frame_of(seq, block))];
+}
+
+int DevicePagedTable::staged_count(std::int32_t seq, ThoughtType type, std::int32_t head) const {
+  check_seq(seq, "staged_count");
+  KVSIFT_CHECK(head >= 0 && head < cfg_.kv_heads, "DevicePagedTable::staged_count: kv head ", head,
+               " outside [0, ", cfg_.kv_heads, ")");
+  return __builtin_popcount(staged_mask(stream_index(seq, static_cast<int>(type), head)));
+}
+
+std::int32_t DevicePagedTable::used_frames(BlockFormat format) const {
+  const int f = static_cast<int>(format);
+  return sizes_.pool_frames[f] - static_cast<std::int32_t>(pool_free_[f].size());
+}
+
+TableBytes DevicePagedTable::resident_bytes(const ThoughtBlockTable& table) const {
+  TableBytes out;
+  bool any_nvfp4 = false;
+  const bool stages =
+      is_quantized(cfg_.reasoning) || is_quantized(cfg_.execution) || is_quantized(cfg_.transition);
+  for (std::int32_t seq = 0; seq < max_sequences_; ++seq) {
+    const SeqState& st = seqs_[static_cast<std::size_t>(seq)];
+    if (!table.has_sequence(seq)) continue;
+    for (const BlockRef& ref : st.pages) {
+      const BlockBytes b = block_bytes(ref.format, cfg_.block_size, cfg_.head_dim, cfg_.kv_heads);
+      out.codes += b.codes;
+      out.scales += b.scales;
+      out.metadata += b.metadata;
+      any_nvfp4 = any_nvfp4 || ref.format == BlockFormat::nvfp4;
+    }
+    out.metadata +=
+        page_table_bytes(static_cast<std::int64_t>(st.pages.size()), table.num_segments(seq));
+    if (stages) out.staging += staging_bytes(cfg_.kv_heads, cfg_.head_dim);
+  }
+  if (any_nvfp4) out.metadata += global_factor_bytes(cfg_.kv_heads);
+  return out;
 }
 
 }  // namespace kvsift::cuda

@@ -3,12 +3,14 @@
 // head_dims) and as the "old" column of the benchmark, and the same body over a dense bf16 cache.
 //
 // Split-KV (flash-decoding): CTA (KV head h, split s) walks its run of 32-slot tiles. For each
-// tile with a live slot it dequantizes keys and values into shared memory (per the block's format;
-// key rows of a not yet sealed 16-slot group come from the staging buffer), computes the logits of
-// the GQA group's query heads, and folds them into a running max / sum / accumulator (online
-// softmax, FlashAttention). Evicted and never-written slots get logit −inf and weight exactly 0,
-// and their (stale) data is never multiplied in. A second kernel merges the splits per query head.
-// Every reduction runs in a fixed order, so results are deterministic.
+// tile with a live slot it dequantizes keys and values into shared memory (per the block's
+// format), computes the logits of the GQA group's query heads, and folds them into a running
+// max / sum / accumulator (online softmax, FlashAttention). Evicted and never-written slots get
+// logit −inf and weight exactly 0, and their (stale) data is never multiplied in. The sequence's
+// staged tokens (16-bit keys and values waiting for their 16-token group, §3.4) are three more
+// units after the blocks' tiles, one per thought type, read in fp32 from the staging rows (exact),
+// their live rows given by the staged mask. A second kernel merges the splits per query head. Every
+// reduction runs in a fixed order, so results are deterministic.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -46,20 +48,26 @@ __device__ __forceinline__ void load_codes(const std::uint8_t* p, int cb, std::u
   }
 }
 
-// Tiles of the CT table: unit u = (block u / tiles_per_block, tile u % tiles_per_block).
+// Tiles of the CT table: unit u < block_units = (block u / tiles_per_block, tile u %
+// tiles_per_block); unit block_units + t = the staged rows of thought type t.
 struct PagedTiles {
   const std::uint8_t* storage;
-  std::int64_t frame_stride;
-  const std::uint64_t* masks;   // [num_blocks, kv_heads, mask_words]
-  const std::uint32_t* sealed;  // [num_blocks, kv_heads]
-  const PagedStaging* staging;  // this sequence's [3 types, kv_heads, 16, head_dim]
-  const float* global_factors;  // [kv_heads]
-  const std::int32_t* frames;   // [blocks] page table
-  const std::int32_t* meta;     // [blocks] format | type << 4
+  const std::int64_t* frame_offsets;  // [num_blocks] byte offset of each frame in storage
+  const std::uint64_t* masks;         // [num_blocks, kv_heads, mask_words]
+  const PagedStaging* staged_keys;    // this sequence's [3 types, kv_heads, 16, head_dim]
+  const PagedStaging* staged_values;  // this sequence's [3 types, kv_heads, 16, head_dim]
+  const std::uint32_t* staged_masks;  // this sequence's [3 types, kv_heads]
+  const float* global_factors;        // [kv_heads]
+  const std::int32_t* frames;         // [blocks] page table
+  const std::int32_t* meta;           // [blocks] format | type << 4
   PagedLayouts layouts;
-  int kv_heads, block_size, head_dim, mask_words, tiles_per_block;
+  int kv_heads, block_size, head_dim, mask_words, tiles_per_block, block_units;
 
   __device__ unsigned live(int unit, int h, int* n) const {
+    if (unit >= block_units) {  // staged rows: bit r = row r holds a token
+      *n = 16;
+      return staged_masks[(unit - block_units) * kv_heads + h] & 0xffffu;
+    }
     const int block = unit / tiles_per_block, start = (unit % tiles_per_block) * kTile;
     *n = min(kTile, block_size - start);
     const std::int64_t frame = frames[block];
@@ -69,12 +77,23 @@ struct PagedTiles {
 
   // keys -> sK [n, head_dim + 1] (padded: conflict-free row reads), values -> sV [n, head_dim]
   __device__ void load(int unit, int h, int n, float* sK, float* sV) const {
+    const int D = head_dim, Dp = D + 1;
+    if (unit >= block_units) {  // 16-bit staged rows, exact in fp32
+      const std::int64_t row0 = static_cast<std::int64_t>((unit - block_units) * kv_heads + h) * 16;
+      const PagedStaging* k = staged_keys + row0 * D;
+      const PagedStaging* v = staged_values + row0 * D;
+      for (int idx = threadIdx.x; idx < 16 * D; idx += blockDim.x) {
+        const int i = idx / D, d = idx % D;
+        sK[i * Dp + d] = to_float(k[idx]);
+        sV[idx] = to_float(v[idx]);
+      }
+      return;
+    }
     const int block = unit / tiles_per_block, start = (unit % tiles_per_block) * kTile;
     const std::int64_t frame = frames[block];
-    const int format = meta[block] & 0xf, type = meta[block] >> 4;
+    const int format = meta[block] & 0xf;
     const PagedHeadLayout& L = layouts.by_format[format];
-    const std::uint8_t* base = storage + frame * frame_stride + h * L.head_bytes;
-    const int D = head_dim, Dp = D + 1;
+    const std::uint8_t* base = storage + frame_offsets[frame] + h * L.head_bytes;
     if (static_cast<BlockFormat>(format) == BlockFormat::f32) {
       const float* k = reinterpret_cast<const float*>(base) + static_cast<std::int64_t>(start) * D;
       const float* v = reinterpret_cast<const float*>(base + L.value_codes) +
@@ -88,21 +107,15 @@ struct PagedTiles {
     }
     const QuantFormat q = quant_format_of(static_cast<BlockFormat>(format));
     const float gf = global_factors[h];
-    const unsigned sealed_groups = sealed[frame * kv_heads + h];
-    const PagedStaging* rows = staging + (static_cast<std::int64_t>(type) * kv_heads + h) * 16 * D;
     alignas(16) std::uint8_t codes[16];
-    // Keys: groups of 16 slots of one channel (KIVI per-channel).
+    // Keys: groups of 16 slots of one channel (KIVI per-channel). Every group in a block is a
+    // whole one (§3.4); never-written groups are zero bytes (masked anyway).
     for (int k = threadIdx.x; k < (n / 16) * D; k += blockDim.x) {
       const int local = k / D, c = k % D, sg = start / 16 + local;
       float* dst = sK + local * 16 * Dp + c;
-      if ((sealed_groups >> sg) & 1u) {
-        const std::int64_t g = static_cast<std::int64_t>(sg) * D + c;
-        load_codes(base + g * L.code_bytes, L.code_bytes, codes);
-        dequantize_group(q, codes, base[L.key_scales + g], gf, 16, dst, Dp);
-      } else {
-        // Still being filled: the full-precision staging rows (only live slots are read later).
-        for (int i = 0; i < 16; ++i) dst[i * Dp] = to_float(rows[i * D + c]);
-      }
+      const std::int64_t g = static_cast<std::int64_t>(sg) * D + c;
+      load_codes(base + g * L.code_bytes, L.code_bytes, codes);
+      dequantize_group(q, codes, base[L.key_scales + g], gf, 16, dst, Dp);
     }
     // Values: groups of 16 channels of one slot (per token).
     const int per_token = D / 16;
@@ -336,9 +349,10 @@ void launch_decode(const Tiles& tiles, const SplitPlan& plan, std::int64_t kv_he
   KVSIFT_CUDA_CHECK(cudaGetLastError());
 }
 
+// The blocks' tiles, then one unit per thought type for the staged rows.
 std::int64_t paged_units(const DevicePagedTable& t, std::int32_t seq) {
   const std::int64_t tiles_per_block = (t.config().block_size + kTile - 1) / kTile;
-  return static_cast<std::int64_t>(t.num_blocks(seq)) * tiles_per_block;
+  return static_cast<std::int64_t>(t.num_blocks(seq)) * tiles_per_block + kPagedThoughtTypes;
 }
 
 }  // namespace
@@ -389,12 +403,13 @@ void paged_decode_attention_tiled(const DevicePagedTable& table, std::int32_t se
   }
   const PagedTableMemory& m = table.memory();
   PagedTiles tiles;
+  const std::int64_t streams = static_cast<std::int64_t>(seq) * kPagedThoughtTypes * tc.kv_heads;
   tiles.storage = m.storage;
-  tiles.frame_stride = table.sizes().frame_stride;
+  tiles.frame_offsets = m.frame_offsets;
   tiles.masks = m.free_masks;
-  tiles.sealed = m.sealed;
-  tiles.staging = m.staging_keys + static_cast<std::int64_t>(seq) * kPagedThoughtTypes *
-                                       tc.kv_heads * 16 * tc.head_dim;
+  tiles.staged_keys = m.staged_keys + streams * 16 * tc.head_dim;
+  tiles.staged_values = m.staged_values + streams * 16 * tc.head_dim;
+  tiles.staged_masks = m.staged_masks + streams;
   tiles.global_factors = m.global_factors;
   tiles.frames = d_frames;
   tiles.meta = d_meta;
@@ -404,6 +419,7 @@ void paged_decode_attention_tiled(const DevicePagedTable& table, std::int32_t se
   tiles.head_dim = tc.head_dim;
   tiles.mask_words = table.sizes().mask_words;
   tiles.tiles_per_block = (tc.block_size + kTile - 1) / kTile;
+  tiles.block_units = blocks * tiles.tiles_per_block;
   const SplitPlan plan = plan_splits(paged_units(table, seq), tc.kv_heads, cfg);
   launch_decode(tiles, plan, tc.kv_heads, q_heads, head_dim, query, softmax_scale, out, carver,
                 stream);

@@ -23,8 +23,10 @@
 //   - ternary: ±1 × E4M3 α is exact in fp16.
 //   - FP8: E4M3 code × 2^k (E8M0) is exact in bf16 (same exponent range as fp32), so FP8 tiles
 //     use bf16 MMAs; the query and P have bf16 high/low halves too.
-//   - staged key rows (16-slot key groups not yet quantized) are not 16-bit numbers: their logits
-//     are recomputed in fp32 from the staging buffer and replace the MMA's.
+//   - staged tokens (16-bit keys and values waiting for their 16-token group, §3.4) never enter
+//     the MMAs: bf16 staging is not exact in the fp16 MMA path. staged_partial_kernel computes
+//     their logits and P·V in fp32 on CUDA cores (at most 3 · 16 tokens per KV head) and writes
+//     one more partial per (sequence, KV head), which the merge folds in with the others.
 // Evicted and never-written slots get weight exactly 0, and their value rows are written as zeros
 // so that stale codes (possibly NaN) never meet a zero weight in the MMA.
 #include <cuda_bf16.h>
@@ -324,22 +326,33 @@ __device__ void setup_query(const float* q,  // [G, D]
 }
 
 struct SplitArgs {
-  const std::uint8_t* storage;  // [num_blocks, frame_stride]
-  std::int64_t frame_stride;
-  const std::uint64_t* masks;       // [num_blocks, kv_heads, mask_words]
-  const std::uint32_t* sealed;      // [num_blocks, kv_heads]
-  const PagedStaging* staging;      // [max_sequences, 3, kv_heads, 16, D]
-  const float* global_factors;      // [kv_heads]
-  const std::int32_t* frames;       // [total_blocks]
-  const std::int32_t* meta;         // [total_blocks]
-  const std::int32_t* block_begin;  // [batch + 1]
-  const std::int32_t* seq_ids;      // [batch]
+  const std::uint8_t* storage;        // the format pools
+  const std::int64_t* frame_offsets;  // [num_blocks] byte offset of each frame in storage
+  const std::uint64_t* masks;         // [num_blocks, kv_heads, mask_words]
+  const float* global_factors;        // [kv_heads]
+  const std::int32_t* frames;         // [total_blocks]
+  const std::int32_t* meta;           // [total_blocks]
+  const std::int32_t* block_begin;    // [batch + 1]
+  const std::int32_t* seq_ids;        // [batch]
   PagedLayouts layouts;
   int kv_heads, block_size, mask_words, tiles_per_block, group, tiles_per_warp, parts;
   float softmax_scale;
   const float* query;  // [batch, kv_heads · group, D]
   float* part_acc;     // [batch, kv_heads, parts, group, D]
   float* part_ml;      // [batch, kv_heads, parts, group, 2]: max (natural log units), sum
+};
+
+// The staged tokens' partial: part index parts - 1 of every (sequence, KV head).
+struct StagedArgs {
+  const PagedStaging* keys;     // [max_sequences, 3, kv_heads, 16, D]
+  const PagedStaging* values;   // [max_sequences, 3, kv_heads, 16, D]
+  const std::uint32_t* masks;   // [max_sequences, 3, kv_heads] bit r: row r is staged
+  const std::int32_t* seq_ids;  // [batch]
+  int kv_heads, group, head_dim, parts;
+  float softmax_scale;
+  const float* query;  // [batch, kv_heads · group, D]
+  float* part_acc;     // [batch, kv_heads, parts, group, D]
+  float* part_ml;      // [batch, kv_heads, parts, group, 2]
 };
 
 template <int D>
@@ -379,14 +392,12 @@ __global__ void __launch_bounds__(kThreads, 2) split_decode_kernel(SplitArgs a) 
   const int g = lane / 4, t = lane % 4;  // MMA row (query head) and column pair of this lane
   const int begin = a.block_begin[b];
   const int units = (a.block_begin[b + 1] - begin) * a.tiles_per_block;
-  const std::int64_t seq = a.seq_ids[b];
   const float gf = a.global_factors[h];
   const float conv_nvfp4 = 16384.0f / gf;  // NVFP4 16-bit value × this = dequantized value
   int pe = 0;
   frexpf(fmaxf(conv_nvfp4, 1.0f), &pe);
   const float pexp = ldexpf(1.0f, 15 - pe);  // P' = p · conv · pexp < 2^15 for every format
   const float qinv = g < G ? 1.0f / sQs[g] : 0.0f;
-  const float* qrow = sQf + (g < G ? g : 0) * D;
 
   float m2 = -INFINITY, l = 0.0f;  // running max (log2 units) and sum of this lane's head
   float acc[kAccTiles][4];
@@ -405,10 +416,9 @@ __global__ void __launch_bounds__(kThreads, 2) split_decode_kernel(SplitArgs a) 
     const unsigned live =
         ~static_cast<unsigned>(word >> (start % 64)) & (n == 32 ? 0xffffffffu : 0xffffu);
     if (live == 0) continue;  // the same in every lane
-    const int meta = a.meta[blk], format = meta & 0xf, type = meta >> 4;
+    const int format = a.meta[blk] & 0xf;
     const PagedHeadLayout& L = a.layouts.by_format[format];
-    const std::uint8_t* base = a.storage + frame * a.frame_stride + h * L.head_bytes;
-    const unsigned sealed_groups = a.sealed[frame * H + h] >> (start / 16);
+    const std::uint8_t* base = a.storage + a.frame_offsets[frame] + h * L.head_bytes;
     const bool bf = format == kFormatFp8;
     const float conv = format == kFormatNvfp4 ? conv_nvfp4 : 1.0f;
 
@@ -420,9 +430,7 @@ __global__ void __launch_bounds__(kThreads, 2) split_decode_kernel(SplitArgs a) 
       const int start2 = (u2 % a.tiles_per_block) * kTileSlots;
       const int n2 = min(kTileSlots, a.block_size - start2);
       const PagedHeadLayout& L2 = a.layouts.by_format[a.meta[blk2] & 0xf];
-      const std::uint8_t* base2 = a.storage +
-                                  static_cast<std::int64_t>(a.frames[blk2]) * a.frame_stride +
-                                  h * L2.head_bytes;
+      const std::uint8_t* base2 = a.storage + a.frame_offsets[a.frames[blk2]] + h * L2.head_bytes;
       const int code_bytes = (n2 / 16) * D * L2.code_bytes;  // of the keys; values the same
       const int scale_bytes = (n2 / 16) * D;
       const std::uint8_t* kp = base2 + static_cast<std::int64_t>(start2 / 16) * D * L2.code_bytes;
@@ -463,12 +471,7 @@ __global__ void __launch_bounds__(kThreads, 2) split_decode_kernel(SplitArgs a) 
         if (idx < ngroups) {
           std::uint32_t w[8];
           const int sg = idx / D, c = idx % D;
-          if ((sealed_groups >> sg) & 1u) {
-            decode_group(kc[j], ks[j], format, w);
-          } else {
-#pragma unroll
-            for (int i = 0; i < 8; ++i) w[i] = 0;  // staged: logits come from fp32 below
-          }
+          decode_group(kc[j], ks[j], format, w);  // every group in a block is a whole one
           uint4* dk = reinterpret_cast<uint4*>(sK + c * kKPitch + sg * 16);
           dk[0] = make_uint4(w[0], w[1], w[2], w[3]);
           dk[1] = make_uint4(w[4], w[5], w[6], w[7]);
@@ -512,16 +515,9 @@ __global__ void __launch_bounds__(kThreads, 2) split_decode_kernel(SplitArgs a) 
       }
     }
 
-    // 4. Logits (log2 units) of head g at slots nt·8 + 2t + j; staged rows in fp32.
+    // 4. Logits (log2 units) of head g at slots nt·8 + 2t + j.
     float x2[4][2];
     const float kfac = conv * qinv * a.softmax_scale * kLog2e;
-    const unsigned staged_live = [&] {
-      unsigned m = 0;
-      for (int sg = 0; sg < n / 16; ++sg) {
-        if (!((sealed_groups >> sg) & 1u)) m |= 0xffffu << (16 * sg);
-      }
-      return m & live;
-    }();
     float tmax = -INFINITY;
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
@@ -529,13 +525,6 @@ __global__ void __launch_bounds__(kThreads, 2) split_decode_kernel(SplitArgs a) 
       for (int j = 0; j < 2; ++j) {
         const int s = nt * 8 + 2 * t + j;
         float x = (sacc[nt][j] + sacc[nt][2 + j]) * kfac;
-        if ((staged_live >> s) & 1u) {
-          const PagedStaging* row =
-              a.staging + (((seq * kPagedThoughtTypes + type) * H + h) * 16 + s % 16) * D;
-          float dot = 0.0f;
-          for (int c = 0; c < D; ++c) dot += qrow[c] * to_float(row[c]);
-          x = dot * a.softmax_scale * kLog2e;
-        }
         x = ((live >> s) & 1u) ? x : -INFINITY;
         x2[nt][j] = x;
         tmax = fmaxf(tmax, x);
@@ -690,6 +679,62 @@ __global__ void merge_partials_kernel(const float* __restrict__ part_acc,
   }
 }
 
+// Grid (KV heads, batch), kThreads threads: the partial of the sequence's staged tokens (at most
+// 16 per thought type) in fp32 from the 16-bit rows: logits, max, weights, P·V on CUDA cores.
+// Written to part parts - 1; l = 0 when nothing is staged (the merge then skips it).
+constexpr int kStagedRows = kPagedThoughtTypes * 16;
+__global__ void __launch_bounds__(kThreads) staged_partial_kernel(StagedArgs a) {
+  __shared__ float sx[kMaxGroup][kStagedRows];  // logits, then weights
+  __shared__ float sm[kMaxGroup];
+  const int h = blockIdx.x, b = blockIdx.y, G = a.group, D = a.head_dim, H = a.kv_heads;
+  const std::int64_t stream0 = static_cast<std::int64_t>(a.seq_ids[b]) * kPagedThoughtTypes * H;
+  const float* q = a.query + (static_cast<std::int64_t>(b) * H + h) * G * D;  // [G, D]
+  for (int p = threadIdx.x; p < G * kStagedRows; p += blockDim.x) {
+    const int g = p / kStagedRows, r = p % kStagedRows, i = r % 16;
+    const std::int64_t stream = stream0 + static_cast<std::int64_t>(r / 16) * H + h;
+    float x = -INFINITY;
+    if ((a.masks[stream] >> i) & 1u) {
+      const PagedStaging* k = a.keys + (stream * 16 + i) * D;
+      float dot = 0.0f;
+      for (int c = 0; c < D; ++c) dot += q[g * D + c] * to_float(k[c]);
+      x = dot * a.softmax_scale;
+    }
+    sx[g][r] = x;
+  }
+  __syncthreads();
+  for (int g = threadIdx.x; g < G; g += blockDim.x) {
+    float m = -INFINITY;
+    for (int r = 0; r < kStagedRows; ++r) m = fmaxf(m, sx[g][r]);
+    sm[g] = m;
+  }
+  __syncthreads();
+  for (int p = threadIdx.x; p < G * kStagedRows; p += blockDim.x) {
+    const int g = p / kStagedRows, r = p % kStagedRows;
+    const float x = sx[g][r];
+    sx[g][r] = x > -INFINITY ? expf(x - sm[g]) : 0.0f;  // a finite x implies a finite max
+  }
+  __syncthreads();
+  const std::int64_t row0 = ((static_cast<std::int64_t>(b) * H + h) * a.parts + (a.parts - 1)) * G;
+  for (int p = threadIdx.x; p < G * D; p += blockDim.x) {
+    const int g = p / D, d = p % D;
+    float acc = 0.0f;
+    for (int r = 0; r < kStagedRows; ++r) {
+      const float w = sx[g][r];
+      if (w > 0.0f) {  // dead rows' (stale) values never enter
+        const std::int64_t stream = stream0 + static_cast<std::int64_t>(r / 16) * H + h;
+        acc += w * to_float(a.values[(stream * 16 + r % 16) * D + d]);
+      }
+    }
+    a.part_acc[(row0 + g) * D + d] = acc;
+  }
+  for (int g = threadIdx.x; g < G; g += blockDim.x) {
+    float l = 0.0f;
+    for (int r = 0; r < kStagedRows; ++r) l += sx[g][r];
+    a.part_ml[(row0 + g) * 2] = l > 0.0f ? sm[g] : -INFINITY;
+    a.part_ml[(row0 + g) * 2 + 1] = l;
+  }
+}
+
 struct SplitPlan {
   int tiles_per_block = 1, tiles_per_warp = 1, splits = 1, parts = kWarps;
 };
@@ -707,7 +752,7 @@ SplitPlan plan_split(const DevicePagedTable& table, const PagedBatch& batch,
   p.tiles_per_warp = static_cast<int>(std::min<std::int64_t>(per_warp, 1 << 30));
   const std::int64_t per_cta = static_cast<std::int64_t>(p.tiles_per_warp) * kWarps;
   p.splits = static_cast<int>(std::max<std::int64_t>(1, (max_units + per_cta - 1) / per_cta));
-  p.parts = p.splits * kWarps;
+  p.parts = p.splits * kWarps + 1;  // the last: the staged tokens' (staged_partial_kernel)
   return p;
 }
 
@@ -912,10 +957,8 @@ void paged_decode_attention_batch(const DevicePagedTable& table, const PagedBatc
   const PagedTableMemory& m = table.memory();
   SplitArgs args;
   args.storage = m.storage;
-  args.frame_stride = table.sizes().frame_stride;
+  args.frame_offsets = m.frame_offsets;
   args.masks = m.free_masks;
-  args.sealed = m.sealed;
-  args.staging = m.staging_keys;
   args.global_factors = m.global_factors;
   args.frames = batch.frames;
   args.meta = batch.meta;
@@ -950,6 +993,23 @@ void paged_decode_attention_batch(const DevicePagedTable& table, const PagedBatc
       launch_split<256>(args, plan, tc.kv_heads, batch.batch, stream);
       break;
   }
+  StagedArgs staged;
+  staged.keys = m.staged_keys;
+  staged.values = m.staged_values;
+  staged.masks = m.staged_masks;
+  staged.seq_ids = batch.seq_ids;
+  staged.kv_heads = tc.kv_heads;
+  staged.group = args.group;
+  staged.head_dim = static_cast<int>(head_dim);
+  staged.parts = plan.parts;
+  staged.softmax_scale = softmax_scale;
+  staged.query = query;
+  staged.part_acc = part_acc;
+  staged.part_ml = part_ml;
+  staged_partial_kernel<<<dim3(static_cast<unsigned>(tc.kv_heads),
+                               static_cast<unsigned>(batch.batch)),
+                          kThreads, 0, stream>>>(staged);
+  KVSIFT_CUDA_CHECK(cudaGetLastError());
   const dim3 grid(static_cast<unsigned>(q_heads), static_cast<unsigned>(batch.batch));
   merge_partials_kernel<<<grid, 128, 0, stream>>>(part_acc, part_ml, tc.kv_heads, args.group,
                                                   plan.parts, static_cast<int>(head_dim), out);

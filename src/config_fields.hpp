@@ -32,6 +32,7 @@ inline const EnumNames<BlockFormat> kBlockNames{{"f32", BlockFormat::f32},
                                                 {"nvfp4", BlockFormat::nvfp4},
                                                 {"fp8", BlockFormat::fp8},
                                                 {"ternary", BlockFormat::ternary}};
+inline const EnumNames<DType> kStagingNames{{"bf16", DType::bf16}, {"f16", DType::f16}};
 
 struct EmptyConfig {
   void validate() const {}
@@ -205,6 +206,7 @@ struct ThinKVFields {
     v("execution", p.execution, kBlockNames);
     v("transition", p.transition, kBlockNames);
     v("global_factors", p.global_factors);
+    v("staging", p.staging, kStagingNames);
   }
 };
 

@@ -88,6 +88,7 @@ ThoughtBlockTableConfig ThinKVConfig::table_config(int layer) const {
   c.reasoning = reasoning;
   c.execution = execution;
   c.transition = transition;
+  c.staging = staging;
   if (!global_factors.empty()) {
     const auto begin = global_factors.begin() + static_cast<std::ptrdiff_t>(layer) * kv_heads;
     c.global_factors.assign(begin, begin + kv_heads);

@@ -1,6 +1,6 @@
-// ThoughtBlockTable (docs/algorithms.md §3.4): allocation, soft eviction and the staged
-// quantization of key groups. See include/kvsift/paged/thought_block_table.hpp and
-// docs/continuous_thinking.md.
+// ThoughtBlockTable (docs/algorithms.md §3.4): allocation, soft eviction, refill of evicted slots
+// with freshly quantized groups, and blocks returned to the pool. See
+// include/kvsift/paged/thought_block_table.hpp and docs/thinkv.md §6.
 #include "kvsift/paged/thought_block_table.hpp"
 
 #include <algorithm>
@@ -23,6 +23,16 @@ int lowest_set_bit(std::uint64_t m) {
 
 bool bit(const std::uint64_t* mask, std::int32_t slot) {
   return (mask[slot / 64] >> (slot % 64)) & 1u;
+}
+
+// Whether slots [first, first + 16) are all free (a group never straddles a 64-bit word).
+bool run_free(const std::uint64_t* mask, std::int32_t first) {
+  return ((mask[first / 64] >> (first % 64)) & 0xffffu) == 0xffffu;
+}
+
+template <class T>
+void release_vector(std::vector<T>& v) {
+  std::vector<T>().swap(v);  // really gives the memory back
 }
 }  // namespace
 
@@ -48,6 +58,9 @@ void ThoughtBlockTableConfig::validate() const {
                  "ThoughtBlockTableConfig: global_factors[", h, "] = ", global_factors[h],
                  " must be finite and > 0");
   }
+  KVSIFT_CHECK(staging == DType::f16 || staging == DType::bf16,
+               "ThoughtBlockTableConfig: staging must be f16 or bf16 (16-bit, §3.4), got ",
+               dtype_name(staging));
 }
 
 ThoughtBlockTable::ThoughtBlockTable(ThoughtBlockTableConfig config) : config_(std::move(config)) {
@@ -70,10 +83,15 @@ std::int32_t ThoughtBlockTable::create_sequence() {
   const bool any_quantized = is_quantized(config_.reasoning) || is_quantized(config_.execution) ||
                              is_quantized(config_.transition);
   if (any_quantized) {
-    s.staging.assign(static_cast<std::size_t>(kThoughtTypes * config_.kv_heads), Staging{});
-    s.staging_keys.assign(static_cast<std::size_t>(kThoughtTypes) * config_.kv_heads *
-                              kQuantGroupSize * config_.head_dim,
-                          0.0f);
+    StagedGroupQuantizerConfig q;
+    q.kv_heads = config_.kv_heads;
+    q.head_dim = config_.head_dim;
+    q.staging = config_.staging;
+    q.reasoning = config_.reasoning;
+    q.execution = config_.execution;
+    q.transition = config_.transition;
+    q.global_factors = config_.global_factors;
+    s.staging.emplace(std::move(q));
   }
   return static_cast<std::int32_t>(id);
 }
@@ -82,7 +100,11 @@ void ThoughtBlockTable::release_sequence(std::int32_t seq) {
   Sequence& s = sequence(seq, "release_sequence");
   // Pushed in reverse so the lowest frame id of the sequence is handed out next.
   for (auto it = s.blocks.rbegin(); it != s.blocks.rend(); ++it) {
-    frames_[static_cast<std::size_t>(*it)].owner = -1;
+    Frame& f = frames_[static_cast<std::size_t>(*it)];
+    f.owner = -1;
+    release_vector(f.data);
+    release_vector(f.free);
+    release_vector(f.position);
     free_frames_.push_back(*it);
   }
   s = Sequence{};
@@ -184,10 +206,7 @@ std::int32_t ThoughtBlockTable::take_frame(std::int32_t seq, ThoughtType type) {
   f.free.clear();
   for (std::int64_t h = 0; h < H; ++h)
     f.free.insert(f.free.end(), head_mask.begin(), head_mask.end());
-  // Full-precision blocks have nothing to stage: their key groups count as sealed from the start.
-  f.sealed.assign(static_cast<std::size_t>(H), is_quantized(f.format) ? 0u : ~0u);
   f.position.assign(static_cast<std::size_t>(H * S), -1);
-  f.segment.assign(static_cast<std::size_t>(H * S), -1);
   return id;
 }
 
@@ -206,40 +225,36 @@ SlotAddress ThoughtBlockTable::lowest_free_slot(const Sequence& s, ThoughtType t
   return SlotAddress{};
 }
 
-void ThoughtBlockTable::write_slot(Sequence& s, std::int32_t head, SlotAddress a, const float* key,
-                                   const float* value) {
-  Frame& f = frames_[static_cast<std::size_t>(s.blocks[static_cast<std::size_t>(a.block)])];
-  const BlockHeadLayout L = layout(f.format);
-  std::uint8_t* base = f.data.data() + head * L.bytes();
-  const float g = config_.global_factor(head);
-  write_value_row(L, base, a.slot, value, g);
-  if (!is_quantized(f.format)) {
-    write_key_row_f32(L, base, a.slot, key);
-    return;
+SlotAddress ThoughtBlockTable::lowest_free_run(const Sequence& s, ThoughtType type,
+                                               std::int32_t head) const {
+  for (std::size_t b = 0; b < s.blocks.size(); ++b) {
+    const Frame& f = frames_[static_cast<std::size_t>(s.blocks[b])];
+    if (f.type != type) continue;
+    const std::uint64_t* mask = &f.free[static_cast<std::size_t>(head) * mask_words_];
+    for (std::int32_t first = 0; first < config_.block_size; first += kQuantGroupSize) {
+      if (run_free(mask, first)) return SlotAddress{static_cast<std::int32_t>(b), first};
+    }
   }
-  const std::int32_t group = a.slot / kQuantGroupSize;
-  if ((f.sealed[static_cast<std::size_t>(head)] >> group) & 1u) {
-    write_key_in_sealed_group(L, base, a.slot, key, g);
-    return;
+  return SlotAddress{};
+}
+
+std::int32_t ThoughtBlockTable::segment_of(const Sequence& s, std::int32_t position) const {
+  const auto it = std::upper_bound(s.segment_starts.begin(), s.segment_starts.end(), position);
+  return static_cast<std::int32_t>(it - s.segment_starts.begin()) - 1;
+}
+
+bool ThoughtBlockTable::find_staged(const Sequence& s, std::int32_t head, std::int32_t position,
+                                    ThoughtType& type, int& index) const {
+  if (!s.staging) return false;
+  for (int t = 0; t < kThoughtTypes; ++t) {
+    const int i = s.staging->find(static_cast<ThoughtType>(t), head, position);
+    if (i >= 0) {
+      type = static_cast<ThoughtType>(t);
+      index = i;
+      return true;
+    }
   }
-  // The group is still being filled for the first time: keep the key in full precision until all
-  // 16 slots have arrived, then quantize the group together (TBQ §3.2).
-  const std::size_t si = staging_index(f.type, head);
-  Staging& st = s.staging[si];
-  KVSIFT_CHECK(st.written == 0 || (st.block == a.block && st.group == group),
-               "ThoughtBlockTable internal error: kv head ", head, " stages block ", st.block,
-               " group ", st.group, " but writes block ", a.block, " group ", group);
-  st.block = a.block;
-  st.group = group;
-  float* rows = &s.staging_keys[si * kQuantGroupSize * config_.head_dim];
-  const int row = a.slot % kQuantGroupSize;
-  std::memcpy(rows + row * config_.head_dim, key, static_cast<std::size_t>(config_.head_dim) * 4);
-  st.written |= 1u << row;
-  if (st.written == (1u << kQuantGroupSize) - 1) {
-    seal_key_group(L, base, group, rows, g);
-    f.sealed[static_cast<std::size_t>(head)] |= 1u << group;
-    st = Staging{};
-  }
+  return false;
 }
 
 std::int32_t ThoughtBlockTable::append(std::int32_t seq, const float* key, const float* value,
@@ -261,40 +276,82 @@ std::int32_t ThoughtBlockTable::append(std::int32_t seq, const float* key, const
                  " is not finite (key ", key[i], ", value ", value[i], ")");
   }
   const ThoughtType type = s.segment_types.back();
-  std::vector<SlotAddress> chosen(static_cast<std::size_t>(config_.kv_heads));
+  const BlockFormat format = config_.format_of(type);
+  const std::int32_t position = s.length;
+  const std::int32_t segment = static_cast<std::int32_t>(s.segment_starts.size()) - 1;
+  const std::size_t H = static_cast<std::size_t>(config_.kv_heads);
+  // Where each head's write goes: f32 blocks take the token now, in the lowest free slot;
+  // quantized ones stage it and, in heads where it completes a group, need a free 16-slot run.
+  std::vector<SlotAddress> chosen(H);
+  std::vector<bool> writes(H, false);
   bool need_block = false;
   for (std::int32_t h = 0; h < config_.kv_heads; ++h) {
-    chosen[static_cast<std::size_t>(h)] = lowest_free_slot(s, type, h);
+    const bool completes =
+        !is_quantized(format) || s.staging->staged_count(type, h) == kQuantGroupSize - 1;
+    if (!completes) continue;
+    writes[static_cast<std::size_t>(h)] = true;
+    chosen[static_cast<std::size_t>(h)] =
+        is_quantized(format) ? lowest_free_run(s, type, h) : lowest_free_slot(s, type, h);
     need_block = need_block || chosen[static_cast<std::size_t>(h)].block < 0;
   }
   if (need_block) {
-    // Only heads without a free slot use the new block; the others keep filling their holes.
+    // Checked before anything changes; only heads without room use the new block, the others keep
+    // filling their holes.
     s.blocks.push_back(take_frame(seq, type));
     const std::int32_t b = static_cast<std::int32_t>(s.blocks.size()) - 1;
     for (SlotAddress& a : chosen) {
       if (a.block < 0) a = SlotAddress{b, 0};
     }
   }
-  const std::int32_t position = s.length;
-  const std::int32_t segment = static_cast<std::int32_t>(s.segment_starts.size()) - 1;
+  QuantizedGroup group;
   for (std::int32_t h = 0; h < config_.kv_heads; ++h) {
+    const float* k = key + h * head_dim;
+    const float* v = value + h * head_dim;
+    if (is_quantized(format)) {
+      s.staging->stage(type, h, position, k, v);
+      if (!writes[static_cast<std::size_t>(h)]) {
+        if (where != nullptr) where[h] = SlotAddress{kStagedBlock, position};
+        continue;
+      }
+    }
     const SlotAddress a = chosen[static_cast<std::size_t>(h)];
-    write_slot(s, h, a, key + h * head_dim, value + h * head_dim);
     Frame& f = frames_[static_cast<std::size_t>(s.blocks[static_cast<std::size_t>(a.block)])];
-    const std::size_t i = static_cast<std::size_t>(h) * config_.block_size + a.slot;
-    f.position[i] = position;
-    f.segment[i] = segment;
-    f.free[static_cast<std::size_t>(h) * mask_words_ + a.slot / 64] &=
-        ~(std::uint64_t{1} << (a.slot % 64));
-    if (where != nullptr) where[h] = a;
+    const BlockHeadLayout L = layout(f.format);
+    std::uint8_t* base = f.data.data() + h * L.bytes();
+    std::uint64_t* mask = &f.free[static_cast<std::size_t>(h) * mask_words_];
+    std::int32_t* slot_position = &f.position[static_cast<std::size_t>(h) * config_.block_size];
+    if (!is_quantized(format)) {
+      write_value_row(L, base, a.slot, v, 1.0f);
+      write_key_row_f32(L, base, a.slot, k);
+      slot_position[a.slot] = position;
+      mask[a.slot / 64] &= ~(std::uint64_t{1} << (a.slot % 64));
+      if (where != nullptr) where[h] = a;
+      continue;
+    }
+    // A whole group of this type has arrived in this head: quantize it with its own scales and
+    // write it into the run (§3.4 refill with fresh scales).
+    s.staging->take_group(type, h, group);
+    write_token_group(L, base, a.slot / kQuantGroupSize, group.key_codes.data(),
+                      group.key_scales.data(), group.value_codes.data(), group.value_scales.data());
+    for (int i = 0; i < kQuantGroupSize; ++i) slot_position[a.slot + i] = group.positions[i];
+    mask[a.slot / 64] &= ~(std::uint64_t{0xffff} << (a.slot % 64));
+    // The new token is the group's last (positions ascend).
+    if (where != nullptr) where[h] = SlotAddress{a.block, a.slot + kQuantGroupSize - 1};
   }
+  (void)segment;
   s.length = position + 1;
   return position;
 }
 
-void ThoughtBlockTable::evict(std::int32_t seq, std::int32_t head, SlotAddress a) {
-  const Sequence& s = sequence(seq, "evict");
-  check_head(head, "evict");
+void ThoughtBlockTable::evict_one(Sequence& s, std::int32_t seq, std::int32_t head, SlotAddress a) {
+  if (a.block == kStagedBlock) {
+    ThoughtType type{};
+    int index = -1;
+    KVSIFT_CHECK(find_staged(s, head, a.slot, type, index), "ThoughtBlockTable::evict: position ",
+                 a.slot, " is not staged in kv head ", head, " of sequence ", seq);
+    s.staging->evict(type, head, index);  // never quantized: it simply leaves the buffer
+    return;
+  }
   check_address(s, seq, a, "evict");
   Frame& f = frames_[static_cast<std::size_t>(s.blocks[static_cast<std::size_t>(a.block)])];
   std::uint64_t& word = f.free[static_cast<std::size_t>(head) * mask_words_ + a.slot / 64];
@@ -305,9 +362,44 @@ void ThoughtBlockTable::evict(std::int32_t seq, std::int32_t head, SlotAddress a
   word |= b;  // soft eviction: the bit is all that changes
 }
 
+void ThoughtBlockTable::release_empty_blocks(Sequence& s) {
+  const std::size_t words = static_cast<std::size_t>(config_.kv_heads) * mask_words_;
+  std::vector<std::uint64_t> all(static_cast<std::size_t>(mask_words_), 0);
+  for (std::int32_t slot = 0; slot < config_.block_size; ++slot)
+    all[static_cast<std::size_t>(slot / 64)] |= std::uint64_t{1} << (slot % 64);
+  std::vector<std::int32_t> kept;
+  kept.reserve(s.blocks.size());
+  for (std::int32_t id : s.blocks) {
+    Frame& f = frames_[static_cast<std::size_t>(id)];
+    bool empty = true;
+    for (std::size_t w = 0; w < words && empty; ++w) empty = f.free[w] == all[w % mask_words_];
+    if (!empty) {
+      kept.push_back(id);
+      continue;
+    }
+    // Every slot of every head is free: the block goes back to the pool and its memory is
+    // released (§3.4). The pool stays sorted with the lowest id on top.
+    f.owner = -1;
+    release_vector(f.data);
+    release_vector(f.free);
+    release_vector(f.position);
+    free_frames_.insert(std::upper_bound(free_frames_.begin(), free_frames_.end(), id,
+                                         [](std::int32_t x, std::int32_t y) { return x > y; }),
+                        id);
+  }
+  s.blocks.swap(kept);
+}
+
+void ThoughtBlockTable::evict(std::int32_t seq, std::int32_t head, SlotAddress a) {
+  Sequence& s = sequence(seq, "evict");
+  check_head(head, "evict");
+  evict_one(s, seq, head, a);
+  release_empty_blocks(s);
+}
+
 void ThoughtBlockTable::evict_positions(std::int32_t seq, std::int32_t head,
                                         const std::vector<std::int32_t>& positions) {
-  sequence(seq, "evict_positions");
+  Sequence& s = sequence(seq, "evict_positions");
   check_head(head, "evict_positions");
   std::vector<ResidentToken> live = resident_tokens(seq, head);
   std::sort(live.begin(), live.end(),
@@ -329,7 +421,9 @@ void ThoughtBlockTable::evict_positions(std::int32_t seq, std::int32_t head,
                  length(seq), ")");
     targets.push_back(it->address);
   }
-  for (const SlotAddress& a : targets) evict(seq, head, a);
+  // Bits first, blocks after: releasing a block renumbers the later ones.
+  for (const SlotAddress& a : targets) evict_one(s, seq, head, a);
+  release_empty_blocks(s);
 }
 
 // --- inspection ------------------------------------------------------------------------------
@@ -354,6 +448,11 @@ const std::uint64_t* ThoughtBlockTable::free_mask(std::int32_t seq, std::int32_t
 bool ThoughtBlockTable::is_live(std::int32_t seq, std::int32_t head, SlotAddress a) const {
   const Sequence& s = sequence(seq, "is_live");
   check_head(head, "is_live");
+  if (a.block == kStagedBlock) {
+    ThoughtType type{};
+    int index = -1;
+    return find_staged(s, head, a.slot, type, index);
+  }
   check_address(s, seq, a, "is_live");
   return !bit(free_mask(seq, a.block, head), a.slot);
 }
@@ -368,7 +467,8 @@ std::vector<std::uint64_t> ThoughtBlockTable::segment_mask(std::int32_t seq, std
   const std::uint64_t* free = &f.free[static_cast<std::size_t>(head) * mask_words_];
   for (std::int32_t slot = 0; slot < config_.block_size; ++slot) {
     if (!bit(free, slot) &&
-        f.segment[static_cast<std::size_t>(head) * config_.block_size + slot] == segment) {
+        segment_of(s, f.position[static_cast<std::size_t>(head) * config_.block_size + slot]) ==
+            segment) {
       mask[slot / 64] |= std::uint64_t{1} << (slot % 64);
     }
   }
@@ -385,13 +485,42 @@ std::vector<ResidentToken> ThoughtBlockTable::resident_tokens(std::int32_t seq, 
     const std::uint64_t* free = &f.free[static_cast<std::size_t>(head) * mask_words_];
     for (std::int32_t slot = 0; slot < config_.block_size; ++slot) {
       if (bit(free, slot)) continue;
-      const std::size_t i = static_cast<std::size_t>(head) * config_.block_size + slot;
-      if (segment >= 0 && f.segment[i] != segment) continue;
-      out.push_back(ResidentToken{SlotAddress{static_cast<std::int32_t>(b), slot}, f.position[i],
-                                  f.segment[i]});
+      const std::int32_t p = f.position[static_cast<std::size_t>(head) * config_.block_size + slot];
+      const std::int32_t seg = segment_of(s, p);
+      if (segment >= 0 && seg != segment) continue;
+      out.push_back(ResidentToken{SlotAddress{static_cast<std::int32_t>(b), slot}, p, seg});
+    }
+  }
+  if (s.staging) {
+    for (int t = 0; t < kThoughtTypes; ++t) {
+      const ThoughtType type = static_cast<ThoughtType>(t);
+      for (int i = 0; i < s.staging->staged_count(type, head); ++i) {
+        const std::int32_t p = s.staging->staged_position(type, head, i);
+        const std::int32_t seg = segment_of(s, p);
+        if (segment >= 0 && seg != segment) continue;
+        out.push_back(ResidentToken{SlotAddress{kStagedBlock, p}, p, seg});
+      }
     }
   }
   return out;
+}
+
+void ThoughtBlockTable::staged_rows(std::int32_t seq, std::int32_t head, std::vector<float>& keys,
+                                    std::vector<float>& values) const {
+  const Sequence& s = sequence(seq, "staged_rows");
+  check_head(head, "staged_rows");
+  const std::size_t D = static_cast<std::size_t>(config_.head_dim);
+  keys.clear();
+  values.clear();
+  if (!s.staging) return;
+  for (int t = 0; t < kThoughtTypes; ++t) {
+    const ThoughtType type = static_cast<ThoughtType>(t);
+    for (int i = 0; i < s.staging->staged_count(type, head); ++i) {
+      keys.resize(keys.size() + D);
+      values.resize(values.size() + D);
+      s.staging->staged_token(type, head, i, &keys[keys.size() - D], &values[values.size() - D]);
+    }
+  }
 }
 
 std::int64_t ThoughtBlockTable::live_tokens(std::int32_t seq, std::int32_t head) const {
@@ -403,6 +532,10 @@ std::int64_t ThoughtBlockTable::live_tokens(std::int32_t seq, std::int32_t head)
     for (std::int32_t slot = 0; slot < config_.block_size; ++slot) {
       live += !bit(&f.free[static_cast<std::size_t>(head) * mask_words_], slot);
     }
+  }
+  if (s.staging) {
+    for (int t = 0; t < kThoughtTypes; ++t)
+      live += s.staging->staged_count(static_cast<ThoughtType>(t), head);
   }
   return live;
 }
@@ -420,14 +553,19 @@ void ThoughtBlockTable::segment_keys(std::int32_t seq, std::int32_t head, std::i
   positions.resize(tokens.size());
   std::vector<float> block_keys(block_elems), block_values(block_elems);
   std::int32_t loaded = -1;  // tokens come in block order: dequantize each block once
+  std::vector<float> staged_value(D);
   for (std::size_t i = 0; i < tokens.size(); ++i) {
     const SlotAddress a = tokens[i].address;
+    positions[i] = tokens[i].position;
+    if (a.block == kStagedBlock) {
+      read_token(seq, head, a, &keys[i * D], staged_value.data());
+      continue;
+    }
     if (a.block != loaded) {
       dequantize_block(seq, a.block, head, block_keys.data(), block_values.data());
       loaded = a.block;
     }
     std::copy_n(&block_keys[static_cast<std::size_t>(a.slot) * D], D, &keys[i * D]);
-    positions[i] = tokens[i].position;
   }
 }
 
@@ -437,35 +575,22 @@ void ThoughtBlockTable::dequantize_block(std::int32_t seq, std::int32_t block, s
   check_head(head, "dequantize_block");
   const Frame& f = frame(s, seq, block, "dequantize_block");
   const BlockHeadLayout L = layout(f.format);
-  const std::uint32_t sealed = f.sealed[static_cast<std::size_t>(head)];
-  const std::int64_t D = config_.head_dim;
-  if (is_quantized(f.format)) {
-    // Key rows of groups still being filled come from the staging buffer (zeros where unwritten).
-    for (std::int64_t g = 0; g < config_.block_size / kQuantGroupSize; ++g) {
-      if (!((sealed >> g) & 1u)) {
-        std::fill(keys + g * kQuantGroupSize * D, keys + (g + 1) * kQuantGroupSize * D, 0.0f);
-      }
-    }
-    const std::size_t si = staging_index(f.type, head);
-    const Staging& st = s.staging[si];
-    if (st.block == block) {
-      const float* rows = &s.staging_keys[si * kQuantGroupSize * D];
-      for (int i = 0; i < kQuantGroupSize; ++i) {
-        if ((st.written >> i) & 1u) {
-          std::memcpy(keys + (st.group * kQuantGroupSize + i) * D, rows + i * D,
-                      static_cast<std::size_t>(D) * 4);
-        }
-      }
-    }
-  }
-  dequantize_block_head(L, f.data.data() + head * L.bytes(), sealed, config_.global_factor(head),
-                        keys, values);
+  dequantize_block_head(L, f.data.data() + head * L.bytes(), config_.global_factor(head), keys,
+                        values);
 }
 
 void ThoughtBlockTable::read_token(std::int32_t seq, std::int32_t head, SlotAddress a, float* key,
                                    float* value) const {
   KVSIFT_CHECK(is_live(seq, head, a), "ThoughtBlockTable::read_token: slot ", a.slot, " of block ",
                a.block, " in kv head ", head, " of sequence ", seq, " is not live");
+  if (a.block == kStagedBlock) {  // still waiting for its group: read at 16 bits
+    const Sequence& s = sequence(seq, "read_token");
+    ThoughtType type{};
+    int index = -1;
+    find_staged(s, head, a.slot, type, index);
+    s.staging->staged_token(type, head, index, key, value);
+    return;
+  }
   const std::size_t n = static_cast<std::size_t>(config_.block_size) * config_.head_dim;
   std::vector<float> keys(n), values(n);
   dequantize_block(seq, a.block, head, keys.data(), values.data());
@@ -482,30 +607,53 @@ const std::vector<std::uint8_t>& ThoughtBlockTable::block_storage(std::int32_t s
 
 // --- memory ----------------------------------------------------------------------------------
 
+namespace {
+// Per sequence: page table, segment starts and types, length (block_bytes.hpp).
+std::int64_t sequence_metadata(std::size_t blocks, std::size_t segments) {
+  return page_table_bytes(static_cast<std::int64_t>(blocks), static_cast<std::int64_t>(segments));
+}
+}  // namespace
+
 TableBytes ThoughtBlockTable::resident_bytes() const {
   TableBytes out;
-  const std::int64_t H = config_.kv_heads, S = config_.block_size;
-  // Per block: type, format (1 B each), owner (4 B); per head: eviction mask, sealed bits (4 B),
-  // position and segment id per slot (4 B each).
-  const std::int64_t block_metadata = 1 + 1 + 4 + H * (mask_words_ * 8 + 4 + S * 8);
   bool any_nvfp4 = false;
   for (const Frame& f : frames_) {
     if (f.owner < 0) continue;
-    const BlockHeadLayout L = layout(f.format);
-    out.codes += H * L.codes_bytes();
-    out.scales += H * L.scales_bytes();
-    out.metadata += block_metadata;
+    const BlockBytes b =
+        block_bytes(f.format, config_.block_size, config_.head_dim, config_.kv_heads);
+    out.codes += b.codes;
+    out.scales += b.scales;
+    out.metadata += b.metadata;
     any_nvfp4 = any_nvfp4 || f.format == BlockFormat::nvfp4;
   }
-  if (any_nvfp4) out.metadata += H * 4;  // the fp32 global factor g per KV head
+  if (any_nvfp4) out.metadata += global_factor_bytes(config_.kv_heads);
   for (const Sequence& s : sequences_) {
     if (!s.active) continue;
-    // Page table (4 B per block), segment starts and types (5 B per segment), length, staging
-    // bookkeeping (block, group, written: 12 B each).
-    out.metadata += 4 * static_cast<std::int64_t>(s.blocks.size()) +
-                    5 * static_cast<std::int64_t>(s.segment_starts.size()) + 4 +
-                    12 * static_cast<std::int64_t>(s.staging.size());
-    out.staging += 4 * static_cast<std::int64_t>(s.staging_keys.size());
+    out.metadata += sequence_metadata(s.blocks.size(), s.segment_starts.size());
+    if (s.staging) out.staging += staging_bytes(config_.kv_heads, config_.head_dim);
+  }
+  return out;
+}
+
+TableBytes ThoughtBlockTable::allocated_bytes() const {
+  TableBytes out;
+  bool any_nvfp4 = false;
+  for (const Frame& f : frames_) {
+    if (f.data.empty()) continue;  // a pool frame holds no storage
+    const BlockHeadLayout L = layout(f.format);
+    const std::int64_t heads = static_cast<std::int64_t>(f.data.size()) / L.bytes();
+    out.codes += heads * L.codes_bytes();
+    out.scales += heads * L.scales_bytes();
+    out.metadata += static_cast<std::int64_t>(f.free.size() * sizeof(std::uint64_t) +
+                                              f.position.size() * sizeof(std::int32_t)) +
+                    kBlockHeaderBytes;
+    any_nvfp4 = any_nvfp4 || f.format == BlockFormat::nvfp4;
+  }
+  if (any_nvfp4) out.metadata += global_factor_bytes(config_.kv_heads);
+  for (const Sequence& s : sequences_) {
+    if (!s.active) continue;
+    out.metadata += sequence_metadata(s.blocks.size(), s.segment_starts.size());
+    if (s.staging) out.staging += s.staging->bytes();
   }
   return out;
 }

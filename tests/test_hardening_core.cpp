@@ -14,7 +14,6 @@
 #include "kvsift/core/paged_kv_view.hpp"
 #include "kvsift/core/segment_table.hpp"
 #include "kvsift/policy/skipkv/batch_grouper.hpp"
-#include "kvsift/policy/thinkv/hybrid_quantizer.hpp"
 #include "kvsift/quant/quantized_tensor.hpp"
 
 using namespace kvsift;
@@ -210,7 +209,4 @@ TEST_CASE("per-layer tables refuse absurd layer counts and wrapping row counts")
                       Contains("layers (2000) exceeds kMaxLayers = 1024"));
   REQUIRE_THROWS_WITH(SegmentTable(1, std::int64_t{1} << 40, std::int64_t{1} << 40),
                       Contains("SegmentTable: layers * batch * kv_heads"));
-  HybridQuantizerConfig h;
-  h.num_layers = std::numeric_limits<int>::max();
-  REQUIRE_THROWS_WITH(h.validate(), Contains("num_layers (2147483647) must be in [1, kMaxLayers"));
 }

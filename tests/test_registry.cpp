@@ -78,6 +78,13 @@ TEST_CASE("registry errors name the problem", "[registry][errors]") {
   REQUIRE_THROWS_WITH(make_policy("skipkv", R"({"delimiters": [198, 1.5]})"),
                       Contains("'delimiters' must be an array of integers"));
   REQUIRE_THROWS_WITH(make_cache_owning_policy("thinkv"), Contains("theta1"));
+  // ThinKV's 16-bit staging dtype is a named field: bf16 or f16, nothing else.
+  const std::string thinkv =
+      R"({"num_layers": 1, "kv_heads": 1, "q_heads": 1, "head_dim": 16, "theta1": 0.3,
+          "theta2": 0.6, "calibrated_layers": [0], "staging": )";
+  CHECK(make_cache_owning_policy("thinkv", thinkv + R"("f16"})") != nullptr);
+  REQUIRE_THROWS_WITH(make_cache_owning_policy("thinkv", thinkv + R"("f32"})"),
+                      Contains("staging") && Contains("f32"));
   // The quantizers: KIVI's bit widths, PM-KVQ's required budgets, their count and the backend.
   REQUIRE_THROWS_WITH(make_cache_owning_policy("kivi", R"({"k_bits": 3})"),
                       Contains("k_bits must be 2, 4 or 8, got 3"));

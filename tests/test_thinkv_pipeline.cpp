@@ -104,6 +104,7 @@ void check_block_types(const ThinKV& kv) {
     const ThoughtBlockTable& t = kv.table(l);
     for (int h = 0; h < kv.config().kv_heads; ++h) {
       for (const ResidentToken& r : t.resident_tokens(kv.sequence_id(), h)) {
+        if (r.address.block == kStagedBlock) continue;  // waiting for its group: no block yet
         const BlockInfo b = t.block_info(kv.sequence_id(), r.address.block);
         REQUIRE(b.type == t.segment_type(kv.sequence_id(), r.segment));
         REQUIRE(b.format == kv.config().table_config(l).format_of(b.type));
@@ -116,6 +117,31 @@ int blocks_of_type(const ThoughtBlockTable& t, std::int32_t seq, ThoughtType typ
   int n = 0;
   for (int b = 0; b < t.num_blocks(seq); ++b) n += t.block_info(seq, b).type == type ? 1 : 0;
   return n;
+}
+
+// Blocks of `type` once `groups` more whole 16-token groups of it have arrived in every head, with
+// no eviction meanwhile, by the refill rule of docs/algorithms.md §3.4 read off the eviction masks:
+// head h refills its whole free 16-slot runs first and puts the rest in new blocks, which all heads
+// share (each new block offers every head block_size / 16 runs).
+int blocks_after_groups(const ThoughtBlockTable& t, std::int32_t seq, ThoughtType type,
+                        int groups) {
+  const int S = t.config().block_size, per_block = S / 16;
+  int extra = 0;
+  for (int h = 0; h < t.config().kv_heads; ++h) {
+    int runs = 0;
+    for (int b = 0; b < t.num_blocks(seq); ++b) {
+      if (t.block_info(seq, b).type != type) continue;
+      const std::uint64_t* free = t.free_mask(seq, b, h);
+      for (int first = 0; first < S; first += 16) {
+        bool all = true;
+        for (int i = first; i < first + 16; ++i) all = all && ((free[i / 64] >> (i % 64)) & 1u);
+        runs += all ? 1 : 0;
+      }
+    }
+    const int need = std::max(0, groups - runs);
+    extra = std::max(extra, (need + per_block - 1) / per_block);
+  }
+  return blocks_of_type(t, seq, type) + extra;
 }
 
 // Dense attention over the resident tokens the table itself reports, two-pass softmax in double:
@@ -248,16 +274,11 @@ TEST_CASE("ThinKV: labels per interval, Rule 1 demotions, protected prompt, no d
     replay.prompt(100);
     for (int t = 0; t <= 3 * 128; ++t) replay.step(fed[static_cast<std::size_t>(t / 128)]);
     const Snapshot after = snapshot(replay.kv);
-    // The T token went into a new block (no T block existed), so every earlier block's storage
-    // must be bit-identical: eviction only set bits.
-    REQUIRE(after.storage.size() == before_rule1.storage.size() + 2);  // one T block per layer
-    std::size_t i = 0, j = 0;
-    for (int l = 0; l < 2; ++l) {
-      const int blocks_before = replay.kv.table(l).num_blocks(replay.kv.sequence_id()) - 1;
-      for (int b = 0; b < blocks_before; ++b)
-        CHECK(after.storage[j++] == before_rule1.storage[i++]);
-      ++j;  // the new T block
-    }
+    // The T token waits in staging (its group is not complete), so no block was taken and every
+    // block's storage must be bit-identical: eviction only set bits.
+    REQUIRE(after.storage.size() == before_rule1.storage.size());
+    for (std::size_t i = 0; i < after.storage.size(); ++i)
+      CHECK(after.storage[i] == before_rule1.storage[i]);
     // Every survivor reads back bit-identically; 3 × 64 tokens per (layer, head) are gone.
     std::size_t survivors = 0;
     for (const auto& entry : before_rule1.kv) {
@@ -284,18 +305,35 @@ TEST_CASE("ThinKV: labels per interval, Rule 1 demotions, protected prompt, no d
     CHECK(survivors3 == expected_survivors);
   }
 
-  SECTION("new tokens refill evicted slots of their type before taking blocks") {
-    // E tokens: segment 2 (128) and segment 5 (128). Segment 2 lost 64 per head at step 384, so
-    // segment 5's first 64 tokens refill those holes: 4 + 2 blocks of 32, not 8.
-    for (int l = 0; l < 2; ++l) {
-      CHECK(blocks_of_type(kv.table(l), kv.sequence_id(), E) == 6);
-      // T: segment 4 fills 4 blocks; the token of step 640 is written before that step's demotion
-      // frees 64 slots, so it takes block 5; the next 127 fill 64 holes, block 5's 31 free slots
-      // and a 6th block.
-      CHECK(blocks_of_type(kv.table(l), kv.sequence_id(), T) == 6);
-      // R: prompt 100 + segments 1 and 3 (256) = 356 tokens, all before any R eviction: 12 blocks.
-      CHECK(blocks_of_type(kv.table(l), kv.sequence_id(), R) == 12);
+  SECTION("new groups refill whole free runs of their type before taking blocks") {
+    // R: prompt 100 + segments 1 and 3 (256) = 356 tokens = 22 whole groups (4 staged), all
+    // written before any R eviction: 11 blocks of 2 groups.
+    for (int l = 0; l < 2; ++l) CHECK(blocks_of_type(kv.table(l), kv.sequence_id(), R) == 11);
+    // E: segment 2 (8 groups) lost 64 tokens per head at step 384; segment 5's 8 groups (steps
+    // 512..639) refill whatever whole runs that left and take new blocks for the rest. T: segment
+    // 4's 8 groups are demoted at step 640, after that step's token was staged; segment 6's 8
+    // groups complete at steps 655..767.
+    Host replay(small_config());
+    replay.prompt(100);
+    const std::int32_t seq = replay.kv.sequence_id();
+    std::vector<int> e_expected(2), t_expected(2);
+    for (int t = 0; t < 6 * 128; ++t) {
+      if (t == 512)
+        for (int l = 0; l < 2; ++l)
+          e_expected[l] = blocks_after_groups(replay.kv.table(l), seq, E, 8);
+      if (t == 641)
+        for (int l = 0; l < 2; ++l)
+          t_expected[l] = blocks_after_groups(replay.kv.table(l), seq, T, 8);
+      if (t == 640) {
+        for (int l = 0; l < 2; ++l) {
+          CHECK(blocks_of_type(replay.kv.table(l), seq, E) == e_expected[l]);
+          CHECK(e_expected[l] >= 4);
+          CHECK(e_expected[l] <= 8);
+        }
+      }
+      replay.step(fed[static_cast<std::size_t>(t / 128)]);
     }
+    for (int l = 0; l < 2; ++l) CHECK(blocks_of_type(replay.kv.table(l), seq, T) == t_expected[l]);
   }
 
   SECTION("paged attention equals dense attention over the resident tokens") {
@@ -380,10 +418,11 @@ TEST_CASE("ThinKV: budget pressure demotes E segments first, down to the floor, 
   full.prompt(20);
   for (int t = 0; t < 506; ++t) full.step(fed(t));
   CHECK(full.kv.length() == host.kv.length());
-  // E tokens: 128 of segment 2 and 122 of segment 4. With the budget, segment 4 refills the holes
-  // segment 2 left (at most 126 live E tokens at any time): 4 blocks; without it, 250: 8 blocks.
+  // E tokens: 128 of segment 2 and 122 of segment 4, i.e. 15 whole groups (10 staged). Without
+  // a budget they take 8 blocks; with it, segment 2 shrinks to 4 tokens per head, and segment 4's
+  // groups refill the whole runs it frees: fewer blocks.
   for (int l = 0; l < 2; ++l) {
-    CHECK(blocks_of_type(host.kv.table(l), 0, ThoughtType::execution) == 4);
+    CHECK(blocks_of_type(host.kv.table(l), 0, ThoughtType::execution) < 8);
     CHECK(blocks_of_type(full.kv.table(l), 0, ThoughtType::execution) == 8);
   }
   CHECK(host.kv.resident_bytes().total() < full.kv.resident_bytes().total());
@@ -476,6 +515,11 @@ TEST_CASE("ThinKV: config errors name the field and its value") {
     c = small_config();
     c.block_size = 24;
     REQUIRE_THROWS_WITH(c.validate(), Contains("block_size (24)"));
+    c = small_config();
+    c.staging = DType::f32;  // §3.4: the staging buffer is 16-bit
+    REQUIRE_THROWS_WITH(c.validate(), Contains("staging must be f16 or bf16") && Contains("f32"));
+    c.staging = DType::f16;
+    REQUIRE(ThinKV(c).table(1).config().staging == DType::f16);
     c = small_config();
     c.pool_blocks = 0;
     REQUIRE_THROWS_WITH(c.validate(), Contains("pool_blocks must be > 0, got 0"));

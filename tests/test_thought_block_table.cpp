@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "kvsift/core/dtype.hpp"
 #include "kvsift/paged/thought_block_table.hpp"
 #include "kvsift/policy/thinkv/segment_evictor.hpp"
 #include "kvsift/quant/quantized_tensor.hpp"
@@ -184,7 +185,8 @@ TEST_CASE("eviction moves no byte of any block", "[thought_block_table]") {
     ThoughtBlockTable t(c);
     const std::int32_t seq = t.create_sequence();
     t.open_segment(seq, ThoughtType::reasoning);
-    for (int i = 0; i < 100; ++i) {  // 100 tokens: 3 sealed key groups per block, one staged
+    // 100 tokens: quantized formats hold 6 whole groups in 3 blocks and stage 4 tokens.
+    for (int i = 0; i < 100; ++i) {
       const std::vector<float> k = random_rows(rng, 96), v = random_rows(rng, 96);
       t.append(seq, k.data(), v.data(), 3, 32);
     }
@@ -219,8 +221,9 @@ TEST_CASE("eviction moves no byte of any block", "[thought_block_table]") {
           i += 2;
           continue;
         }
-        const std::int32_t block = p / 32, slot = p % 32;
-        t.read_token(seq, h, SlotAddress{block, slot}, k.data(), v.data());
+        const bool staged = is_quantized(fmt) && p >= 96;
+        const SlotAddress a = staged ? SlotAddress{kStagedBlock, p} : SlotAddress{p / 32, p % 32};
+        t.read_token(seq, h, a, k.data(), v.data());
         REQUIRE(k == reads_before[i++]);
         REQUIRE(v == reads_before[i++]);
         ++live;
@@ -230,7 +233,8 @@ TEST_CASE("eviction moves no byte of any block", "[thought_block_table]") {
   }
 }
 
-TEST_CASE("reusing a slot leaves every surviving token bit-identical", "[thought_block_table]") {
+TEST_CASE("refill takes only a whole free 16-slot run; survivors stay bit-identical",
+          "[thought_block_table]") {
   std::mt19937 rng(11);
   ThoughtBlockTableConfig c;  // default R4 E4 T2
   c.kv_heads = 2;
@@ -239,16 +243,15 @@ TEST_CASE("reusing a slot leaves every surviving token bit-identical", "[thought
   c.num_blocks = 8;
   ThoughtBlockTable t(c);
   const std::int32_t seq = t.create_sequence();
+  auto append_random = [&](std::vector<SlotAddress>* where = nullptr) {
+    const std::vector<float> k = random_rows(rng, 32, 3.0f), v = random_rows(rng, 32);
+    t.append(seq, k.data(), v.data(), 2, 16, where ? where->data() : nullptr);
+  };
   t.open_segment(seq, ThoughtType::reasoning);
-  for (int i = 0; i < 16; ++i) {
-    const std::vector<float> k = random_rows(rng, 32), v = random_rows(rng, 32);
-    t.append(seq, k.data(), v.data(), 2, 16);
-  }
+  for (int i = 0; i < 16; ++i) append_random();  // block 0 (R)
   t.open_segment(seq, ThoughtType::transition);
-  for (int i = 0; i < 16; ++i) {
-    const std::vector<float> k = random_rows(rng, 32), v = random_rows(rng, 32);
-    t.append(seq, k.data(), v.data(), 2, 16);
-  }
+  for (int i = 0; i < 16; ++i) append_random();  // block 1 (T)
+  REQUIRE(t.num_blocks(seq) == 2);
   auto snapshot = [&](std::int32_t h) {
     std::vector<std::vector<float>> out;
     std::vector<float> k(16), v(16);
@@ -259,28 +262,34 @@ TEST_CASE("reusing a slot leaves every surviving token bit-identical", "[thought
     }
     return out;
   };
-  t.evict_positions(seq, 0, {2, 7, 20});
+  // Head 0 frees the whole T group (positions 16..31) and two R slots; head 1 frees two slots.
+  std::vector<std::int32_t> all_t;
+  for (std::int32_t p = 16; p < 32; ++p) all_t.push_back(p);
+  all_t.push_back(2);
+  all_t.push_back(7);
+  t.evict_positions(seq, 0, all_t);
   t.evict_positions(seq, 1, {0, 30});
+  REQUIRE(t.num_blocks(seq) == 2);  // block 1 still has live slots in head 1
   const auto before0 = snapshot(0), before1 = snapshot(1);
   const auto tokens0 = t.resident_tokens(seq, 0), tokens1 = t.resident_tokens(seq, 1);
-  // The first new T token reuses (1, 4) in head 0 and (1, 14) in head 1; a new R token reuses
-  // (0, 2) in head 0 and (0, 0) in head 1. All four sit in already quantized key groups.
+  const std::vector<std::uint8_t> block0 = t.block_storage(seq, 0);
+  // 15 new T tokens wait in the staging buffer: no slot, no block.
   std::vector<SlotAddress> where(2);
-  auto append_random = [&] {
-    const std::vector<float> k = random_rows(rng, 32, 3.0f), v = random_rows(rng, 32);
-    t.append(seq, k.data(), v.data(), 2, 16, where.data());
-  };
-  append_random();
-  REQUIRE(same(where[0], 1, 4));
-  REQUIRE(same(where[1], 1, 14));
-  append_random();  // no T hole left in either head: a new T block
-  REQUIRE(same(where[0], 2, 0));
-  REQUIRE(same(where[1], 2, 0));
+  for (int i = 0; i < 15; ++i) {
+    append_random(&where);
+    REQUIRE(same(where[0], kStagedBlock, 32 + i));
+    REQUIRE(same(where[1], kStagedBlock, 32 + i));
+  }
+  REQUIRE(t.num_blocks(seq) == 2);
+  REQUIRE(t.live_tokens(seq, 0) == 14 + 15);
+  // The 16th completes the group: head 0 refills the free run of block 1, head 1 (whose holes are
+  // single slots inside quantized groups) takes a new T block. The new token is each group's last.
+  append_random(&where);
+  REQUIRE(same(where[0], 1, 15));
+  REQUIRE(same(where[1], 2, 15));
   REQUIRE(t.num_blocks(seq) == 3);
-  t.open_segment(seq, ThoughtType::reasoning);
-  append_random();
-  REQUIRE(same(where[0], 0, 2));
-  REQUIRE(same(where[1], 0, 0));
+  REQUIRE(t.block_info(seq, 2).type == ThoughtType::transition);
+  REQUIRE(t.block_storage(seq, 0) == block0);
   // The old tokens are where they were and decode to the same bits.
   std::vector<float> k(16), v(16);
   for (std::int32_t h = 0; h < 2; ++h) {
@@ -293,6 +302,55 @@ TEST_CASE("reusing a slot leaves every surviving token bit-identical", "[thought
       REQUIRE(v == before[2 * i + 1]);
     }
   }
+}
+
+TEST_CASE("a block whose slots are all evicted returns to the pool and is reused",
+          "[thought_block_table]") {
+  std::mt19937 rng(5);
+  ThoughtBlockTableConfig c;  // R4 E4 T2
+  c.kv_heads = 2;
+  c.head_dim = 16;
+  c.block_size = 32;
+  c.num_blocks = 4;
+  ThoughtBlockTable t(c);
+  const std::int32_t seq = t.create_sequence();
+  auto append_random = [&] {
+    const std::vector<float> k = random_rows(rng, 32), v = random_rows(rng, 32);
+    t.append(seq, k.data(), v.data(), 2, 16);
+  };
+  t.open_segment(seq, ThoughtType::reasoning);
+  for (int i = 0; i < 64; ++i) append_random();  // blocks 0, 1 (frames 0, 1)
+  t.open_segment(seq, ThoughtType::transition);
+  for (int i = 0; i < 32; ++i) append_random();  // block 2 (frame 2)
+  REQUIRE(t.num_blocks(seq) == 3);
+  REQUIRE(t.free_blocks() == 1);
+  const TableBytes full = t.allocated_bytes();
+  // Positions 0..31 (block 0) leave head 0 entirely, but head 1 keeps one: nothing is freed.
+  std::vector<std::int32_t> first;
+  for (std::int32_t p = 0; p < 32; ++p) first.push_back(p);
+  t.evict_positions(seq, 0, first);
+  t.evict_positions(seq, 1, std::vector<std::int32_t>(first.begin(), first.end() - 1));
+  REQUIRE(t.num_blocks(seq) == 3);
+  REQUIRE(t.free_blocks() == 1);
+  // The last live slot goes: frame 0 is returned and its storage released.
+  const std::vector<std::uint8_t> block2 = t.block_storage(seq, 2);
+  const auto survivors = t.resident_tokens(seq, 0);
+  t.evict(seq, 1, SlotAddress{0, 31});
+  REQUIRE(t.num_blocks(seq) == 2);
+  REQUIRE(t.free_blocks() == 2);
+  REQUIRE(t.block_info(seq, 0).frame == 1);  // later blocks move down in the page table
+  REQUIRE(t.block_info(seq, 1).frame == 2);
+  REQUIRE(t.block_storage(seq, 1) == block2);  // nothing moved
+  const BlockBytes nvfp4 = block_bytes(BlockFormat::nvfp4, 32, 16, 2);
+  REQUIRE(full.total() - t.allocated_bytes().total() == nvfp4.total() + 4);  // + page entry
+  REQUIRE(t.resident_bytes().total() == t.allocated_bytes().total());
+  // The next whole group of a new type takes the lowest free frame again.
+  t.open_segment(seq, ThoughtType::execution);
+  for (int i = 0; i < 16; ++i) append_random();
+  REQUIRE(t.num_blocks(seq) == 3);
+  REQUIRE(t.block_info(seq, 2).frame == 0);
+  REQUIRE(t.block_info(seq, 2).type == ThoughtType::execution);
+  REQUIRE(t.live_tokens(seq, 0) == static_cast<std::int64_t>(survivors.size()) + 16);
 }
 
 TEST_CASE("quantized blocks match the quant/ whole-tensor path", "[thought_block_table]") {
@@ -310,16 +368,21 @@ TEST_CASE("quantized blocks match the quant/ whole-tensor path", "[thought_block
     const std::int32_t seq = t.create_sequence();
     t.open_segment(seq, ThoughtType::execution);
     // Channel magnitudes differ (the outlier channels KIVI's per-channel keys are made for).
+    // Values are rounded to bf16 first: what the 16-bit staging stores exactly.
+    auto bf16 = [](float x) { return bf16_bits_to_float(float_to_bf16_bits(x)); };
     std::vector<float> K(S * D), V = random_rows(rng, S * D);
+    for (float& x : V) x = bf16(x);
     for (std::int32_t s = 0; s < S; ++s)
-      for (std::int32_t d = 0; d < D; ++d) K[s * D + d] = random_rows(rng, 1)[0] * (1 + d % 5);
+      for (std::int32_t d = 0; d < D; ++d)
+        K[s * D + d] = bf16(random_rows(rng, 1)[0] * (1 + d % 5));
     std::vector<float> k(D), v(D);
     for (std::int32_t s = 0; s < S; ++s) {
       t.append(seq, &K[s * D], &V[s * D], 1, D);
       if (s == 20) {
-        // Slots 16..20 wait for their group: keys still exact in full precision.
-        t.read_token(seq, 0, SlotAddress{0, 18}, k.data(), v.data());
+        // Tokens 16..20 wait for their group, at 16 bits: exact for bf16 inputs.
+        t.read_token(seq, 0, SlotAddress{kStagedBlock, 18}, k.data(), v.data());
         REQUIRE(std::equal(k.begin(), k.end(), &K[18 * D]));
+        REQUIRE(std::equal(v.begin(), v.end(), &V[18 * D]));
       }
     }
     const QuantFormat qf = quant_format_of(fmt);
@@ -332,37 +395,28 @@ TEST_CASE("quantized blocks match the quant/ whole-tensor path", "[thought_block
     REQUIRE(keys == k_hat);
     REQUIRE(values == v_hat);
 
-    // Reuse slot 5: its key is encoded under the group's existing per-channel scales, checked
-    // against a brute-force nearest-representable search.
+    // A single freed slot is never refilled (its group's scales belong to other tokens): the next
+    // token waits in staging. Freeing the whole first group and appending 16 tokens four times as
+    // large refills it with fresh scales: the block then equals the whole-tensor path over the
+    // new contents.
     t.evict(seq, 0, SlotAddress{0, 5});
-    std::vector<float> x = random_rows(rng, D, 4.0f), y = random_rows(rng, D);
-    t.append(seq, x.data(), y.data(), 1, D);
-    t.read_token(seq, 0, SlotAddress{0, 5}, k.data(), v.data());
-    for (std::int32_t d = 0; d < D; ++d) {
-      const std::uint8_t sc = qk.scales[static_cast<std::size_t>(d)];  // group (slots 0..15, d)
-      std::vector<float> grid;
-      if (fmt == BlockFormat::nvfp4) {
-        for (float m : {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f})
-          for (float sign : {1.0f, -1.0f}) grid.push_back(sign * m * e4m3_to_float(sc) / g);
-      } else if (fmt == BlockFormat::ternary) {
-        for (float m : {-1.0f, 0.0f, 1.0f}) grid.push_back(m * e4m3_to_float(sc));
-      } else {
-        for (int code = 0; code < 256; ++code)
-          if (!e4m3_is_nan(static_cast<std::uint8_t>(code)))
-            grid.push_back(e4m3_to_float(static_cast<std::uint8_t>(code)) * e8m0_to_float(sc));
-      }
-      float best = grid[0];
-      for (float cand : grid)
-        if (std::fabs(cand - x[d]) < std::fabs(best - x[d])) best = cand;
-      INFO("format " << block_format_name(fmt) << " channel " << d << " x " << x[d]);
-      REQUIRE(std::fabs(std::fabs(k[d] - x[d]) - std::fabs(best - x[d])) <= 1e-6f);
-    }
-    // Values are per token: the reused slot's value groups are freshly quantized.
-    std::vector<float> y_rows(16 * D, 0.0f);  // y as row 0 of a 16-token tensor
-    std::copy(y.begin(), y.end(), y_rows.begin());
-    const std::vector<float> y_hat =
-        dequantize_tensor(quantize_tensor(y_rows.data(), 16, D, qf, GroupAxis::channel, g));
-    REQUIRE(std::equal(v.begin(), v.end(), y_hat.begin()));
+    std::vector<float> X(16 * D);
+    for (float& x : X) x = bf16(random_rows(rng, 1, 4.0f)[0]);
+    t.append(seq, &X[0], &V[0], 1, D);
+    REQUIRE_FALSE(t.is_live(seq, 0, SlotAddress{0, 5}));
+    REQUIRE(t.is_live(seq, 0, SlotAddress{kStagedBlock, S}));
+    std::vector<std::int32_t> rest;
+    for (std::int32_t p = 0; p < 16; ++p)
+      if (p != 5) rest.push_back(p);
+    t.evict_positions(seq, 0, rest);
+    for (std::int32_t i = 1; i < 16; ++i) t.append(seq, &X[i * D], &V[i * D], 1, D);
+    REQUIRE(t.num_blocks(seq) == 1);
+    for (std::int32_t i = 0; i < 16 * D; ++i) K[i] = X[i];
+    const QuantizedTensor rk = quantize_tensor(K.data(), S, D, qf, GroupAxis::token, g);
+    const QuantizedTensor rv = quantize_tensor(V.data(), S, D, qf, GroupAxis::channel, g);
+    t.dequantize_block(seq, 0, 0, keys.data(), values.data());
+    REQUIRE(keys == dequantize_tensor(rk));
+    REQUIRE(values == dequantize_tensor(rv));
   }
 }
 
@@ -378,19 +432,21 @@ TEST_CASE("resident bytes count codes, scales, metadata and staging", "[thought_
   const std::int32_t seq = t.create_sequence();
   std::vector<float> k(32, 0.5f), v(32, -0.25f);
   t.open_segment(seq, ThoughtType::reasoning);
-  t.append(seq, k.data(), v.data(), 2, 16);
+  for (int i = 0; i < 16; ++i) t.append(seq, k.data(), v.data(), 2, 16);
   t.open_segment(seq, ThoughtType::transition);
-  t.append(seq, k.data(), v.data(), 2, 16);
+  for (int i = 0; i < 17; ++i) t.append(seq, k.data(), v.data(), 2, 16);  // one T token staged
   const TableBytes b = t.resident_bytes();
   // NVFP4 block, per head: 16 key groups + 16 value groups, 8 code bytes and 1 scale each.
   // Ternary block, per head: 32 groups, 4 code bytes and 1 scale each.
   REQUIRE(b.codes == 2 * (32 * 8) + 2 * (32 * 4));
   REQUIRE(b.scales == 2 * 32 + 2 * 32);
-  // Per block: type + format + owner (6) and per head mask (8) + sealed bits (4) + 16 slots x
-  // (position + segment) (128); one global factor per head; the sequence: 2 page-table entries,
-  // 2 segments, its length and 6 staging records.
-  REQUIRE(b.metadata == 2 * (6 + 2 * (8 + 4 + 128)) + 2 * 4 + (2 * 4 + 2 * 5 + 4 + 6 * 12));
-  REQUIRE(b.staging == 3 * 2 * 16 * 16 * 4);
+  // Per block: header (type, format, owner, frame: 10) and per head the mask (8) and 16 slot
+  // positions (64); one global factor per head; the sequence: 2 page-table entries, 2 segments
+  // and its length.
+  REQUIRE(b.metadata == 2 * (10 + 2 * (8 + 64)) + 2 * 4 + (2 * 4 + 2 * 5 + 4));
+  // Staging: 3 types x 2 heads x 16 tokens x (key + value at 2 B + a 4 B position).
+  REQUIRE(b.staging == 3 * 2 * 16 * (2 * 16 * 2 + 4));
+  REQUIRE(t.allocated_bytes().total() == b.total());
   // Same tokens in full precision: 16 slots x 16 channels x (key + value) x 4 bytes per head.
   ThoughtBlockTable f(full_precision(2, 16, 16, 4));
   const std::int32_t s2 = f.create_sequence();
@@ -399,6 +455,65 @@ TEST_CASE("resident bytes count codes, scales, metadata and staging", "[thought_
   REQUIRE(f.resident_bytes().codes == 2 * 16 * 16 * 2 * 4);
   REQUIRE(f.resident_bytes().scales == 0);
   REQUIRE(f.resident_bytes().staging == 0);
+}
+
+TEST_CASE("resident bytes equal the blocks actually held, per format, after churn",
+          "[thought_block_table]") {
+  // A mixed workload (types change, random evictions free whole blocks, holes are refilled); then
+  // the bytes are recomputed here from the blocks the table holds, with the formulas written out
+  // independently of block_bytes.hpp: per (block, head), S slots, D channels,
+  //   nvfp4   codes S·D/16 key groups + S·D/16 value groups, 8 B each; one scale byte per group
+  //   fp8     16 B per group;  ternary 4 B per group;  f32  2·S·D·4 B, no scales
+  //   metadata per (block, head): mask ceil(S/64)·8 + S·4 positions; per block a 10 B header.
+  std::mt19937 rng(21);
+  ThoughtBlockTableConfig c;
+  c.kv_heads = 3;
+  c.head_dim = 32;
+  c.block_size = 48;
+  c.num_blocks = 64;
+  c.execution = BlockFormat::fp8;
+  ThoughtBlockTable t(c);
+  const std::int32_t seq = t.create_sequence();
+  const ThoughtType types[] = {ThoughtType::reasoning, ThoughtType::execution,
+                               ThoughtType::transition};
+  for (int round = 0; round < 12; ++round) {
+    t.open_segment(seq, types[rng() % 3]);
+    for (int i = 0; i < 40; ++i) {
+      const std::vector<float> k = random_rows(rng, 96), v = random_rows(rng, 96);
+      t.append(seq, k.data(), v.data(), 3, 32);
+    }
+    for (std::int32_t h = 0; h < 3; ++h) {
+      std::vector<std::int32_t> gone;
+      for (const ResidentToken& r : t.resident_tokens(seq, h))
+        if (rng() % 10 < 7) gone.push_back(r.position);
+      t.evict_positions(seq, h, gone);
+    }
+  }
+  const std::int64_t S = 48, D = 32, H = 3, groups = 2 * S * D / 16;
+  std::int64_t codes = 0, scales = 0, metadata = 0;
+  bool nvfp4 = false;
+  for (std::int32_t b = 0; b < t.num_blocks(seq); ++b) {
+    const BlockFormat f = t.block_info(seq, b).format;
+    const std::int64_t per_group = f == BlockFormat::nvfp4 ? 8 : f == BlockFormat::fp8 ? 16 : 4;
+    codes += H * groups * per_group;
+    scales += H * groups;
+    metadata += H * (8 + S * 4) + 10;
+    nvfp4 = nvfp4 || f == BlockFormat::nvfp4;
+    REQUIRE(static_cast<std::int64_t>(t.block_storage(seq, b).size()) ==
+            H * groups * (per_group + 1));
+  }
+  REQUIRE(t.used_blocks() == t.num_blocks(seq));
+  REQUIRE(t.num_blocks(seq) < 12 * 40 / 48 * 3);  // freed blocks came back
+  metadata += (nvfp4 ? 4 * H : 0) + 4 * t.num_blocks(seq) + 5 * 12 + 4;
+  const TableBytes r = t.resident_bytes(), a = t.allocated_bytes();
+  REQUIRE(r.codes == codes);
+  REQUIRE(r.scales == scales);
+  REQUIRE(r.metadata == metadata);
+  REQUIRE(r.staging == 3 * H * 16 * (2 * D * 2 + 4));
+  REQUIRE(a.codes == r.codes);
+  REQUIRE(a.scales == r.scales);
+  REQUIRE(a.metadata == r.metadata);
+  REQUIRE(a.staging == r.staging);
 }
 
 TEST_CASE("sequences share the pool; released blocks are handed out again",

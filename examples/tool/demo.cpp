@@ -231,7 +231,9 @@ void print_legend(const demo::DemoConfig& cfg, bool with_skipkv, bool with_think
         " tokens per (layer, KV head), tau = 128. Its resident KV counts codes + scales + "
         "metadata + staging, against FullKV in " +
         std::string(dtype_name(cfg.dtype)) +
-        " (soft eviction frees no block, so its peak is its end). It evicts inside end_step(): "
+        " (a block goes back to the pool once every slot of it is evicted; slots held/head: the "
+        "slots of the blocks it holds per layer and KV head, live or not). It evicts inside "
+        "end_step(): "
         "compressions = steps in which TBE evicted in some sequence, ms = that end_step() time. "
         "theta1/theta2: this decode has no real thought structure, so they are the 1/3 and 2/3 "
         "quantiles of the attention sparsity of every layer over the first 128 steps (held at "

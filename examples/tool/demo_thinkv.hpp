@@ -115,6 +115,11 @@ class ThinKVDemoPolicy final : public DemoPolicy {
     for (std::int64_t b = 0; kv_ && b < kv_->batch(); ++b)
       tokens += kv_->sequence(b).resident_tokens();
     return {{"tokens/head", !kv_ ? "-" : std::to_string(tokens / kv_->batch())},
+            {"slots held/head (in pinned groups)",
+             !kv_ ? "-"
+                  : std::to_string(held_slots_per_head()) + " (" +
+                        std::to_string(pinned_group_slots_per_head()) + ")"},
+            {"codes+scales / metadata / staging", !kv_ ? "-" : format_split()},
             {"theta1 / theta2 (calibrated)",
              !kv_ ? "-" : format_theta(theta1_) + " / " + format_theta(theta2_)}};
   }
@@ -125,6 +130,58 @@ class ThinKVDemoPolicy final : public DemoPolicy {
   float theta2() const { return theta2_; }
 
  private:
+  // Slots of the blocks ThinKV holds, per (layer, KV head) and sequence: every block gives each
+  // head block_size slots, live or not (what the memory pays for, next to tokens/head).
+  std::int64_t held_slots_per_head() const {
+    std::int64_t slots = 0;
+    for (std::int64_t b = 0; b < kv_->batch(); ++b) {
+      const kvsift::ThinKV& seq = kv_->sequence(b);
+      for (int l = 0; l < layers_; ++l) {
+        const kvsift::ThoughtBlockTable& t = seq.table(l);
+        slots += static_cast<std::int64_t>(t.num_blocks(seq.sequence_id())) * t.config().block_size;
+      }
+    }
+    return slots / (kv_->batch() * layers_);
+  }
+  // Slots of the 16-slot groups that hold at least one live token, per (layer, KV head) and
+  // sequence: a group is refilled only as a whole (docs/algorithms.md §3.4), so these slots stay
+  // taken whatever the frames around them do; the rest of the held slots are whole free groups
+  // inside frames some other head or group keeps.
+  std::int64_t pinned_group_slots_per_head() const {
+    std::int64_t slots = 0;
+    for (std::int64_t b = 0; b < kv_->batch(); ++b) {
+      const kvsift::ThinKV& seq = kv_->sequence(b);
+      for (int l = 0; l < layers_; ++l) {
+        const kvsift::ThoughtBlockTable& t = seq.table(l);
+        const std::int32_t id = seq.sequence_id();
+        for (std::int32_t blk = 0; blk < t.num_blocks(id); ++blk) {
+          for (int h = 0; h < kv_heads_; ++h) {
+            const std::uint64_t* free = t.free_mask(id, blk, h);
+            for (int first = 0; first < t.config().block_size; first += 16) {
+              const std::uint64_t run = (free[first / 64] >> (first % 64)) & 0xffffu;
+              slots += run != 0xffffu ? 16 : 0;
+            }
+          }
+        }
+      }
+    }
+    return slots / (kv_->batch() * layers_ * kv_heads_);
+  }
+  // ThinKV's resident bytes split as the tables report them (block_bytes.hpp), in KiB.
+  std::string format_split() const {
+    kvsift::TableBytes sum;
+    for (std::int64_t b = 0; b < kv_->batch(); ++b) {
+      const kvsift::TableBytes t = kv_->sequence(b).resident_bytes();
+      sum.codes += t.codes;
+      sum.scales += t.scales;
+      sum.metadata += t.metadata;
+      sum.staging += t.staging;
+    }
+    char buf[96];
+    std::snprintf(buf, sizeof buf, "%.0f / %.0f / %.0f KiB", (sum.codes + sum.scales) / 1024.0,
+                  sum.metadata / 1024.0, sum.staging / 1024.0);
+    return buf;
+  }
   static std::string format_theta(float v) {
     char buf[32];
     std::snprintf(buf, sizeof buf, "%.3f", v);

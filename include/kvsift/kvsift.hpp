@@ -36,7 +36,6 @@
 #include "kvsift/policy/skipkv/steering.hpp"
 
 #include "kvsift/backend/cpu/attention_sparsity.hpp"
-#include "kvsift/policy/thinkv/hybrid_quantizer.hpp"
 #include "kvsift/backend/cpu/kmeans_select.hpp"
 #include "kvsift/policy/thinkv/segment_evictor.hpp"
 #include "kvsift/policy/thinkv/sparsity_calibration.hpp"
@@ -50,5 +49,7 @@
 #include "kvsift/quant/group_codec.hpp"
 #include "kvsift/quant/quantized_tensor.hpp"
 
+#include "kvsift/paged/block_bytes.hpp"
 #include "kvsift/paged/paged_attention.hpp"
+#include "kvsift/paged/staged_group_quantizer.hpp"
 #include "kvsift/paged/thought_block_table.hpp"

@@ -1,13 +1,13 @@
 // The split-sequence paged decode attention (cuda::paged_decode_attention_batch, docs/algorithms.md
 // §3.4) against independent CPU oracles:
 //   - ternary blocks: dense softmax attention in double over the tokens obtained by dequantizing
-//     every block with the CPU codec (ThoughtBlockTable::dequantize_block, staged key rows
-//     included) and keeping the slots whose eviction bit is clear;
+//     every block with the CPU codec (ThoughtBlockTable::dequantize_block) and keeping the slots
+//     whose eviction bit is clear, plus the staged 16-bit tokens (keys and values, staged_rows);
 //   - mixed NVFP4 / ternary blocks with NVFP4 global factors: the CPU reference
 //     paged_decode_attention, per sequence (FP8 blocks take the tiled kernel, checked as a
 //     fallback).
 // Covered: a batch of 3 sequences of different lengths, GQA groups 4 and 8, head_dim 128 and 64,
-// blocks of 32 and 48 slots (a 16-slot tile), staged (not yet quantized) key rows, random
+// blocks of 32 and 48 slots (a 16-slot tile), staged (not yet quantized) tokens, random
 // evictions, a run of 8 blocks with every slot evicted in one head (whole splits without a live
 // slot), one sequence with no live token in a head, and splits forced from few to many.
 #include <algorithm>
@@ -21,42 +21,19 @@
 #include "kvsift/backend/cuda/paged_table.hpp"
 #include "kvsift/paged/paged_attention.hpp"
 #include "kvsift/paged/thought_block_table.hpp"
+#include "paged_mirror.hpp"
 
 using namespace kvsift;
 using test::DeviceBuffer;
 
 namespace {
 
-struct Mirror {
-  cuda::PagedTableSizes sizes;
-  DeviceBuffer<std::uint8_t> storage;
-  DeviceBuffer<std::uint64_t> masks;
-  DeviceBuffer<std::uint32_t> sealed;
-  DeviceBuffer<cuda::PagedStaging> staging;
-  DeviceBuffer<float> factors;
-  cuda::DevicePagedTable table;
-
-  Mirror(const ThoughtBlockTableConfig& cfg, std::int32_t max_sequences)
-      : sizes(cuda::paged_table_sizes(cfg, max_sequences)),
-        storage(static_cast<std::size_t>(sizes.storage_bytes)),
-        masks(static_cast<std::size_t>(sizes.mask_bytes / 8)),
-        sealed(static_cast<std::size_t>(sizes.sealed_bytes / 4)),
-        staging(static_cast<std::size_t>(sizes.staging_bytes) / sizeof(cuda::PagedStaging)),
-        factors(static_cast<std::size_t>(cfg.kv_heads)),
-        table(cfg, max_sequences,
-              cuda::PagedTableMemory{storage.get(), masks.get(), sealed.get(), staging.get(),
-                                     factors.get()}) {
-    // Poison: bytes the kernels must never use (never-written slots) hold 0xab, whose ternary
-    // codes include the invalid 10 and whose FP8 codes are finite garbage.
-    KVSIFT_CUDA_CHECK(cudaMemset(storage.get(), 0xab, storage.size()));
-    table.initialize(nullptr);
-    KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
-  }
-};
+using Mirror = test::PagedMirror;
 
 // Appends `lengths[i]` random tokens to sequence i of both tables (segments of 80 tokens with
-// random thought types, so every type leaves a partly staged key group), then evicts about 40 %
-// of each head's tokens at random, and every token of blocks [0, 8) of head 0 of sequence 0.
+// random thought types, so every type leaves staged tokens), then evicts about 40 % of each head's
+// tokens at random (staged ones included), and every token of blocks [0, 8) of head 0 of
+// sequence 0.
 std::vector<std::int32_t> fill(ThoughtBlockTable& cpu, Mirror& dev, const std::vector<int>& lengths,
                                std::mt19937& rng) {
   const std::int32_t H = cpu.config().kv_heads, D = cpu.config().head_dim;
@@ -92,15 +69,14 @@ std::vector<std::int32_t> fill(ThoughtBlockTable& cpu, Mirror& dev, const std::v
     for (std::int32_t h = 0; h < H; ++h) {
       std::vector<SlotAddress> victims;
       for (const ResidentToken& t : cpu.resident_tokens(seqs[i], h)) {
-        const bool masked_run = i == 0 && h == 0 && t.address.block < 8;
+        const bool masked_run = i == 0 && h == 0 && t.address.block >= 0 && t.address.block < 8;
         if (masked_run || rng() % 5 < 2) victims.push_back(t.address);
       }
-      for (const SlotAddress& a : victims) cpu.evict(seqs[i], h, a);
-      DeviceBuffer<std::uint8_t> ws(dev.table.evict_workspace_bytes(victims.size()));
-      dev.table.evict(seqs[i], h, victims, ws.get(), ws.size(), nullptr);
+      test::evict_both(cpu, dev, seqs[i], h, victims);
     }
   }
-  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+  for (std::int32_t s : seqs) test::require_same_table(cpu, dev, s);
+  test::require_same_bytes(cpu, dev);
   return seqs;
 }
 
@@ -122,6 +98,12 @@ std::vector<float> dequantized_dense_oracle(const ThoughtBlockTable& cpu, std::i
         K.emplace_back(bk.begin() + s * D, bk.begin() + (s + 1) * D);
         V.emplace_back(bv.begin() + s * D, bv.begin() + (s + 1) * D);
       }
+    }
+    std::vector<float> sk, sv;  // the staged tokens, at 16 bits
+    cpu.staged_rows(seq, static_cast<std::int32_t>(h), sk, sv);
+    for (std::size_t i = 0; i * D < sk.size(); ++i) {
+      K.emplace_back(sk.begin() + i * D, sk.begin() + (i + 1) * D);
+      V.emplace_back(sv.begin() + i * D, sv.begin() + (i + 1) * D);
     }
     if (K.empty()) continue;
     for (std::int64_t g = 0; g < G; ++g) {
@@ -205,10 +187,18 @@ TEST_CASE("split paged attention: ternary blocks equal dense attention over dequ
   Mirror dev(cfg, 3);
   const std::vector<std::int32_t> seqs = fill(cpu, dev, {700, 333, 1100}, rng);
   // Sanity of the scenario itself: blocks 0-7 of head 0 of sequence 0 are all evicted, and some
-  // key groups are still staged (not sealed) in every sequence.
+  // tokens are still staged (not yet quantized) in every sequence.
   for (std::int32_t b = 0; b < 8; ++b) {
     const std::uint64_t* free = cpu.free_mask(seqs[0], b, 0);
     REQUIRE((free[0] & 0xffffffffull) == 0xffffffffull);
+  }
+  for (std::int32_t s : seqs) {
+    std::int64_t staged = 0;
+    for (std::int32_t h = 0; h < 2; ++h) {
+      for (const ResidentToken& t : cpu.resident_tokens(s, h)) staged += t.address.block < 0;
+    }
+    INFO("sequence " << s);
+    REQUIRE(staged > 0);
   }
   std::normal_distribution<float> normal;
   std::vector<float> query(seqs.size() * static_cast<std::size_t>(q_heads) * 128);
@@ -243,9 +233,7 @@ TEST_CASE("split paged attention: a head without live tokens gives zeros") {
   const std::vector<std::int32_t> seqs = fill(cpu, dev, {200}, rng);
   std::vector<SlotAddress> all;
   for (const ResidentToken& t : cpu.resident_tokens(seqs[0], 1)) all.push_back(t.address);
-  for (const SlotAddress& a : all) cpu.evict(seqs[0], 1, a);
-  DeviceBuffer<std::uint8_t> ews(dev.table.evict_workspace_bytes(all.size()));
-  dev.table.evict(seqs[0], 1, all, ews.get(), ews.size(), nullptr);
+  test::evict_both(cpu, dev, seqs[0], 1, all);
   std::vector<float> query(4 * 64);
   std::normal_distribution<float> normal;
   for (float& x : query) x = normal(rng);

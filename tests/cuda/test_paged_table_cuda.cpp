@@ -1,9 +1,12 @@
-// The device Continuous Thinking table (kvsift::cuda::DevicePagedTable, docs/algorithms.md §3.4) against
-// the CPU reference ThoughtBlockTable, driven by the same random operations:
+// The device Continuous Thinking table (kvsift::cuda::DevicePagedTable, docs/algorithms.md §3.4)
+// against the CPU reference ThoughtBlockTable, driven by the same random operations:
 //   - append: after every batch the device bytes of every block equal block_storage() bit for bit
-//     (values quantized per token, keys staged then sealed per channel, reused slots of sealed
-//     groups written under the old scales), and the device masks equal free_mask();
-//   - eviction: sets mask bits only; the whole device pool is byte-identical before and after;
+//     (tokens staged at 16 bits, keys and values, until 16 of one type arrive in a head; the group
+//     then quantized on the device with fresh scales into the lowest free 16-slot run), the device
+//     masks equal free_mask(), slot positions and staged rows equal the CPU's, and the device
+//     table's resident bytes equal resident_bytes();
+//   - eviction: mask bits or staged rows only, the whole device pool byte-identical before and
+//     after; blocks left with no live slot go back to their pool on both sides;
 //   - attention: cuda::paged_decode_attention equals the CPU paged_decode_attention (1e-4
 //     relative) and a dense double-precision oracle over the retained tokens read back from the
 //     CPU table; the dense bf16 kernel equals the same kind of oracle.
@@ -22,6 +25,7 @@
 #include "kvsift/backend/cuda/paged_table.hpp"
 #include "kvsift/paged/paged_attention.hpp"
 #include "kvsift/paged/thought_block_table.hpp"
+#include "paged_mirror.hpp"
 
 using namespace kvsift;
 using Catch::Matchers::Contains;
@@ -29,64 +33,11 @@ using test::DeviceBuffer;
 
 namespace {
 
-// Device memory of one mirror, poisoned so that anything the kernels fail to write shows up.
-struct DeviceTable {
-  cuda::PagedTableSizes sizes;
-  DeviceBuffer<std::uint8_t> storage;
-  DeviceBuffer<std::uint64_t> masks;
-  DeviceBuffer<std::uint32_t> sealed;
-  DeviceBuffer<float> staging;
-  DeviceBuffer<float> factors;
-  cuda::DevicePagedTable table;
+using test::PagedMirror;
 
-  DeviceTable(const ThoughtBlockTableConfig& cfg, std::int32_t max_sequences)
-      : sizes(cuda::paged_table_sizes(cfg, max_sequences)),
-        storage(static_cast<std::size_t>(sizes.storage_bytes)),
-        masks(static_cast<std::size_t>(sizes.mask_bytes / 8)),
-        sealed(static_cast<std::size_t>(sizes.sealed_bytes / 4)),
-        staging(static_cast<std::size_t>(sizes.staging_bytes / 4)),
-        factors(static_cast<std::size_t>(cfg.kv_heads)),
-        table(cfg, max_sequences,
-              cuda::PagedTableMemory{storage.get(), masks.get(), sealed.get(), staging.get(),
-                                     factors.get()}) {
-    KVSIFT_CUDA_CHECK(cudaMemset(storage.get(), 0xab, storage.size()));
-    KVSIFT_CUDA_CHECK(cudaMemset(sealed.get(), 0xcd, sealed.size() * 4));
-    table.initialize(nullptr);
-    KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
-  }
-};
-
-// Every block of `seq`: device bytes == block_storage(), device mask == free_mask().
-void require_same_blocks(const ThoughtBlockTable& cpu, DeviceTable& dev, std::int32_t seq) {
-  const std::vector<std::uint8_t> pool = dev.storage.download();
-  const std::vector<std::uint64_t> masks = dev.masks.download();
-  REQUIRE(dev.table.num_blocks(seq) == cpu.num_blocks(seq));
-  const std::int32_t H = cpu.config().kv_heads, W = cpu.mask_words();
-  for (std::int32_t b = 0; b < cpu.num_blocks(seq); ++b) {
-    const std::int32_t frame = cpu.block_info(seq, b).frame;
-    REQUIRE(dev.table.frame_of(seq, b) == frame);
-    const std::vector<std::uint8_t>& want = cpu.block_storage(seq, b);
-    const std::uint8_t* got =
-        pool.data() + static_cast<std::size_t>(frame) * dev.sizes.frame_stride;
-    std::size_t first_diff = want.size();
-    for (std::size_t i = 0; i < want.size(); ++i) {
-      if (got[i] != want[i]) {
-        first_diff = i;
-        break;
-      }
-    }
-    INFO("block " << b << " frame " << frame << " format "
-                  << block_format_name(cpu.block_info(seq, b).format) << " bytes " << want.size()
-                  << " first differing byte " << first_diff);
-    REQUIRE(first_diff == want.size());
-    for (std::int32_t h = 0; h < H; ++h) {
-      const std::uint64_t* cm = cpu.free_mask(seq, b, h);
-      for (std::int32_t w = 0; w < W; ++w) {
-        INFO("head " << h << " mask word " << w);
-        REQUIRE(masks[(static_cast<std::size_t>(frame) * H + h) * W + w] == cm[w]);
-      }
-    }
-  }
+void require_same_blocks(const ThoughtBlockTable& cpu, PagedMirror& dev, std::int32_t seq) {
+  test::require_same_table(cpu, dev, seq);
+  test::require_same_bytes(cpu, dev);
 }
 
 // Dense attention over the retained tokens (read back from the CPU table), two-pass, in double.
@@ -137,7 +88,7 @@ void require_close(const std::vector<float>& got, const std::vector<float>& want
 }
 
 // Runs the device attention for `seq` with NaN-poisoned output.
-std::vector<float> device_attention(DeviceTable& dev, std::int32_t seq,
+std::vector<float> device_attention(PagedMirror& dev, std::int32_t seq,
                                     const std::vector<float>& query, std::int64_t q_heads,
                                     float scale, std::int32_t target_ctas) {
   const std::int64_t D = dev.table.config().head_dim;
@@ -174,7 +125,7 @@ void run_scenario(const Scenario& sc, std::uint32_t seed, int steps) {
                << block_format_name(cfg.transition) << (sc.bf16_input ? " bf16" : " f32")
                << " input");
   ThoughtBlockTable cpu(cfg);
-  DeviceTable dev(cfg, 2);
+  PagedMirror dev(cfg, 2);
   std::int32_t seqs[2] = {cpu.create_sequence(), cpu.create_sequence()};
   for (std::int32_t s : seqs) cpu.open_segment(s, ThoughtType::reasoning);
 
@@ -208,7 +159,7 @@ void run_scenario(const Scenario& sc, std::uint32_t seed, int steps) {
     if (op == 0) {
       cpu.open_segment(seq, static_cast<ThoughtType>(pick(3)));
     } else if (op <= 11) {
-      // Append: mostly N(0, 2²) keys, sometimes an outlier (saturates in sealed groups) or a
+      // Append: mostly N(0, 2²) keys, sometimes an outlier (dominates its groups' scales) or a
       // zero key (zero scales).
       std::vector<float> k(static_cast<std::size_t>(H * D)), v(k.size());
       const int kind = pick(12);
@@ -228,18 +179,17 @@ void run_scenario(const Scenario& sc, std::uint32_t seed, int steps) {
       require_same_blocks(cpu, dev, seq);
       ++checks;
     } else if (op <= 16) {
-      // Evict a random subset of one head's live tokens: bits only.
+      // Evict a random subset of one head's live tokens (staged ones included): bits only, and
+      // sometimes (pick(4) == 0) a whole head, which frees blocks once every head is empty.
       flush();
       const std::int32_t h = pick(static_cast<int>(H));
+      const int odds = pick(4) == 0 ? 1 : 3;
       std::vector<SlotAddress> victims;
       for (const ResidentToken& t : cpu.resident_tokens(seq, h)) {
-        if (pick(3) == 0) victims.push_back(t.address);
+        if (pick(odds) == 0) victims.push_back(t.address);
       }
       const std::vector<std::uint8_t> before = dev.storage.download();
-      for (const SlotAddress& a : victims) cpu.evict(seq, h, a);
-      DeviceBuffer<std::uint8_t> ws(dev.table.evict_workspace_bytes(victims.size()));
-      dev.table.evict(seq, h, victims, ws.get(), ws.size(), nullptr);
-      KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+      test::evict_both(cpu, dev, seq, h, victims);
       const bool storage_unchanged = dev.storage.download() == before;
       REQUIRE(storage_unchanged);
       require_same_blocks(cpu, dev, seq);
@@ -260,10 +210,12 @@ void run_scenario(const Scenario& sc, std::uint32_t seed, int steps) {
       // stale bytes, which the device must zero as the CPU table does.
       flush();
       cpu.release_sequence(seq);
-      dev.table.release_sequence(seq);
+      dev.table.release_sequence(seq, nullptr);
       const std::int32_t again = cpu.create_sequence();
       REQUIRE(again == seq);
       cpu.open_segment(seq, static_cast<ThoughtType>(pick(3)));
+      KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+      require_same_blocks(cpu, dev, seq);
     }
   }
   flush();
@@ -337,12 +289,12 @@ TEST_CASE("device CT eviction moves no byte of block storage") {
   ThoughtBlockTableConfig cfg =
       config(2, 32, 32, BlockFormat::nvfp4, BlockFormat::fp8, BlockFormat::ternary);
   ThoughtBlockTable cpu(cfg);
-  DeviceTable dev(cfg, 1);
+  PagedMirror dev(cfg, 1);
   const std::int32_t seq = cpu.create_sequence();
   std::mt19937 rng(5);
   std::normal_distribution<float> normal;
   std::vector<float> ks, vs;
-  for (int i = 0; i < 150; ++i) {  // all three formats, sealed and staged groups
+  for (int i = 0; i < 150; ++i) {  // all three formats: 3 sealed groups and 2 staged per type
     if (i % 50 == 0) cpu.open_segment(seq, static_cast<ThoughtType>(i / 50));
     std::vector<float> k(64), v(64);
     for (float& x : k) x = normal(rng);
@@ -358,27 +310,146 @@ TEST_CASE("device CT eviction moves no byte of block storage") {
   dev.table.append(dk.get(), dv.get(), DType::f32, ws.get(), ws.size(), nullptr);
   KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
   require_same_blocks(cpu, dev, seq);
+  for (int t = 0; t < 3; ++t) {
+    for (std::int32_t h = 0; h < 2; ++h) {
+      REQUIRE(dev.table.staged_count(seq, static_cast<ThoughtType>(t), h) == 2);
+    }
+  }
 
   const std::vector<std::uint8_t> before = dev.storage.download();
-  const std::vector<std::uint32_t> sealed_before = dev.sealed.download();
   std::int64_t evicted = 0;
   for (std::int32_t h = 0; h < 2; ++h) {
     std::vector<SlotAddress> victims;
     for (const ResidentToken& t : cpu.resident_tokens(seq, h)) {
       if ((t.position + h) % 2 == 0) victims.push_back(t.address);
     }
-    for (const SlotAddress& a : victims) cpu.evict(seq, h, a);
-    DeviceBuffer<std::uint8_t> ews(dev.table.evict_workspace_bytes(victims.size()));
-    dev.table.evict(seq, h, victims, ews.get(), ews.size(), nullptr);
+    test::evict_both(cpu, dev, seq, h, victims);
     evicted += static_cast<std::int64_t>(victims.size());
   }
-  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
   REQUIRE(evicted == 150);
   const bool storage_unchanged = dev.storage.download() == before;  // the whole pool
-  const bool sealed_unchanged = dev.sealed.download() == sealed_before;
   REQUIRE(storage_unchanged);
-  REQUIRE(sealed_unchanged);
-  require_same_blocks(cpu, dev, seq);  // masks now carry the eviction bits
+  require_same_blocks(cpu, dev, seq);  // masks and staged rows now carry the evictions
+  for (int t = 0; t < 3; ++t) {
+    for (std::int32_t h = 0; h < 2; ++h) {
+      REQUIRE(dev.table.staged_count(seq, static_cast<ThoughtType>(t), h) == 1);
+    }
+  }
+}
+
+TEST_CASE("device CT table: freed blocks, refilled runs with fresh scales, per-format pools") {
+  // R4 E(f32) T2, 2 heads, blocks of 32: a block holds two 16-token groups.
+  ThoughtBlockTableConfig cfg =
+      config(2, 32, 32, BlockFormat::nvfp4, BlockFormat::f32, BlockFormat::ternary);
+  cfg.num_blocks = 8;
+  ThoughtBlockTable cpu(cfg);
+  cuda::PagedPoolFrames pools;
+  pools.frames[static_cast<int>(BlockFormat::nvfp4)] = 3;
+  pools.frames[static_cast<int>(BlockFormat::ternary)] = 2;
+  PagedMirror dev(cfg, 1, pools);
+  // Pools sized by block_bytes.hpp: a ternary frame takes ternary bytes, f32 gets num_blocks.
+  for (BlockFormat f : {BlockFormat::nvfp4, BlockFormat::ternary, BlockFormat::f32}) {
+    const BlockBytes b = block_bytes(f, 32, 32, 2);
+    const int i = static_cast<int>(f);
+    INFO("format " << block_format_name(f));
+    REQUIRE(dev.sizes.frame_bytes[i] == (b.codes + b.scales + 255) / 256 * 256);
+  }
+  REQUIRE(dev.sizes.frame_bytes[static_cast<int>(BlockFormat::ternary)] <
+          dev.sizes.frame_bytes[static_cast<int>(BlockFormat::nvfp4)]);
+  REQUIRE(dev.sizes.pool_frames[static_cast<int>(BlockFormat::f32)] == 8);
+  REQUIRE(dev.sizes.pool_frames[static_cast<int>(BlockFormat::fp8)] == 0);
+
+  const std::int32_t seq = cpu.create_sequence();
+  std::mt19937 rng(17);
+  std::normal_distribution<float> normal;
+  std::vector<float> ks, vs;
+  auto add = [&](int n, float key_scale) {
+    for (int i = 0; i < n; ++i) {
+      std::vector<float> k(64), v(64);
+      for (float& x : k) x = normal(rng) * key_scale;
+      for (float& x : v) x = normal(rng);
+      std::vector<SlotAddress> where(2);
+      cpu.append(seq, k.data(), v.data(), 2, 32, where.data());
+      dev.table.record_append(cpu, seq, where.data());
+      ks.insert(ks.end(), k.begin(), k.end());
+      vs.insert(vs.end(), v.begin(), v.end());
+    }
+  };
+  auto flush = [&] {
+    DeviceBuffer<float> dk(ks), dv(vs);
+    DeviceBuffer<std::uint8_t> ws(dev.table.append_workspace_bytes());
+    dev.table.append(dk.get(), dv.get(), DType::f32, ws.get(), ws.size(), nullptr);
+    KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+    ks.clear();
+    vs.clear();
+    require_same_blocks(cpu, dev, seq);
+  };
+  cpu.open_segment(seq, ThoughtType::reasoning);
+  add(70, 1.0f);  // 4 groups in 2 NVFP4 blocks, 6 staged; one batch seals 4 groups
+  cpu.open_segment(seq, ThoughtType::transition);
+  add(20, 1.0f);  // 1 ternary group, 4 staged
+  cpu.open_segment(seq, ThoughtType::execution);
+  add(3, 1.0f);  // f32 tokens
+  flush();
+  REQUIRE(cpu.num_blocks(seq) == 4);
+  REQUIRE(dev.table.used_frames(BlockFormat::nvfp4) == 2);
+  REQUIRE(dev.table.used_frames(BlockFormat::ternary) == 1);
+  REQUIRE(dev.table.used_frames(BlockFormat::f32) == 1);
+
+  // Every token of the first NVFP4 block (positions 0-31) in both heads: the block is freed.
+  for (std::int32_t h = 0; h < 2; ++h) {
+    std::vector<SlotAddress> victims;
+    for (const ResidentToken& t : cpu.resident_tokens(seq, h)) {
+      if (t.address.block == 0) victims.push_back(t.address);
+    }
+    REQUIRE(victims.size() == 32);
+    test::evict_both(cpu, dev, seq, h, victims);
+  }
+  REQUIRE(cpu.num_blocks(seq) == 3);
+  require_same_blocks(cpu, dev, seq);
+  REQUIRE(dev.table.used_frames(BlockFormat::nvfp4) == 1);
+
+  // Head 0 only: slots 16-31 of the remaining NVFP4 block (positions 48-63): a free run there.
+  {
+    std::vector<SlotAddress> victims;
+    for (const ResidentToken& t : cpu.resident_tokens(seq, 0)) {
+      if (t.position >= 48 && t.position < 64) victims.push_back(t.address);
+    }
+    REQUIRE(victims.size() == 16);
+    test::evict_both(cpu, dev, seq, 0, victims);
+  }
+  // 10 + 6 staged NVFP4 tokens from a shifted distribution (keys ×4): head 0 refills the run
+  // with fresh scales, head 1 takes a new block; the freed frame is reused.
+  cpu.open_segment(seq, ThoughtType::reasoning);
+  add(10, 4.0f);
+  flush();
+  REQUIRE(dev.table.used_frames(BlockFormat::nvfp4) == 2);
+  // Reasoning tokens until the CPU table takes a fourth NVFP4 block: the mirror's NVFP4 pool holds
+  // 3 frames, so that token is refused (nothing recorded), naming the format. Every block taken
+  // before is checked byte for byte.
+  std::vector<float> k(64), v(64);
+  std::vector<SlotAddress> where(2);
+  bool refused = false;
+  for (int i = 0; i < 200 && !refused; ++i) {
+    for (float& x : k) x = normal(rng);
+    for (float& x : v) x = normal(rng);
+    const std::int32_t blocks_before = cpu.num_blocks(seq);
+    cpu.append(seq, k.data(), v.data(), 2, 32, where.data());
+    const bool new_block = cpu.num_blocks(seq) > blocks_before;
+    if (new_block && dev.table.used_frames(BlockFormat::nvfp4) == 3) {
+      const std::int32_t pending = dev.table.pending_tokens();
+      REQUIRE_THROWS_WITH(dev.table.record_append(cpu, seq, where.data()),
+                          Contains("the nvfp4 pool is exhausted (all 3 frames are in use"));
+      REQUIRE(dev.table.pending_tokens() == pending);
+      refused = true;
+      break;
+    }
+    dev.table.record_append(cpu, seq, where.data());
+    ks.insert(ks.end(), k.begin(), k.end());
+    vs.insert(vs.end(), v.begin(), v.end());
+    if (new_block) flush();
+  }
+  REQUIRE(refused);
 }
 
 TEST_CASE("dense bf16 decode attention matches a double oracle") {
@@ -435,7 +506,7 @@ TEST_CASE("device CT table: argument errors name the values") {
   REQUIRE_THROWS_WITH(cuda::DevicePagedTable(cfg, 1, cuda::PagedTableMemory{}),
                       Contains("must be non-null"));
   ThoughtBlockTable cpu(cfg);
-  DeviceTable dev(cfg, 1);
+  PagedMirror dev(cfg, 1);
   const std::int32_t seq = cpu.create_sequence();
   cpu.open_segment(seq, ThoughtType::reasoning);
   std::vector<float> k(32, 1.0f), v(32, 1.0f);
@@ -443,18 +514,14 @@ TEST_CASE("device CT table: argument errors name the values") {
   cpu.append(seq, k.data(), v.data(), 2, 16, where.data());
   REQUIRE_THROWS_WITH(dev.table.record_append(cpu, 3, where.data()),
                       Contains("sequence 3 outside [0, max_sequences = 1)"));
+  REQUIRE(where[0].block == kStagedBlock);  // NVFP4: the token waits for its group
   std::vector<SlotAddress> bad = where;
   bad[1].slot = 40;
-  REQUIRE_THROWS_WITH(dev.table.record_append(cpu, seq, bad.data()), Contains("slot 40"));
+  REQUIRE_THROWS_WITH(dev.table.record_append(cpu, seq, bad.data()),
+                      Contains("position 0 must be staged, but the CPU table put it at block -2 "
+                               "slot 40"));
   REQUIRE(dev.table.pending_tokens() == 0);  // nothing recorded on error
   dev.table.record_append(cpu, seq, where.data());
-  // The same slot again in one batch (evicted and refilled before append()).
-  cpu.evict(seq, 0, where[0]);
-  cpu.evict(seq, 1, where[1]);
-  std::vector<SlotAddress> again(2);
-  cpu.append(seq, k.data(), v.data(), 2, 16, again.data());
-  REQUIRE_THROWS_WITH(dev.table.record_append(cpu, seq, again.data()),
-                      Contains("is written twice in one batch"));
   REQUIRE(dev.table.pending_tokens() == 1);
   REQUIRE_THROWS_WITH(dev.table.evict(seq, 0, {where[0]}, nullptr, 0, nullptr),
                       Contains("1 recorded tokens are not written yet"));
@@ -467,10 +534,24 @@ TEST_CASE("device CT table: argument errors name the values") {
                       Contains("workspace of 0 bytes is too small"));
   REQUIRE(dev.table.pending_tokens() == 1);
   dev.table.append(dk.get(), dv.get(), DType::f32, ws.get(), ws.size(), nullptr);
-  REQUIRE_THROWS_WITH(dev.table.evict(seq, 5, {where[0]}, nullptr, 0, nullptr),
+  DeviceBuffer<std::uint8_t> ews(dev.table.evict_workspace_bytes(1));
+  REQUIRE_THROWS_WITH(dev.table.evict(seq, 5, {where[0]}, ews.get(), ews.size(), nullptr),
                       Contains("kv head 5 outside [0, 2)"));
-  REQUIRE_THROWS_WITH(dev.table.evict(seq, 0, {SlotAddress{7, 0}}, nullptr, 0, nullptr),
-                      Contains("block 7 of sequence 0 outside [0, 1)"));
+  REQUIRE_THROWS_WITH(dev.table.evict(seq, 0, {SlotAddress{7, 0}}, ews.get(), ews.size(), nullptr),
+                      Contains("block 7 of sequence 0 outside [0, 0)"));
+  REQUIRE_THROWS_WITH(
+      dev.table.evict(seq, 0, {SlotAddress{kStagedBlock, 99}}, ews.get(), ews.size(), nullptr),
+      Contains("position 99 is not staged in kv head 0 of sequence 0"));
+  REQUIRE_THROWS_WITH(dev.table.evict(seq, 0, {where[0]}, ews.get(), 0, nullptr),
+                      Contains("workspace of 0 bytes is too small"));
+  cuda::PagedPoolFrames negative;
+  negative.frames[1] = -2;
+  REQUIRE_THROWS_WITH(cuda::paged_table_sizes(cfg, 1, negative),
+                      Contains("pool of nvfp4 has -2 frames"));
+  ThoughtBlockTableConfig f16_cfg = cfg;
+  f16_cfg.staging = DType::f16;
+  REQUIRE_THROWS_WITH(cuda::DevicePagedTable(f16_cfg, 1, cuda::PagedTableMemory{}),
+                      Contains("the CPU table stages in f16 but the device staging"));
   DeviceBuffer<float> q(48), out(48);
   REQUIRE_THROWS_WITH(cuda::paged_decode_attention(dev.table, seq, q.get(), 3, 16, 0.25f, out.get(),
                                                    nullptr, 0, nullptr),

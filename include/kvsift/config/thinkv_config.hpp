@@ -7,6 +7,7 @@
 #include <limits>
 #include <vector>
 
+#include "kvsift/core/dtype.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/paged/block_codec.hpp"
 
@@ -44,6 +45,8 @@ struct ThinKVConfig {
   BlockFormat transition = BlockFormat::ternary;
   // NVFP4 global factor g per (layer, KV head): empty = 1 everywhere, else [num_layers, kv_heads].
   std::vector<float> global_factors;
+  // Dtype of the tables' 16-bit staging of not yet quantized tokens (§3.4): bf16 or f16.
+  DType staging = DType::bf16;
 
   // Throws kvsift::Error naming the field and its value.
   void validate() const;

@@ -1,16 +1,18 @@
-// How one KV head of one Continuous Thinking block stores its tokens (docs/algorithms.md §3.2, §3.4).
-// A block holds tokens of one thought type, so it has one format: full precision (f32, for tests
-// and for R16-style runs) or one of TBQ's quantized formats (NVFP4, FP8 E4M3 + E8M0, ternary).
-// Quantized blocks use the KIVI layout (kivi_layout.hpp) over the block's [slots, head_dim] grid:
+// How one KV head of one Continuous Thinking block stores its tokens (docs/algorithms.md §3.2,
+// §3.4). A block holds tokens of one thought type, so it has one format: full precision (f32, for
+// tests and for R16-style runs) or one of TBQ's quantized formats (NVFP4, FP8 E4M3 + E8M0,
+// ternary). Quantized blocks use the KIVI layout (kivi_layout.hpp) over the block's [slots,
+// head_dim] grid:
 //   keys   per channel: a group = 16 consecutive slots of one channel (GroupAxis::token)
 //   values per token:   a group = 16 consecutive channels of one slot   (GroupAxis::channel)
 // Byte layout of one (block, head), S = slots per block, D = head_dim:
 //   f32        keys [S, D] f32 | values [S, D] f32
 //   quantized  key codes [S/16 · D, cb] | key scales [S/16 · D] | value codes [S · D/16, cb] |
 //              value scales [S · D/16]          (cb = code_bytes_per_group(format))
-// Every writer below touches only the bits of the slot it writes (or, for seal_key_group, the slot
-// group it seals), which is what lets the table reuse evicted slots while the survivors' bytes stay
-// bit-identical (§3.4: nothing is gathered or moved).
+// Byte counts come from block_bytes.hpp (the one accounting). Every writer below touches only the
+// bytes of the slot (f32) or the 16-slot group (quantized) it writes, which is what lets the table
+// reuse evicted slots while the survivors' bytes stay bit-identical (§3.4: nothing is gathered or
+// moved).
 #pragma once
 
 #include <cstdint>
@@ -20,6 +22,7 @@
 
 #include "kvsift/core/config.hpp"
 #include "kvsift/core/error.hpp"
+#include "kvsift/paged/block_bytes.hpp"
 #include "kvsift/quant/e2m1.hpp"
 #include "kvsift/quant/e4m3.hpp"
 #include "kvsift/quant/e8m0.hpp"
@@ -29,16 +32,6 @@
 #include "kvsift/quant/ternary.hpp"
 
 namespace kvsift {
-
-enum class BlockFormat : std::uint8_t { f32, nvfp4, fp8, ternary };
-
-inline constexpr bool is_quantized(BlockFormat f) { return f != BlockFormat::f32; }
-
-inline constexpr QuantFormat quant_format_of(BlockFormat f) {
-  return f == BlockFormat::fp8       ? QuantFormat::fp8
-         : f == BlockFormat::ternary ? QuantFormat::ternary
-                                     : QuantFormat::nvfp4;
-}
 
 inline constexpr BlockFormat block_format_of(QuantFormat f) {
   return f == QuantFormat::fp8       ? BlockFormat::fp8
@@ -70,14 +63,9 @@ struct BlockHeadLayout {
   std::int64_t value_groups() const { return slots * (head_dim / kQuantGroupSize); }
   std::int64_t code_bytes() const { return code_bytes_per_group(quant_format_of(format)); }
 
-  // Bytes of element codes (raw floats for f32) and of group scales.
-  std::int64_t codes_bytes() const {
-    if (!is_quantized(format)) return 2 * slots * head_dim * 4;
-    return (key_groups() + value_groups()) * code_bytes();
-  }
-  std::int64_t scales_bytes() const {
-    return is_quantized(format) ? key_groups() + value_groups() : 0;
-  }
+  // Bytes of element codes (raw floats for f32) and of group scales (block_bytes.hpp).
+  std::int64_t codes_bytes() const { return block_head_code_bytes(format, slots, head_dim); }
+  std::int64_t scales_bytes() const { return block_head_scale_bytes(format, slots, head_dim); }
   std::int64_t bytes() const { return codes_bytes() + scales_bytes(); }
 
   std::int64_t key_codes_offset() const { return 0; }
@@ -92,9 +80,11 @@ struct BlockHeadLayout {
 };
 
 namespace detail {
-// The two element-level helpers below are host/device: the CPU table and the CUDA append kernel
-// (cuda/paged_append.cu) must write bit-identical codes, so both call this one definition.
-// Replaces the code of element i (0..15) of one packed group, leaving every other element's bits.
+// The two element-level helpers below are host/device. The CUDA append kernel
+// (cuda/paged_append.cu) still uses them to write a key under a sealed group's scale; the CPU table
+// no longer does (§3.4: a refilled group gets fresh scales, write_token_group) and the GPU side is
+// to follow. Replaces the code of element i (0..15) of one packed group, leaving every other
+// element's bits.
 KVSIFT_HOST_DEVICE void set_element_code(QuantFormat format, std::uint8_t* codes, int i,
                                          std::uint8_t code) {
   switch (format) {
@@ -168,41 +158,31 @@ inline void write_key_row_f32(const BlockHeadLayout& L, std::uint8_t* base, std:
               static_cast<std::size_t>(L.head_dim) * 4);
 }
 
-// Quantized blocks: quantizes slot group `group` (slots 16·group .. 16·group + 15) of the keys,
-// one group per channel, computing fresh scales (TBQ's "quantize once 16 tokens have arrived").
-inline void seal_key_group(const BlockHeadLayout& L, std::uint8_t* base, std::int64_t group,
-                           const float* keys,  // [16, D]
-                           float global_factor) {
-  const QuantFormat q = quant_format_of(L.format);
-  for (std::int64_t c = 0; c < L.head_dim; ++c) {
-    const std::int64_t g = group * L.head_dim + c;  // KiviGrid token-axis numbering
-    base[L.key_scales_offset() + g] =
-        quantize_group(q, keys + c, L.head_dim, kQuantGroupSize, global_factor,
-                       base + L.key_codes_offset() + g * L.code_bytes());
-  }
+// Quantized blocks: writes one already quantized 16-token group (staged_group_quantizer.hpp) into
+// slot group `group` (slots 16·group .. 16·group + 15): its key codes and fresh key scales (one
+// group per channel) and the value codes and scales of its 16 slots. Touches nothing else.
+inline void write_token_group(const BlockHeadLayout& L, std::uint8_t* base, std::int64_t group,
+                              const std::uint8_t* key_codes,    // [head_dim, code bytes]
+                              const std::uint8_t* key_scales,   // [head_dim]
+                              const std::uint8_t* value_codes,  // [16, head_dim / 16, code bytes]
+                              const std::uint8_t* value_scales) {  // [16, head_dim / 16]
+  const std::int64_t cb = L.code_bytes(), D = L.head_dim;
+  // KiviGrid token-axis numbering: key group of (slot group, channel c) = group · D + c.
+  std::memcpy(base + L.key_codes_offset() + group * D * cb, key_codes,
+              static_cast<std::size_t>(D * cb));
+  std::memcpy(base + L.key_scales_offset() + group * D, key_scales, static_cast<std::size_t>(D));
+  // Channel-axis numbering: value group of (slot, block b) = slot · D/16 + b, so the group's 16
+  // slots are one contiguous run of 16 · D/16 groups.
+  const std::int64_t first = group * kQuantGroupSize * (D / kQuantGroupSize);
+  const std::int64_t n = kQuantGroupSize * (D / kQuantGroupSize);
+  std::memcpy(base + L.value_codes_offset() + first * cb, value_codes,
+              static_cast<std::size_t>(n * cb));
+  std::memcpy(base + L.value_scales_offset() + first, value_scales, static_cast<std::size_t>(n));
 }
 
-// Quantized blocks: writes the key of `slot` into its already sealed slot group, under the scales
-// the group has (our choice, see docs/continuous_thinking.md: re-scaling would change survivors).
-inline void write_key_in_sealed_group(const BlockHeadLayout& L, std::uint8_t* base,
-                                      std::int64_t slot, const float* key,  // [D]
-                                      float global_factor) {
-  const QuantFormat q = quant_format_of(L.format);
-  const std::int64_t group = slot / kQuantGroupSize;
-  const int i = static_cast<int>(slot % kQuantGroupSize);
-  for (std::int64_t c = 0; c < L.head_dim; ++c) {
-    const std::int64_t g = group * L.head_dim + c;
-    const std::uint8_t scale = base[L.key_scales_offset() + g];
-    detail::set_element_code(q, base + L.key_codes_offset() + g * L.code_bytes(), i,
-                             detail::encode_with_scale(q, key[c], scale, global_factor));
-  }
-}
-
-// Dequantizes one (block, head): keys and values [S, D] f32. Key slot groups whose bit is clear in
-// `sealed_groups` hold no codes yet (their keys live in the table's staging buffer) and are left
-// untouched in `keys`.
+// Dequantizes one (block, head): keys and values [S, D] f32 (never written groups read as zeros).
 inline void dequantize_block_head(const BlockHeadLayout& L, const std::uint8_t* base,
-                                  std::uint32_t sealed_groups, float global_factor,
+                                  float global_factor,
                                   float* keys,      // [S, D]
                                   float* values) {  // [S, D]
   const std::int64_t n = L.slots * L.head_dim;
@@ -214,7 +194,6 @@ inline void dequantize_block_head(const BlockHeadLayout& L, const std::uint8_t* 
   const QuantFormat q = quant_format_of(L.format);
   const KiviGrid key_grid{L.slots, L.head_dim, GroupAxis::token};
   for (std::int64_t g = 0; g < L.key_groups(); ++g) {
-    if (!((sealed_groups >> (g / L.head_dim)) & 1u)) continue;
     dequantize_group(q, base + L.key_codes_offset() + g * L.code_bytes(),
                      base[L.key_scales_offset() + g], global_factor, kQuantGroupSize,
                      keys + key_grid.group_offset(g), key_grid.group_stride());

@@ -1,7 +1,8 @@
-// CPU reference decode attention over a ThoughtBlockTable (docs/algorithms.md §3.4): one query token
-// attends to every live slot of its sequence's blocks, block by block, each block dequantized by
-// its own format (its thought type's precision). Evicted-but-not-yet-overwritten slots are masked
-// out by the eviction bitmask. RoPE is already applied to the stored keys, so the result does not
+// CPU reference decode attention over a ThoughtBlockTable (docs/algorithms.md §3.4): one query
+// token attends to every live slot of its sequence's blocks, block by block, each block dequantized
+// by its own format (its thought type's precision). Evicted-but-not-yet-overwritten slots are
+// masked out by the eviction bitmask; tokens still in the staging buffer (§3.4) are read at 16 bits
+// alongside the blocks. RoPE is already applied to the stored keys, so the result does not
 // depend on where tokens sit: it equals dense attention over the retained tokens in any order.
 // Softmax runs online (running max and sum, as FlashAttention does), so no gathered copy of the
 // sequence is ever built; scratch is one block of one head.
@@ -42,6 +43,27 @@ inline void paged_decode_attention(const ThoughtBlockTable& table, std::int32_t 
   std::vector<float> running_max(static_cast<std::size_t>(group));
   std::vector<float> running_sum(static_cast<std::size_t>(group));
   std::vector<float> acc(static_cast<std::size_t>(group * D));
+  std::vector<float> staged_keys, staged_values;
+  // One live token (key k, value v: [D]) into the online softmax of KV head h's query heads.
+  auto attend = [&](std::int64_t h, const float* k, const float* v) {
+    for (std::int64_t g = 0; g < group; ++g) {
+      const float* q = query + (h * group + g) * D;
+      float dot = 0.0f;
+      for (std::int64_t d = 0; d < D; ++d) dot += q[d] * k[d];
+      const float logit = dot * softmax_scale;
+      float* a = &acc[static_cast<std::size_t>(g * D)];
+      if (logit > running_max[g]) {
+        // New maximum: rescale what was accumulated under the old one.
+        const float rescale = std::exp(running_max[g] - logit);
+        running_sum[g] *= rescale;
+        for (std::int64_t d = 0; d < D; ++d) a[d] *= rescale;
+        running_max[g] = logit;
+      }
+      const float weight = std::exp(logit - running_max[g]);
+      running_sum[g] += weight;
+      for (std::int64_t d = 0; d < D; ++d) a[d] += weight * v[d];
+    }
+  };
   const std::int32_t blocks = table.num_blocks(seq);
   for (std::int32_t h = 0; h < cfg.kv_heads; ++h) {
     std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
@@ -60,27 +82,14 @@ inline void paged_decode_attention(const ThoughtBlockTable& table, std::int32_t 
       table.dequantize_block(seq, b, h, keys.data(), values.data());
       for (std::int64_t slot = 0; slot < S; ++slot) {
         if ((free[slot / 64] >> (slot % 64)) & 1u) continue;  // evicted or never written
-        const float* k = &keys[static_cast<std::size_t>(slot * D)];
-        const float* v = &values[static_cast<std::size_t>(slot * D)];
-        for (std::int64_t g = 0; g < group; ++g) {
-          const float* q = query + (h * group + g) * D;
-          float dot = 0.0f;
-          for (std::int64_t d = 0; d < D; ++d) dot += q[d] * k[d];
-          const float logit = dot * softmax_scale;
-          float* a = &acc[static_cast<std::size_t>(g * D)];
-          if (logit > running_max[g]) {
-            // New maximum: rescale what was accumulated under the old one.
-            const float rescale = std::exp(running_max[g] - logit);
-            running_sum[g] *= rescale;
-            for (std::int64_t d = 0; d < D; ++d) a[d] *= rescale;
-            running_max[g] = logit;
-          }
-          const float weight = std::exp(logit - running_max[g]);
-          running_sum[g] += weight;
-          for (std::int64_t d = 0; d < D; ++d) a[d] += weight * v[d];
-        }
+        attend(h, &keys[static_cast<std::size_t>(slot * D)],
+               &values[static_cast<std::size_t>(slot * D)]);
       }
     }
+    table.staged_rows(seq, h, staged_keys, staged_values);
+    const std::size_t row = static_cast<std::size_t>(D);
+    for (std::size_t i = 0; i < staged_keys.size() / row; ++i)
+      attend(h, &staged_keys[i * row], &staged_values[i * row]);
     for (std::int64_t g = 0; g < group; ++g) {
       float* o = out + (h * group + g) * D;
       const float* a = &acc[static_cast<std::size_t>(g * D)];

@@ -1,24 +1,35 @@
 // ThoughtBlockTable: ThinKV's Continuous Thinking (CT) gather-free paged KV cache for one layer
-// (docs/algorithms.md §3.4; docs/continuous_thinking.md explains every choice marked "our choice").
+// (docs/algorithms.md §3.4; docs/thinkv.md §6 explains every choice marked "our choice").
 //  - A block holds tokens of one thought type, so it has one precision (TBQ §3.2: R4 E4 T2 by
 //    default, or full precision f32).
-//  - Per block the table keeps: thought type, per (KV head, slot) the token's generation position
-//    and segment id (from which the segment bitmasks follow), and per KV head an eviction bitmask
-//    (1 = evicted or never written = free). Per sequence it keeps its segments' start positions.
-//  - Eviction (TBE §3.3) only sets bits. A new token is written, per KV head, into the lowest free
-//    slot of the sequence's blocks of its type (lowest block first, then lowest slot); only when
-//    some head has no free slot is a new block taken from the pool. Nothing is gathered or moved.
+//  - Per block the table keeps its thought type and format, and per KV head an eviction bitmask
+//    (1 = evicted or never written = free) and the generation position of each slot; a slot's
+//    segment follows from its position and the sequence's segment starts (segment_mask()).
+//  - Refill with fresh scales (§3.4): a token of a quantized type first waits, at 16 bits, in the
+//    sequence's StagedGroupQuantizer (one buffer per thought type and KV head). When 16 tokens of
+//    one type have arrived in a head, they are quantized together with their own scales and written
+//    into the lowest group-aligned run of 16 free slots of that head in the sequence's blocks of
+//    that type (lowest block first); only when no such run exists is a new block taken. No token is
+//    ever encoded under another group's scale. f32 blocks take each token at once, in the lowest
+//    free slot.
+//  - Eviction (TBE §3.3) only sets bits (or drops a token still staged). A block whose slots are
+//    all free in every KV head goes back to the pool and its storage is released.
 //  - Eviction is per (layer, KV head), so slots are allocated per KV head (our choice): one token
 //    can sit in different slots, even different blocks, in different heads.
+//  - Bytes: paged/block_bytes.hpp, the one accounting shared with the CUDA table.
 // One table serves one layer (an engine keeps one per layer); sequences share its block pool.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
-#include "kvsift/core/error.hpp"
-#include "kvsift/paged/block_codec.hpp"
 #include "kvsift/config/thought_type.hpp"
+#include "kvsift/core/dtype.hpp"
+#include "kvsift/core/error.hpp"
+#include "kvsift/paged/block_bytes.hpp"
+#include "kvsift/paged/block_codec.hpp"
+#include "kvsift/paged/staged_group_quantizer.hpp"
 
 namespace kvsift {
 
@@ -34,6 +45,9 @@ struct ThoughtBlockTableConfig {
   BlockFormat transition = BlockFormat::ternary;
   // NVFP4's per-(layer, KV head) global factor g: empty = 1 for every head, else [kv_heads].
   std::vector<float> global_factors;
+  // Dtype of the staging buffer of not yet quantized tokens (§3.4: 16-bit, the cache's own dtype;
+  // bf16 by default, see staged_group_quantizer.hpp).
+  DType staging = DType::bf16;
 
   BlockFormat format_of(ThoughtType t) const {
     return t == ThoughtType::reasoning   ? reasoning
@@ -47,7 +61,10 @@ struct ThoughtBlockTableConfig {
 };
 
 // Where one token lives in one KV head: `block` indexes the sequence's block list (its page
-// table), `slot` the slot inside that block.
+// table), `slot` the slot inside that block. A token still waiting in the staging buffer has
+// block == kStagedBlock and slot == its generation position. Block indices are those of the moment:
+// a block returned to the pool leaves the list, and later blocks move down by one.
+inline constexpr std::int32_t kStagedBlock = -2;
 struct SlotAddress {
   std::int32_t block = -1;
   std::int32_t slot = -1;
@@ -67,9 +84,9 @@ struct BlockInfo {
 };
 
 // Resident bytes of the table (for memory reports). `codes` are element codes (raw floats in f32
-// blocks), `scales` the group scales, `metadata` the block table (types, masks, positions,
-// segment ids, page tables, segment starts, NVFP4 global factors), `staging` the full-precision
-// key buffers of not yet quantized 16-slot groups.
+// blocks), `scales` the group scales, `metadata` the block table (block headers, eviction masks,
+// slot positions, page tables, segment starts, NVFP4 global factors), `staging` the 16-bit
+// buffers of not yet quantized tokens. Blocks and staging come from block_bytes.hpp.
 struct TableBytes {
   std::int64_t codes = 0;
   std::int64_t scales = 0;
@@ -102,14 +119,16 @@ class ThoughtBlockTable {
 
   // --- tokens --------------------------------------------------------------------------------
   // Appends one token to the open segment; returns its generation position. `where`, when given,
-  // receives the slot chosen in each KV head. Either the whole token is written or (on error)
-  // nothing is.
+  // receives the token's address in each KV head ({kStagedBlock, position} while it is staged;
+  // the token that completes a group receives its slot). Either the whole token is taken or (on
+  // error) nothing changes.
   std::int32_t append(std::int32_t seq,
                       const float* key,    // [kv_heads, head_dim] post-RoPE
                       const float* value,  // [kv_heads, head_dim]
                       std::int64_t kv_heads, std::int64_t head_dim,
                       SlotAddress* where = nullptr);  // [kv_heads] or null
-  // Soft eviction: sets the slot's eviction bit; no data moves. The slot must be live.
+  // Soft eviction: sets the slot's eviction bit (or drops a staged token); no data moves. The slot
+  // must be live. A block left with no live slot in any head returns to the pool.
   void evict(std::int32_t seq, std::int32_t head, SlotAddress address);
   // Evicts the tokens at these generation positions in one KV head (e.g. TBE's
   // segment_eviction_marks). All are checked before any bit is set.
@@ -125,7 +144,8 @@ class ThoughtBlockTable {
   // Segment bitmask of (block, head): live slots holding tokens of `segment`. [mask_words()]
   std::vector<std::uint64_t> segment_mask(std::int32_t seq, std::int32_t block, std::int32_t head,
                                           std::int32_t segment) const;
-  // Live tokens of one KV head in (block, slot) order; `segment` >= 0 keeps only that segment's.
+  // Live tokens of one KV head in (block, slot) order, then the staged ones (R, E, T buffers, each
+  // in position order); `segment` >= 0 keeps only that segment's.
   std::vector<ResidentToken> resident_tokens(std::int32_t seq, std::int32_t head,
                                              std::int32_t segment = -1) const;
   std::int64_t live_tokens(std::int32_t seq, std::int32_t head) const;
@@ -137,6 +157,10 @@ class ThoughtBlockTable {
   // The dequantized key and value of a live slot. key, value: [head_dim]
   void read_token(std::int32_t seq, std::int32_t head, SlotAddress address, float* key,
                   float* value) const;
+  // The staged tokens of one KV head as stored (16-bit, decoded), in resident_tokens() order.
+  // keys, values: resized to [n, head_dim].
+  void staged_rows(std::int32_t seq, std::int32_t head, std::vector<float>& keys,
+                   std::vector<float>& values) const;
   // The dequantized keys and values of every slot of (block, head), free slots included (their
   // contents are whatever was last written there). keys, values: [block_size, head_dim]
   void dequantize_block(std::int32_t seq, std::int32_t block, std::int32_t head, float* keys,
@@ -147,7 +171,11 @@ class ThoughtBlockTable {
   // --- pool and memory -----------------------------------------------------------------------
   std::int32_t free_blocks() const { return static_cast<std::int32_t>(free_frames_.size()); }
   std::int32_t used_blocks() const { return config_.num_blocks - free_blocks(); }
+  // From block_bytes.hpp: blocks in use per format × block_bytes, staging, page tables.
   TableBytes resident_bytes() const;
+  // What the table's buffers actually hold right now (sizes of its block and staging storage), for
+  // checking resident_bytes() against the allocations.
+  TableBytes allocated_bytes() const;
 
  private:
   struct Frame {
@@ -156,17 +184,7 @@ class ThoughtBlockTable {
     std::int32_t owner = -1;             // sequence, -1 when in the pool
     std::vector<std::uint8_t> data;      // [kv_heads, head bytes] (block_codec.hpp layout)
     std::vector<std::uint64_t> free;     // [kv_heads, mask_words] 1 = free (evicted/unwritten)
-    std::vector<std::uint32_t> sealed;   // [kv_heads] bit g = key slot group g is quantized
     std::vector<std::int32_t> position;  // [kv_heads, block_size]
-    std::vector<std::int32_t> segment;   // [kv_heads, block_size]
-  };
-  // Keys of the one not-yet-quantized 16-slot group of each (thought type, KV head): slots are
-  // filled lowest first, so unwritten slots are always a suffix of a head's blocks of one type
-  // and at most one key group per (type, head) is partly written (docs/continuous_thinking.md).
-  struct Staging {
-    std::int32_t block = -1;    // sequence block index of the group being filled
-    std::int32_t group = -1;    // its slot group
-    std::uint32_t written = 0;  // bit i = slot 16·group + i written at least once
   };
   struct Sequence {
     bool active = false;
@@ -174,8 +192,7 @@ class ThoughtBlockTable {
     std::vector<std::int32_t> segment_starts;  // [segments] generation position of each start
     std::vector<ThoughtType> segment_types;    // [segments]
     std::int32_t length = 0;
-    std::vector<Staging> staging;     // [3 types, kv_heads]
-    std::vector<float> staging_keys;  // [3 types, kv_heads, 16, head_dim]
+    std::optional<StagedGroupQuantizer> staging;  // when some thought type is quantized
   };
 
   BlockHeadLayout layout(BlockFormat format) const {
@@ -188,11 +205,13 @@ class ThoughtBlockTable {
   void check_address(const Sequence& s, std::int32_t seq, SlotAddress a, const char* fn) const;
   std::int32_t take_frame(std::int32_t seq, ThoughtType type);
   SlotAddress lowest_free_slot(const Sequence& s, ThoughtType type, std::int32_t head) const;
-  void write_slot(Sequence& s, std::int32_t head, SlotAddress a, const float* key,
-                  const float* value);
-  std::size_t staging_index(ThoughtType type, std::int32_t head) const {
-    return static_cast<std::size_t>(static_cast<int>(type) * config_.kv_heads + head);
-  }
+  SlotAddress lowest_free_run(const Sequence& s, ThoughtType type, std::int32_t head) const;
+  std::int32_t segment_of(const Sequence& s, std::int32_t position) const;
+  // The staged token at `position` in `head`: its type and index, or false.
+  bool find_staged(const Sequence& s, std::int32_t head, std::int32_t position, ThoughtType& type,
+                   int& index) const;
+  void evict_one(Sequence& s, std::int32_t seq, std::int32_t head, SlotAddress a);
+  void release_empty_blocks(Sequence& s);
 
   ThoughtBlockTableConfig config_;
   std::int32_t mask_words_ = 1;

@@ -1,22 +1,25 @@
 // kvsift::cuda device mirror of ThinKV's Continuous Thinking table (docs/algorithms.md §3.4;
-// docs/continuous_thinking.md): the block storage, the per-(block, KV head) eviction masks, the
-// sealed-key-group bits and the full-precision key staging buffers live in device memory; slot
-// allocation and segment metadata stay on the host.
+// docs/thinkv.md §8): the block storage (one pool per block format), the per-(block, KV head)
+// eviction masks and slot positions, and the 16-bit staging buffers of not yet quantized tokens
+// (keys AND values) live in device memory; slot allocation and segment metadata stay on the host.
 //
 // Division of labour (our choice, the simple one): the CPU ThoughtBlockTable of the layer decides
-// where every token goes (its append() returns one SlotAddress per KV head). DevicePagedTable
-// records those addresses (record_append), tracks on the host which 16-slot key groups have been
-// written once (so it knows, exactly as the CPU table does, whether a key is staged, seals its
-// group, or is written under a sealed group's scales) and the sequence's page table, and then
-// append() writes a whole batch of tokens' K/V into the device pool in three launches. The device
-// bytes of every block are those of ThoughtBlockTable::block_storage(), bit for bit.
+// where every token goes (its append() returns one SlotAddress per KV head: {kStagedBlock,
+// position} for a staged token, the slot of the last token of a just completed 16-token group, or
+// the slot of an f32 token). DevicePagedTable::record_append replays the same decision on its own
+// host bookkeeping (staged positions per (sequence, type, head), eviction masks, page tables,
+// per-format pools) and checks that it agrees with the CPU table's; append() then writes the
+// batch on the device: staged rows at 16 bits, and every group the CPU sealed quantized on the
+// device from the staged rows with the CPU's own codec (quantize_group, host/device), with fresh
+// scales, into the same slots. The device bytes of every block equal
+// ThoughtBlockTable::block_storage() bit for bit.
 //
-// Eviction on the device (TBE §3.3) is evict(): it sets mask bits and writes nothing else.
+// Eviction (TBE §3.3) is evict(): mask bits (or a staged row dropped); a block whose slots are all
+// free in every head goes back to its pool and leaves the page table, exactly as on the CPU.
 //
-// Pool layout: frame f occupies bytes [f · frame_stride, (f + 1) · frame_stride) of `storage`;
-// its first kv_heads · BlockHeadLayout(format).bytes() bytes are block_codec.hpp's layout, the
-// rest is zero padding (frame_stride fits the largest configured format, 256-aligned). One pool
-// for all formats wastes the difference for T2 blocks; a pool per format would not (future work).
+// Pools: one per block format, its frames sized by block_bytes.hpp (a ternary block takes ternary
+// bytes, rounded up to 256). CPU frame id f (the page table's entry) maps to a device byte offset
+// frame_offsets[f] into `storage`; masks and positions are indexed by f.
 //
 // Plan/Run as everywhere in kvsift::cuda: *_workspace_bytes() says how much device scratch a call
 // needs, the call validates on the host, copies its small plan into the workspace and only
@@ -28,7 +31,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
-#include <set>
 #include <vector>
 
 #include "kvsift/core/dtype.hpp"
@@ -39,34 +41,53 @@ namespace kvsift::cuda {
 
 inline constexpr int kPagedThoughtTypes = 3;
 
-// Element type of the device staging rows (full-precision keys of 16-slot key groups not yet
-// quantized). The one switch for the staging dtype: the attention kernels read it through
-// to_float(), so making it bf16_t (16-bit staging, docs/algorithms.md §3.4) touches only the
-// append kernel's writes.
-using PagedStaging = float;
+// Element type of the device staging rows (16-bit keys and values of tokens whose 16-token group
+// has not arrived yet, docs/algorithms.md §3.4). The one switch for the staging dtype: it must
+// match ThoughtBlockTableConfig::staging (bf16 by default; DevicePagedTable checks), and the
+// kernels read it through to_float() and write it through from_float<PagedStaging>().
+using PagedStaging = bf16_t;
+inline constexpr DType kPagedStagingDType = dtype_of<PagedStaging>::value;
+
+// Frames per format pool (indexed by BlockFormat). -1: the CPU pool's num_blocks for every format
+// the config uses, 0 for the others. A pool smaller than num_blocks saves device memory when the
+// caller knows how its blocks split by format; taking a block beyond it raises kvsift::Error.
+struct PagedPoolFrames {
+  std::int32_t frames[4] = {-1, -1, -1, -1};
+};
 
 // Device buffer sizes of one layer's mirror.
 struct PagedTableSizes {
   std::int32_t mask_words = 1;           // uint64 words per (block, head) mask
-  std::int64_t frame_stride = 0;         // bytes per pool frame
-  std::int64_t storage_bytes = 0;        // num_blocks · frame_stride
+  std::int32_t pool_frames[4] = {};      // frames per format pool
+  std::int64_t frame_bytes[4] = {};      // bytes per frame of each format: block_bytes(...).codes
+                                         // + .scales, rounded up to 256
+  std::int64_t pool_offset[4] = {};      // byte offset of each pool in storage
+  std::int64_t storage_bytes = 0;        // Σ pool_frames · frame_bytes
   std::int64_t mask_bytes = 0;           // num_blocks · kv_heads · mask_words · 8
-  std::int64_t sealed_bytes = 0;         // num_blocks · kv_heads · 4
-  std::int64_t staging_bytes = 0;        // max_sequences · 3 · kv_heads · 16 · head_dim · 4
+  std::int64_t position_bytes = 0;       // num_blocks · kv_heads · block_size · 4
+  std::int64_t frame_offset_bytes = 0;   // num_blocks · 8
+  std::int64_t staging_bytes = 0;        // per buffer (keys, values): max_sequences · 3 ·
+                                         // kv_heads · 16 · head_dim · 2
+  std::int64_t staged_mask_bytes = 0;    // max_sequences · 3 · kv_heads · 4
   std::int64_t global_factor_bytes = 0;  // kv_heads · 4
 };
 
-// Validates cfg and max_sequences (> 0) and returns the buffer sizes.
-PagedTableSizes paged_table_sizes(const ThoughtBlockTableConfig& cfg, std::int32_t max_sequences);
+// Validates cfg, max_sequences (> 0) and pools, and returns the buffer sizes.
+PagedTableSizes paged_table_sizes(const ThoughtBlockTableConfig& cfg, std::int32_t max_sequences,
+                                  const PagedPoolFrames& pools = {});
 
 // Caller-allocated device memory of one layer's mirror (sizes from paged_table_sizes). storage
 // must be 16-byte aligned (cudaMalloc gives 256).
 struct PagedTableMemory {
-  std::uint8_t* storage = nullptr;      // [num_blocks, frame_stride] bytes
-  std::uint64_t* free_masks = nullptr;  // [num_blocks, kv_heads, mask_words] bit set = slot free
-  std::uint32_t* sealed = nullptr;      // [num_blocks, kv_heads] bit g = key slot group g quantized
-  PagedStaging* staging_keys = nullptr;  // [max_sequences, 3 types, kv_heads, 16, head_dim]
-  float* global_factors = nullptr;       // [kv_heads] NVFP4 g per KV head (filled by initialize)
+  std::uint8_t* storage = nullptr;        // [storage_bytes] the format pools
+  std::uint64_t* free_masks = nullptr;    // [num_blocks, kv_heads, mask_words] bit set = slot free
+  std::int32_t* positions = nullptr;      // [num_blocks, kv_heads, block_size] generation position
+  std::int64_t* frame_offsets = nullptr;  // [num_blocks] byte offset of CPU frame f in storage
+  PagedStaging* staged_keys = nullptr;    // [max_sequences, 3 types, kv_heads, 16, head_dim]
+  PagedStaging* staged_values = nullptr;  // [max_sequences, 3 types, kv_heads, 16, head_dim]
+  std::uint32_t* staged_masks = nullptr;  // [max_sequences, 3 types, kv_heads] bit r: row r holds
+                                          // a staged token (rows are unordered; see append())
+  float* global_factors = nullptr;        // [kv_heads] NVFP4 g per KV head (filled by initialize)
 };
 
 // Settings of the split-KV (flash-decoding) attention launch.
@@ -119,74 +140,104 @@ inline PagedLayouts paged_layouts(const ThoughtBlockTableConfig& cfg) {
 }
 
 // The append plan, as copied to the device.
-struct PagedRowWrite {  // one (token, KV head): its value row, and its key row in f32 blocks
-  std::int32_t token, head, frame, slot, format;
+struct PagedFreshFrame {  // a frame the CPU table has just taken
+  std::int32_t frame, format;
+  std::int64_t offset;  // its byte offset in storage
 };
-struct PagedKeyTask {  // every write of a batch into one (frame, head, key slot group)
-  std::int32_t frame, head, group, format, seal;
-  std::int32_t first, count;  // its entries, contiguous after append() sorts them
-  std::int64_t staging;       // float offset of the (seq, type, head) staging rows; -1: sealed
+struct PagedRowWrite {  // one (token, KV head) of an f32 block: its key and value rows
+  std::int32_t token, head, frame, slot, position, pad;
+  std::int64_t base;  // byte offset of the (frame, head) in storage
 };
-struct PagedKeyEntry {  // one key write of a task: token row, slot within the 16-slot group
-  std::int32_t task, token, row;
+struct PagedStreamOp {  // one token staged in one (sequence, type, head), then maybe a seal
+  std::int32_t token, row;
+  std::int32_t seal;                       // 1: the 16 rows now form a group: quantize it
+  std::int32_t frame, first_slot, format;  // where the group goes (seal only)
+  std::int64_t base;                       // byte offset of the (frame, head) in storage
+  std::int32_t order[16];                  // staging rows in position order (seal only)
+  std::int32_t positions[16];              // their positions (seal only)
+};
+struct PagedStreamTask {  // every op of a batch on one (sequence, type, head), in order
+  std::int64_t stream;    // (seq · 3 + type) · kv_heads + head
+  std::int32_t head, first, count;
+  std::uint32_t final_mask;  // the stream's staged rows after the batch
 };
 struct PagedEviction {
   std::int32_t frame, head, slot;
+};
+struct PagedStagedMask {
+  std::int64_t stream;
+  std::uint32_t mask;
 };
 }  // namespace detail
 
 class DevicePagedTable {
  public:
   // Host bookkeeping for a table built with `cfg` (the CPU ThoughtBlockTable's config) serving
-  // sequence ids [0, max_sequences). Checks that every pointer of `memory` is non-null.
+  // sequence ids [0, max_sequences). Checks that every pointer of `memory` is non-null and that
+  // cfg.staging is PagedStaging's dtype.
   DevicePagedTable(const ThoughtBlockTableConfig& cfg, std::int32_t max_sequences,
-                   const PagedTableMemory& memory);
+                   const PagedTableMemory& memory, const PagedPoolFrames& pools = {});
 
   const ThoughtBlockTableConfig& config() const { return cfg_; }
   const PagedTableSizes& sizes() const { return sizes_; }
   const PagedTableMemory& memory() const { return mem_; }
   std::int32_t max_sequences() const { return max_sequences_; }
 
-  // Enqueues: every mask all-free, sealed bits and staging keys zero, NVFP4 global factors
-  // uploaded. Call once before the first append.
+  // Enqueues: every mask all-free, positions -1, staged rows and masks zero, NVFP4 global
+  // factors uploaded. Call once before the first append.
   void initialize(cudaStream_t stream);
 
   // --- append: record on the host, then write on the device -----------------------------------
   // Records the token `table` has just appended to `seq` (`where`, [kv_heads], as filled by
   // ThoughtBlockTable::append). Tokens are numbered in recording order: token i of the next
-  // append() batch reads row i of its key/value tensors. A slot may be written only once per
-  // batch (evicting and refilling it needs an append() in between); nothing is recorded on error.
+  // append() batch reads row i of its key/value tensors. The mirror replays the CPU table's
+  // decision (stage, or seal a group into the lowest free 16-slot run, or take a new block) and
+  // raises kvsift::Error naming the head when `where` disagrees; nothing is recorded on error.
   void record_append(const ThoughtBlockTable& table, std::int32_t seq,
                      const SlotAddress* where);  // [kv_heads]
   std::int32_t pending_tokens() const { return pending_tokens_; }
   // Device scratch bytes append() needs for the recorded batch.
   std::size_t append_workspace_bytes() const;
   // Writes the recorded batch and clears it. key, value: device [pending_tokens, kv_heads,
-  // head_dim] in `dtype` (f32 or bf16). Values are quantized per token at once; keys of quantized
-  // blocks go to the staging buffer until their 16-slot group is complete, which is then
-  // quantized per channel; keys written into an already sealed group take its scales.
+  // head_dim] in `dtype` (f32 or bf16). f32 blocks take their rows at once; quantized types stage
+  // key and value at 16 bits, and a completed group is quantized (fresh scales) into its slots.
   void append(const void* key, const void* value, DType dtype, void* workspace,
               std::size_t workspace_bytes, cudaStream_t stream);
 
-  // --- eviction: mask bits only -----------------------------------------------------------------
+  // --- eviction ---------------------------------------------------------------------------------
   std::size_t evict_workspace_bytes(std::size_t count) const;
-  // Sets the eviction bits of these slots of `seq` in KV head `head` (mirror of
-  // ThoughtBlockTable::evict; liveness is the CPU table's to check). Requires no pending append.
+  // Evicts these tokens of `seq` in KV head `head`: block slots get their eviction bit, staged
+  // tokens ({kStagedBlock, position}) leave the staging buffer; then every block left with no live
+  // slot in any head returns to its pool and later blocks move down by one (the mirror of
+  // ThoughtBlockTable::evict_positions; a caller of ThoughtBlockTable::evict calls this once per
+  // token). Every address must be live. Requires no pending append.
   void evict(std::int32_t seq, std::int32_t head, const std::vector<SlotAddress>& slots,
              void* workspace, std::size_t workspace_bytes, cudaStream_t stream);
 
-  // Forgets the sequence's page table (mirror of ThoughtBlockTable::release_sequence); its frames
-  // are re-initialised on the device when the CPU table hands them out again.
-  void release_sequence(std::int32_t seq);
+  // Returns the sequence's blocks to their pools and clears its staged rows (enqueued on
+  // `stream`): the mirror of ThoughtBlockTable::release_sequence. Requires no pending append.
+  void release_sequence(std::int32_t seq, cudaStream_t stream = nullptr);
 
   // --- inspection -------------------------------------------------------------------------------
   std::int32_t num_blocks(std::int32_t seq) const;
   std::int32_t frame_of(std::int32_t seq, std::int32_t block) const;
   BlockFormat format_of_block(std::int32_t seq, std::int32_t block) const;
   ThoughtType type_of_block(std::int32_t seq, std::int32_t block) const;
+  // Byte offset of (block, head 0) of `seq` in storage.
+  std::int64_t block_offset(std::int32_t seq, std::int32_t block) const;
   std::int64_t head_bytes(BlockFormat format) const {
     return BlockHeadLayout{format, cfg_.block_size, cfg_.head_dim}.bytes();
   }
+  // Tokens staged in (seq, type, head) on the device after the last append()/evict().
+  int staged_count(std::int32_t seq, ThoughtType type, std::int32_t head) const;
+  // Frames of each format's pool in use.
+  std::int32_t used_frames(BlockFormat format) const;
+  // The mirror's resident bytes, by the same accounting as ThoughtBlockTable::resident_bytes()
+  // (block_bytes.hpp): its own blocks (block_bytes of each block's format), eviction masks and
+  // positions, staging and global factors, plus the host-side metadata that stays with `table`
+  // (which sequences are active, their segments; the page table sized by the mirror's own).
+  // Equal to table.resident_bytes() when the mirror has followed table's history.
+  TableBytes resident_bytes(const ThoughtBlockTable& table) const;
 
  private:
   struct BlockRef {
@@ -194,34 +245,47 @@ class DevicePagedTable {
     BlockFormat format = BlockFormat::f32;
     ThoughtType type = ThoughtType::reasoning;
   };
+  struct SeqState {
+    std::vector<BlockRef> pages;  // page table, as the CPU's
+  };
   void check_seq(std::int32_t seq, const char* fn) const;
-  std::int32_t groups_per_block() const { return cfg_.block_size / 16; }
+  std::int64_t stream_index(std::int32_t seq, int type, std::int32_t head) const {
+    return (static_cast<std::int64_t>(seq) * kPagedThoughtTypes + type) * cfg_.kv_heads + head;
+  }
+  std::uint64_t* host_mask(std::int32_t frame, std::int32_t head) {
+    return &masks_[(static_cast<std::size_t>(frame) * cfg_.kv_heads + head) * sizes_.mask_words];
+  }
+  const std::uint64_t* host_mask(std::int32_t frame, std::int32_t head) const {
+    return &masks_[(static_cast<std::size_t>(frame) * cfg_.kv_heads + head) * sizes_.mask_words];
+  }
+  std::uint32_t staged_mask(std::int64_t stream) const;
+  void release_frame(std::int32_t frame, BlockFormat format);
 
   ThoughtBlockTableConfig cfg_;
   std::int32_t max_sequences_;
   PagedTableSizes sizes_;
   PagedTableMemory mem_;
-  std::vector<std::vector<BlockRef>> pages_;  // [max_sequences][blocks]
-  std::vector<std::uint16_t> written_;        // [num_blocks, kv_heads, groups] slots written once
+  std::vector<SeqState> seqs_;                  // [max_sequences]
+  std::vector<std::uint64_t> masks_;            // [num_blocks, kv_heads, mask_words] host copy
+  std::vector<std::int64_t> offsets_;           // [num_blocks] device byte offset, -1 unused
+  std::vector<std::int32_t> pool_free_[4];      // free pool indices, lowest on top (back)
+  std::vector<std::int32_t> staged_positions_;  // [max_sequences · 3 · kv_heads, 16], -1 free
   // The recorded batch.
   std::int32_t pending_tokens_ = 0;
-  std::vector<std::int32_t> fresh_frames_;  // frames taken by this batch: initialise first
-  std::vector<std::int32_t> fresh_formats_;
+  std::vector<detail::PagedFreshFrame> fresh_;
   std::vector<detail::PagedRowWrite> rows_;
-  std::vector<detail::PagedKeyTask> tasks_;
-  std::vector<detail::PagedKeyEntry> entries_;
-  std::map<std::int64_t, std::int32_t> task_index_;  // (frame, head, group) -> task
-  std::set<std::int64_t> batch_slots_;               // (frame, head, slot) written in this batch
+  std::map<std::int64_t, std::vector<detail::PagedStreamOp>> ops_;  // by stream
 };
 
 // Decode attention of one query token over a sequence of the device table (§3.4): per query head
 // (GQA: KV head q / (q_heads / kv_heads)), over all blocks, evicted and never-written slots
-// skipped through the mask, each block dequantized by its own format, staged key rows read from
-// the staging buffer. A KV head with no live slot gives zero outputs (as the CPU reference).
+// skipped through the mask, each block dequantized by its own format, and the staged tokens'
+// 16-bit keys and values read in fp32 (exact). A KV head with no live token gives zero outputs
+// (as the CPU reference).
 //   query  device [q_heads, head_dim] f32; out device [q_heads, head_dim] f32
 // head_dim must be <= 256 here. Requires no pending append on `table`.
 // Runs the split-sequence tensor-core kernel (paged_decode_attention_batch) when it applies
-// (GQA group <= 8, head_dim 16/32/64/128/256, no f32 block), the tiled kernel otherwise.
+// (GQA group <= 8, head_dim 16/32/64/128/256, no f32 or FP8 block), the tiled kernel otherwise.
 std::size_t paged_decode_attention_workspace_bytes(const DevicePagedTable& table, std::int32_t seq,
                                                    std::int64_t q_heads,
                                                    const DecodeAttentionConfig& cfg = {});
@@ -244,8 +308,9 @@ void paged_decode_attention_tiled(const DevicePagedTable& table, std::int32_t se
 
 // --- batched split-sequence decode attention ---------------------------------------------------
 // The page tables of a batch of sequences in device memory (upload_paged_batch). They stay valid
-// while no sequence of the batch gains or loses a block (appends into existing blocks, evictions
-// and staging are read live), so an engine uploads once per new block, not once per step.
+// while no sequence of the batch gains or loses a block (appends into existing blocks, eviction
+// bits and staging are read live), so an engine uploads again only after an append took a block
+// or an eviction freed one (num_blocks changed), not once per step.
 struct PagedBatch {
   const std::int32_t* frames = nullptr;       // [total_blocks] pool frame, sequence after sequence
   const std::int32_t* meta = nullptr;         // [total_blocks] format | thought type << 4
@@ -276,7 +341,8 @@ bool paged_split_kernel_applies(const DevicePagedTable& table, const PagedBatch&
 // (no dequantized copy in global memory), computes the logits of all query heads of the GQA
 // group at once with tensor-core MMAs (the KV head's tile is read once for the whole group),
 // folds them into its online softmax and writes one partial (max, sum, acc); a second kernel
-// merges the partials. Staged key rows are read in fp32 from the staging buffer.
+// merges the partials. The staged tokens (16-bit K and V) never enter the MMAs (bf16 is not exact
+// in the fp16 path): one more kernel computes their partial in fp32 on CUDA cores.
 //   query  device [batch, q_heads, head_dim] f32; out device [batch, q_heads, head_dim] f32
 std::size_t paged_decode_attention_batch_workspace_bytes(const DevicePagedTable& table,
                                                          const PagedBatch& batch,

@@ -1,0 +1,170 @@
+// Device memory of one cuda::DevicePagedTable for the GPU tests, poisoned so that anything the
+// kernels fail to write (or read without writing) shows up, plus the checks that compare the
+// mirror with the CPU ThoughtBlockTable it follows.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "catch.hpp"
+#include "device_buffer.hpp"
+#include "kvsift/backend/cuda/paged_table.hpp"
+#include "kvsift/paged/thought_block_table.hpp"
+
+namespace kvsift::test {
+
+struct PagedMirror {
+  cuda::PagedTableSizes sizes;
+  DeviceBuffer<std::uint8_t> storage;
+  DeviceBuffer<std::uint64_t> masks;
+  DeviceBuffer<std::int32_t> positions;
+  DeviceBuffer<std::int64_t> offsets;
+  DeviceBuffer<cuda::PagedStaging> staged_keys, staged_values;
+  DeviceBuffer<std::uint32_t> staged_masks;
+  DeviceBuffer<float> factors;
+  cuda::DevicePagedTable table;
+
+  PagedMirror(const ThoughtBlockTableConfig& cfg, std::int32_t max_sequences,
+              const cuda::PagedPoolFrames& pools = {})
+      : sizes(cuda::paged_table_sizes(cfg, max_sequences, pools)),
+        storage(static_cast<std::size_t>(sizes.storage_bytes)),
+        masks(static_cast<std::size_t>(sizes.mask_bytes / 8)),
+        positions(static_cast<std::size_t>(sizes.position_bytes / 4)),
+        offsets(static_cast<std::size_t>(sizes.frame_offset_bytes / 8)),
+        staged_keys(static_cast<std::size_t>(sizes.staging_bytes) / sizeof(cuda::PagedStaging)),
+        staged_values(staged_keys.size()),
+        staged_masks(static_cast<std::size_t>(sizes.staged_mask_bytes / 4)),
+        factors(static_cast<std::size_t>(cfg.kv_heads)),
+        table(cfg, max_sequences,
+              cuda::PagedTableMemory{storage.get(), masks.get(), positions.get(), offsets.get(),
+                                     staged_keys.get(), staged_values.get(), staged_masks.get(),
+                                     factors.get()},
+              pools) {
+    // Poison: 0xab bytes hold the invalid ternary code 10 and finite FP8 garbage; the fresh-frame
+    // initialisation must zero every byte the CPU table zeroes.
+    KVSIFT_CUDA_CHECK(cudaMemset(storage.get(), 0xab, storage.size()));
+    table.initialize(nullptr);
+    KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+};
+
+// Every block of `seq`: device bytes == block_storage(), device masks == free_mask(), device
+// slot positions == the CPU's for every live slot; the staged rows (keys and values, 16-bit) of
+// every head equal the CPU's staged_rows() as a multiset (device rows are unordered).
+inline void require_same_table(const ThoughtBlockTable& cpu, PagedMirror& dev, std::int32_t seq) {
+  const std::vector<std::uint8_t> pool = dev.storage.download();
+  const std::vector<std::uint64_t> masks = dev.masks.download();
+  const std::vector<std::int32_t> positions = dev.positions.download();
+  REQUIRE(dev.table.num_blocks(seq) == cpu.num_blocks(seq));
+  const std::int32_t H = cpu.config().kv_heads, W = cpu.mask_words(), S = cpu.config().block_size;
+  const std::int64_t D = cpu.config().head_dim;
+  for (std::int32_t b = 0; b < cpu.num_blocks(seq); ++b) {
+    const BlockInfo info = cpu.block_info(seq, b);
+    REQUIRE(dev.table.frame_of(seq, b) == info.frame);
+    REQUIRE(dev.table.format_of_block(seq, b) == info.format);
+    REQUIRE(dev.table.type_of_block(seq, b) == info.type);
+    const std::vector<std::uint8_t>& want = cpu.block_storage(seq, b);
+    const std::int64_t offset = dev.table.block_offset(seq, b);
+    const int f = static_cast<int>(info.format);
+    // The frame lies inside its format's pool, which is sized by block_bytes.hpp.
+    REQUIRE(offset >= dev.sizes.pool_offset[f]);
+    REQUIRE(offset + static_cast<std::int64_t>(want.size()) <=
+            dev.sizes.pool_offset[f] + dev.sizes.pool_frames[f] * dev.sizes.frame_bytes[f]);
+    const std::uint8_t* got = pool.data() + offset;
+    std::size_t first_diff = want.size();
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      if (got[i] != want[i]) {
+        first_diff = i;
+        break;
+      }
+    }
+    INFO("block " << b << " frame " << info.frame << " format " << block_format_name(info.format)
+                  << " bytes " << want.size() << " first differing byte " << first_diff
+                  << (first_diff < want.size()
+                          ? " (got " + std::to_string(got[first_diff]) + " want " +
+                                std::to_string(want[first_diff]) + ")"
+                          : std::string()));
+    REQUIRE(first_diff == want.size());
+    for (std::int32_t h = 0; h < H; ++h) {
+      const std::uint64_t* cm = cpu.free_mask(seq, b, h);
+      for (std::int32_t w = 0; w < W; ++w) {
+        INFO("head " << h << " mask word " << w);
+        REQUIRE(masks[(static_cast<std::size_t>(info.frame) * H + h) * W + w] == cm[w]);
+      }
+    }
+  }
+  const std::vector<cuda::PagedStaging> sk = dev.staged_keys.download();
+  const std::vector<cuda::PagedStaging> sv = dev.staged_values.download();
+  const std::vector<std::uint32_t> sm = dev.staged_masks.download();
+  for (std::int32_t h = 0; h < H; ++h) {
+    for (const ResidentToken& t : cpu.resident_tokens(seq, h)) {
+      if (t.address.block < 0) continue;
+      const std::int32_t frame = cpu.block_info(seq, t.address.block).frame;
+      INFO("head " << h << " block " << t.address.block << " slot " << t.address.slot);
+      REQUIRE(positions[(static_cast<std::size_t>(frame) * H + h) * S + t.address.slot] ==
+              t.position);
+    }
+    // Staged rows as (key bits, value bits) strings, sorted.
+    std::vector<float> ck, cv;
+    cpu.staged_rows(seq, h, ck, cv);
+    std::vector<std::vector<float>> want, got;
+    for (std::size_t i = 0; i * D < ck.size(); ++i) {
+      std::vector<float> row(ck.begin() + i * D, ck.begin() + (i + 1) * D);
+      row.insert(row.end(), cv.begin() + i * D, cv.begin() + (i + 1) * D);
+      want.push_back(row);
+    }
+    for (int type = 0; type < cuda::kPagedThoughtTypes; ++type) {
+      const std::size_t stream =
+          (static_cast<std::size_t>(seq) * cuda::kPagedThoughtTypes + type) * H + h;
+      REQUIRE(dev.table.staged_count(seq, static_cast<ThoughtType>(type), h) ==
+              __builtin_popcount(sm[stream]));
+      for (int r = 0; r < 16; ++r) {
+        if (!((sm[stream] >> r) & 1u)) continue;
+        std::vector<float> row;
+        for (std::int64_t d = 0; d < D; ++d) row.push_back(to_float(sk[(stream * 16 + r) * D + d]));
+        for (std::int64_t d = 0; d < D; ++d) row.push_back(to_float(sv[(stream * 16 + r) * D + d]));
+        got.push_back(row);
+      }
+    }
+    std::sort(want.begin(), want.end());
+    std::sort(got.begin(), got.end());
+    INFO("head " << h << ": " << got.size() << " staged rows on the device, " << want.size()
+                 << " on the CPU");
+    REQUIRE(got == want);
+  }
+}
+
+// The device table's resident bytes equal the CPU table's, field by field.
+inline void require_same_bytes(const ThoughtBlockTable& cpu, const PagedMirror& dev) {
+  const TableBytes want = cpu.resident_bytes();
+  const TableBytes got = dev.table.resident_bytes(cpu);
+  INFO("codes " << got.codes << "/" << want.codes << " scales " << got.scales << "/" << want.scales
+                << " metadata " << got.metadata << "/" << want.metadata << " staging "
+                << got.staging << "/" << want.staging << " (device/CPU)");
+  REQUIRE(got.codes == want.codes);
+  REQUIRE(got.scales == want.scales);
+  REQUIRE(got.metadata == want.metadata);
+  REQUIRE(got.staging == want.staging);
+}
+
+// Evicts `addresses` (all live now, in one head) from both tables: the CPU by positions (bits
+// first, then empty blocks released, so the addresses stay valid for the mirror's call).
+inline void evict_both(ThoughtBlockTable& cpu, PagedMirror& dev, std::int32_t seq,
+                       std::int32_t head, const std::vector<SlotAddress>& addresses) {
+  std::vector<std::int32_t> positions;
+  for (const ResidentToken& t : cpu.resident_tokens(seq, head)) {
+    for (const SlotAddress& a : addresses) {
+      if (a.block == t.address.block && a.slot == t.address.slot) positions.push_back(t.position);
+    }
+  }
+  REQUIRE(positions.size() == addresses.size());
+  cpu.evict_positions(seq, head, positions);
+  DeviceBuffer<std::uint8_t> ws(dev.table.evict_workspace_bytes(addresses.size()));
+  dev.table.evict(seq, head, addresses, ws.get(), ws.size(), nullptr);
+  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+}  // namespace kvsift::test
