@@ -34,8 +34,9 @@ using Mirror = test::PagedMirror;
 // random thought types, so every type leaves staged tokens), then evicts about 40 % of each head's
 // tokens at random (staged ones included), and every token of blocks [0, 8) of head 0 of
 // sequence 0.
+// Segments of 80 tokens, of random thought types, or of `types` in turn when given.
 std::vector<std::int32_t> fill(ThoughtBlockTable& cpu, Mirror& dev, const std::vector<int>& lengths,
-                               std::mt19937& rng) {
+                               std::mt19937& rng, const std::vector<int>& types = {}) {
   const std::int32_t H = cpu.config().kv_heads, D = cpu.config().head_dim;
   std::normal_distribution<float> normal;
   std::vector<std::int32_t> seqs;
@@ -54,7 +55,11 @@ std::vector<std::int32_t> fill(ThoughtBlockTable& cpu, Mirror& dev, const std::v
     const std::int32_t seq = cpu.create_sequence();
     seqs.push_back(seq);
     for (int t = 0; t < len; ++t) {
-      if (t % 80 == 0) cpu.open_segment(seq, static_cast<ThoughtType>(rng() % 3));
+      if (t % 80 == 0) {
+        const int type = types.empty() ? static_cast<int>(rng() % 3)
+                                       : types[static_cast<std::size_t>(t / 80) % types.size()];
+        cpu.open_segment(seq, static_cast<ThoughtType>(type));
+      }
       for (float& x : k) x = 1.5f * normal(rng);
       for (float& x : v) x = normal(rng);
       cpu.append(seq, k.data(), v.data(), H, D, where.data());
@@ -289,7 +294,14 @@ TEST_CASE("split paged attention: shapes it does not take run the tiled kernel")
   std::mt19937 rng(3);
   ThoughtBlockTable cpu(cfg);
   Mirror dev(cfg, 2);
-  const std::vector<std::int32_t> seqs = fill(cpu, dev, {300, 170}, rng);
+  // Whole 80-token segments of the first type (its format `first`), so that sealed groups of
+  // that format sit in blocks, not only in the 16-bit staging.
+  const std::vector<std::int32_t> seqs = fill(cpu, dev, {300, 170}, rng, {0, 1, 0, 2});
+  std::int32_t first_blocks = 0;
+  for (std::int32_t s : seqs)
+    for (std::int32_t k = 0; k < dev.table.num_blocks(s); ++k)
+      first_blocks += dev.table.format_of_block(s, k) == first ? 1 : 0;
+  REQUIRE(first_blocks > 0);
   for (std::int64_t q_heads : {4, 16}) {
     std::vector<float> query(seqs.size() * static_cast<std::size_t>(q_heads) * 32);
     std::normal_distribution<float> normal;
