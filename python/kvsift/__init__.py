@@ -9,17 +9,19 @@ PyTorch, over kvsift's C API (libkvsift_c) through ctypes: no compiler at instal
         kvsift.compact(kv, plan)                        # in place, on torch's current stream
 
 The library is found through $KVSIFT_LIBRARY or next to this package (docs/python.md).
+Methods that own their cache (ThinKV, KIVI, PM-KVQ): kvsift.make_owning_policy.
 HuggingFace generate: kvsift.hf.KVSiftCache.
 """
 
 from ._api import (CacheView, Error, KeepPlan, MethodInfo, Policy, compact, cuda_available,
                    library_version, make_policy, policies)
+from ._owning import OwningPolicy, make_owning_policy
 from ._capi import (DEVICE_CPU, DEVICE_CUDA, NEEDS_APPEND, NEEDS_HIDDEN, NEEDS_QUERIES,
                     NEEDS_TOKENS, find_library)
 
 __version__ = "0.1.0"
 
 __all__ = ["CacheView", "Error", "KeepPlan", "MethodInfo", "Policy", "compact", "cuda_available",
-           "library_version", "make_policy", "policies", "find_library", "NEEDS_QUERIES",
+           "library_version", "make_policy", "policies", "OwningPolicy", "make_owning_policy", "find_library", "NEEDS_QUERIES",
            "NEEDS_TOKENS", "NEEDS_HIDDEN", "NEEDS_APPEND", "DEVICE_CPU", "DEVICE_CUDA",
            "__version__"]

@@ -207,6 +207,34 @@ def _to_json(options):
         raise error(str(e))
 
 
+def observation(token_ids=None, last_hidden=None, pad_counts=None, layer=-1, kv=None,
+                queries=None):
+    """A kvsift_observation of these signals (kv: a C cache view or None) and the host arrays
+    it points into (keep them alive until the call that reads it returns)."""
+    obs = _capi.Observation()
+    obs.layer, obs.batch = int(layer), 0
+    keep = []
+    if token_ids is not None:
+        ids = host_int32(token_ids, "token_ids")
+        if ids.ndim != 2:
+            raise error("token_ids: shape %s, expected [batch, n]" % (ids.shape,))
+        keep.append(ids)
+        obs.token_ids = ids.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        obs.num_tokens = int(ids.shape[1])
+        obs.batch = int(ids.shape[0])
+    if pad_counts is not None:
+        pads = host_int32(pad_counts, "pad_counts")
+        keep.append(pads)
+        obs.pad_counts = pads.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+    if last_hidden is not None:
+        obs.last_hidden = describe(last_hidden, "last_hidden", ranks=(3,))
+    if kv is not None:
+        obs.kv = kv
+    if queries is not None:
+        obs.queries = describe(queries, "queries", ranks=(4,))
+    return obs, keep
+
+
 class Policy:
     """A kvsift method (see policies()). Per decode step an engine calls observe() with what
     needs says, then should_compress(kv) and, when true, select() + compact() for every layer."""
@@ -234,27 +262,8 @@ class Policy:
         [batch] left pads among them (first observation), last_hidden [batch, n, hidden]
         (final-norm last-layer states, torch/NumPy, any device). Per layer: kv (the cache after
         the append) and queries [batch, q_heads, n, head_dim]."""
-        obs = _capi.Observation()
-        obs.layer, obs.batch = int(layer), 0
-        keep = []
-        if token_ids is not None:
-            ids = host_int32(token_ids, "token_ids")
-            if ids.ndim != 2:
-                raise error("token_ids: shape %s, expected [batch, n]" % (ids.shape,))
-            keep.append(ids)
-            obs.token_ids = ids.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
-            obs.num_tokens = int(ids.shape[1])
-            obs.batch = int(ids.shape[0])
-        if pad_counts is not None:
-            pads = host_int32(pad_counts, "pad_counts")
-            keep.append(pads)
-            obs.pad_counts = pads.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
-        if last_hidden is not None:
-            obs.last_hidden = describe(last_hidden, "last_hidden", ranks=(3,))
-        if kv is not None:
-            obs.kv = _view(kv)
-        if queries is not None:
-            obs.queries = describe(queries, "queries", ranks=(4,))
+        obs, keep = observation(token_ids, last_hidden, pad_counts, layer,
+                                _view(kv) if kv is not None else None, queries)
         device = device_of(last_hidden) if last_hidden is not None else ("cpu", None)
         ctx, _, _, _ = self._exec.context(device, 0)
         with ctx:

@@ -1,0 +1,93 @@
+"""Methods that own their KV storage (policies() marks them owns_cache: ThinKV, KIVI, PM-KVQ),
+over the C API's kvsift_owning_policy_* calls. The engine hands them every K/V it produces and
+asks them for attention; there is no select/compact. Per decode step:
+
+    for layer in range(num_layers):
+        policy.append(layer, k, v)                 # [batch, kv_heads, 1, head_dim]
+        policy.observe(layer=layer, queries=q)     # when policy.needs asks for queries
+        out = policy.attention(layer, q)           # [batch, q_heads, 1, head_dim]
+    policy.end_step()                              # the method's own eviction / quantization
+
+The prompt goes in first with prefill(layer, keys, values) for every layer (left pads, if any,
+as observe(pad_counts=...) before it). Tensors are host float32 torch tensors or NumPy arrays in
+this version (any strides, head_dim contiguous); bad input raises kvsift.Error with the library's
+message."""
+
+import numpy as np
+
+from ._api import _to_json, library, observation
+from ._tensors import describe, error, is_torch
+
+
+class OwningPolicy:
+    """A cache-owning kvsift method; build it with make_owning_policy(name, **options)."""
+
+    def __init__(self, name, options=None):
+        if not isinstance(name, str):
+            raise error("policy name must be a str, got %s" % type(name).__name__)
+        self.name = name
+        self.options = dict(options or {})
+        self._policy = library().owning_policy(name, _to_json(self.options))
+
+    @property
+    def needs(self):
+        """The NEEDS_* bits observe() must be given (appends are implied)."""
+        return self._policy.needs()
+
+    @property
+    def batch(self):
+        return self._policy.batch()
+
+    def prefill(self, layer, keys, values):
+        """The prompt of one layer: keys, values [batch, kv_heads, n, head_dim], post-RoPE."""
+        self._policy.prefill(int(layer), describe(keys, "keys", ranks=(4,)),
+                             describe(values, "values", ranks=(4,)))
+
+    def append(self, layer, keys, values):
+        """The step's token of one layer: keys, values [batch, kv_heads, 1, head_dim]."""
+        self._policy.append(int(layer), describe(keys, "keys", ranks=(4,)),
+                            describe(values, "values", ranks=(4,)))
+
+    def observe(self, layer=-1, queries=None, token_ids=None, pad_counts=None):
+        """Step level (layer -1): pad_counts [batch] (the prompt's left pads, before prefill),
+        token_ids [batch, n]. Per layer: queries [batch, q_heads, 1, head_dim]."""
+        obs, keep = observation(token_ids=token_ids, pad_counts=pad_counts, layer=layer,
+                                queries=queries)
+        self._policy.observe(obs)
+        del keep
+
+    def attention(self, layer, queries, out=None):
+        """Decode attention of one layer over its resident tokens: queries [batch, q_heads, 1,
+        head_dim]; writes (and returns) out, a new tensor (or array) like queries when not
+        given."""
+        if out is None:
+            out = queries.new_empty(queries.shape) if is_torch(queries) else np.empty_like(queries)
+        self._policy.attention(int(layer), describe(queries, "queries", ranks=(4,)),
+                               describe(out, "out", ranks=(4,)))
+        return out
+
+    def end_step(self):
+        """Closes the step for every sequence; True when the method evicted something."""
+        return self._policy.end_step()
+
+    def resident_bytes(self, layer=None):
+        """Bytes the method's storage holds (codes, scales, metadata): one layer or all."""
+        return self._policy.memory(-1 if layer is None else int(layer))[0]
+
+    def fullkv_fp16_bytes(self):
+        """Bytes an fp16 K+V cache of the same tokens would take."""
+        return self._policy.memory(-1)[1]
+
+    def resident_positions(self, layer, seq, kv_head):
+        """Sorted generation positions resident in (layer, sequence, KV head)."""
+        return self._policy.resident_positions(int(layer), int(seq), int(kv_head))
+
+    def __repr__(self):
+        return "kvsift.OwningPolicy(%r, %s)" % (self.name, self.options)
+
+
+def make_owning_policy(name, **options):
+    """OwningPolicy `name` (a method with owns_cache in policies(): "thinkv", "kivi", "pmkvq")
+    with its config fields as keyword options, e.g. make_owning_policy("kivi", num_layers=32,
+    kv_heads=8, q_heads=32, head_dim=128). Unknown options and invalid values raise kvsift.Error."""
+    return OwningPolicy(name, options)
