@@ -13,8 +13,6 @@ as observe(pad_counts=...) before it). Tensors are host float32 torch tensors or
 this version (any strides, head_dim contiguous); bad input raises kvsift.Error with the library's
 message."""
 
-import numpy as np
-
 from ._api import _to_json, library, observation
 from ._tensors import describe, error, is_torch
 
@@ -61,7 +59,12 @@ class OwningPolicy:
         head_dim]; writes (and returns) out, a new tensor (or array) like queries when not
         given."""
         if out is None:
-            out = queries.new_empty(queries.shape) if is_torch(queries) else np.empty_like(queries)
+            if is_torch(queries):
+                out = queries.new_empty(queries.shape)
+            else:  # NumPy is imported only when NumPy arrays are used (torch alone is enough)
+                import numpy as np
+
+                out = np.empty_like(queries)
         self._policy.attention(int(layer), describe(queries, "queries", ranks=(4,)),
                                describe(out, "out", ranks=(4,)))
         return out
