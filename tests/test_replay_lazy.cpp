@@ -2,6 +2,7 @@
 // file, read back, must equal the golden tensors by the README's rule (names, shapes, dtypes,
 // exact positions/TS/MRI, cand_score within tolerance); bad input exits 1 with one line.
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -20,7 +21,9 @@ namespace {
 // Runs the tool; returns its exit status and its stderr.
 int run_tool(const std::string& args, std::string& err) {
   REQUIRE(std::string(KVSIFT_TOOL) != "");
-  const std::string log = std::string(KVSIFT_TEST_TMP) + "/replay_stderr.txt";
+  // One file per process: ctest runs this file's test cases as parallel processes.
+  const std::string log =
+      std::string(KVSIFT_TEST_TMP) + "/replay_stderr_" + std::to_string(getpid()) + ".txt";
   const int rc = std::system(
       (std::string("\"") + KVSIFT_TOOL + "\" " + args + " 2>\"" + log + "\" >/dev/null").c_str());
   err.clear();
@@ -30,6 +33,7 @@ int run_tool(const std::string& args, std::string& err) {
     while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) err.append(buf, n);
     std::fclose(f);
   }
+  std::remove(log.c_str());
   return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
 }
 
