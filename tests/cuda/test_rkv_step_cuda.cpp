@@ -14,6 +14,7 @@
 #include "device_buffer.hpp"
 #include "kvsift/backend/cuda/compact.hpp"
 #include "kvsift/backend/cuda/rkv_scoring.hpp"
+#include "kvsift/backend/cuda/rkv_step.hpp"
 
 using namespace kvsift;
 using test::DeviceBuffer;
@@ -53,6 +54,11 @@ bool same_bytes(const std::vector<T>& a, const std::vector<T>& b, std::size_t fi
 struct Shape {
   int L = 3, B = 2, H = 2, G = 4, S = 300, D = 64, W = 8, budget = 128;
 };
+Shape with_batch(int batch) {
+  Shape s;
+  s.B = batch;
+  return s;
+}
 
 template <class T>
 struct Step {
@@ -263,4 +269,99 @@ TEST_CASE("cuda step calls refuse layers that do not agree", "[cuda][rkv][step][
   REQUIRE_THROWS_WITH(cuda::rkv_select_step(kvs.data(), qs.data(), s.L, cfg, slots.get(), nullptr,
                                             nullptr, 0, nullptr),
                       Contains("rkv_select_step: workspace is null"));
+}
+
+namespace {
+
+// Runs rkv_compress_step eagerly on one copy of the caches and as a captured CUDA graph on
+// another (a non-blocking stream in global capture mode: any host wait, allocation, pageable copy
+// or legacy-stream launch inside the step would end the capture with an error), then replays the
+// graph on caches restored to the start. Every replay must give the eager bytes and lengths.
+void check_graph_step(const Shape& shape, bool pads) {
+  Step<bf16_t> eager(shape, pads, 11), graph(shape, pads, 11), fresh(shape, pads, 11);
+  const Shape& s = eager.s;
+  const RKVConfig cfg = eager.config();
+  std::vector<KVCacheView> kvs_e = eager.kvs(), kvs_g = graph.kvs();
+  std::vector<TensorView> qs_e = eager.qs(), qs_g = graph.qs();
+  const cuda::RKVStepLayout layout =
+      cuda::rkv_compress_step_layout(kvs_e.data(), qs_e.data(), s.L, cfg);
+  INFO("batch " << s.B << ", layers per chunk " << layout.chunk);
+  DeviceBuffer<char> ws_e(layout.total()), ws_g(layout.total());
+  DeviceBuffer<std::int32_t> len_e(s.B), len_g(s.B);
+  REQUIRE(cuda::rkv_compress_step(kvs_e.data(), qs_e.data(), s.L, cfg, ws_e.get(), ws_e.size(),
+                                  len_e.get(), nullptr));
+  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+
+  cudaStream_t stream = nullptr;
+  KVSIFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraph_t g = nullptr;
+  KVSIFT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  const bool enqueued = cuda::rkv_compress_step(kvs_g.data(), qs_g.data(), s.L, cfg, ws_g.get(),
+                                                ws_g.size(), len_g.get(), stream);
+  KVSIFT_CUDA_CHECK(cudaStreamEndCapture(stream, &g));
+  REQUIRE(enqueued);
+  std::size_t nodes = 0;
+  KVSIFT_CUDA_CHECK(cudaGraphGetNodes(g, nullptr, &nodes));
+  CHECK(nodes > 0);
+  cudaGraphExec_t exec = nullptr;
+  KVSIFT_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+  // Capturing ran nothing: the graph's caches are still the originals.
+  CHECK(same_bytes(graph.layers[0]->keys.download(), fresh.layers[0]->keys.download()));
+
+  for (int replay = 0; replay < 2; ++replay) {
+    INFO("replay " << replay);
+    if (replay > 0) {  // restore the caches and the mask, then replay the same graph
+      for (int l = 0; l < s.L; ++l) {
+        graph.layers[l]->keys.upload(fresh.layers[l]->keys.download());
+        graph.layers[l]->values.upload(fresh.layers[l]->values.download());
+      }
+      graph.mask.upload(fresh.mask.download());
+      KVSIFT_CUDA_CHECK(cudaMemset(len_g.get(), 0x7f, s.B * sizeof(std::int32_t)));
+    }
+    KVSIFT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    for (int l = 0; l < s.L; ++l) {
+      INFO("layer " << l);
+      CHECK(same_bytes(graph.layers[l]->keys.download(), eager.layers[l]->keys.download()));
+      CHECK(same_bytes(graph.layers[l]->values.download(), eager.layers[l]->values.download()));
+    }
+    CHECK(graph.mask.download() == eager.mask.download());
+    CHECK(len_g.download() == len_e.download());
+  }
+  // The step compacted: a sequence without pads keeps exactly the budget, and layer 0 moved.
+  CHECK(len_e.download()[0] == s.budget);
+  CHECK_FALSE(same_bytes(eager.layers[0]->keys.download(), fresh.layers[0]->keys.download()));
+  KVSIFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  KVSIFT_CUDA_CHECK(cudaGraphDestroy(g));
+  KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+}  // namespace
+
+TEST_CASE("cuda rkv_compress_step is one launch sequence a CUDA graph can capture",
+          "[cuda][rkv][step][graph]") {
+  SECTION("batch 2, left pads, one chunk") { check_graph_step(Shape{}, true); }
+  SECTION("batch 100, two chunks of layers") { check_graph_step(with_batch(100), false); }
+}
+
+TEST_CASE("cuda rkv_compress_step: nothing over budget, errors", "[cuda][rkv][step][errors]") {
+  Step<bf16_t> st(Shape{}, false, 12);
+  const Shape& s = st.s;
+  RKVConfig cfg = st.config();
+  std::vector<KVCacheView> kvs = st.kvs();
+  std::vector<TensorView> qs = st.qs();
+  DeviceBuffer<std::int32_t> len(s.B);
+  using Catch::Matchers::Contains;
+  REQUIRE_THROWS_WITH(
+      cuda::rkv_compress_step(kvs.data(), qs.data(), s.L, cfg, nullptr, 0, len.get(), nullptr),
+      Contains("cuda::rkv_compress_step: workspace of 0 bytes is too small"));
+  const cuda::RKVStepLayout layout =
+      cuda::rkv_compress_step_layout(kvs.data(), qs.data(), s.L, cfg);
+  DeviceBuffer<char> ws(layout.total());
+  REQUIRE_THROWS_WITH(cuda::rkv_compress_step(kvs.data(), qs.data(), s.L, cfg, ws.get(), ws.size(),
+                                              nullptr, nullptr),
+                      Contains("new_lengths is null (device [2] int32 expected)"));
+  cfg.budget = s.S;  // every sequence fits: nothing is enqueued, the caches stay as they are
+  REQUIRE_FALSE(cuda::rkv_compress_step(kvs.data(), qs.data(), s.L, cfg, ws.get(), ws.size(),
+                                        len.get(), nullptr));
 }
