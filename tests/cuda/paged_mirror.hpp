@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -15,6 +16,33 @@
 #include "kvsift/paged/thought_block_table.hpp"
 
 namespace kvsift::test {
+
+// Softmax attention in double of the G query heads of one KV head over its rows K, V (each
+// [D]), written to out[(h·G + g)·D + d] for g < G: the oracle both paged GPU tests compare with.
+//   query  [q_heads, D]
+inline void dense_attention_double(const float* query, std::int64_t h, std::int64_t G,
+                                   std::int64_t D, float scale,
+                                   const std::vector<std::vector<float>>& K,
+                                   const std::vector<std::vector<float>>& V,
+                                   std::vector<float>& out) {
+  for (std::int64_t g = 0; g < G; ++g) {
+    const float* q = query + (h * G + g) * D;
+    std::vector<double> w(K.size());
+    double mx = -1e300, sum = 0;
+    for (std::size_t j = 0; j < K.size(); ++j) {
+      double dot = 0;
+      for (std::int64_t d = 0; d < D; ++d) dot += double(q[d]) * K[j][d];
+      w[j] = dot * scale;
+      mx = std::max(mx, w[j]);
+    }
+    for (double& x : w) sum += (x = std::exp(x - mx));
+    for (std::int64_t d = 0; d < D; ++d) {
+      double acc = 0;
+      for (std::size_t j = 0; j < K.size(); ++j) acc += w[j] * V[j][d];
+      out[static_cast<std::size_t>((h * G + g) * D + d)] = static_cast<float>(acc / sum);
+    }
+  }
+}
 
 struct PagedMirror {
   cuda::PagedTableSizes sizes;

@@ -111,23 +111,7 @@ std::vector<float> dequantized_dense_oracle(const ThoughtBlockTable& cpu, std::i
       V.emplace_back(sv.begin() + i * D, sv.begin() + (i + 1) * D);
     }
     if (K.empty()) continue;
-    for (std::int64_t g = 0; g < G; ++g) {
-      const float* q = query + (h * G + g) * D;
-      std::vector<double> w(K.size());
-      double mx = -1e300, sum = 0;
-      for (std::size_t j = 0; j < K.size(); ++j) {
-        double dot = 0;
-        for (std::int64_t d = 0; d < D; ++d) dot += double(q[d]) * K[j][d];
-        w[j] = dot * scale;
-        mx = std::max(mx, w[j]);
-      }
-      for (double& x : w) sum += (x = std::exp(x - mx));
-      for (std::int64_t d = 0; d < D; ++d) {
-        double acc = 0;
-        for (std::size_t j = 0; j < K.size(); ++j) acc += w[j] * V[j][d];
-        out[static_cast<std::size_t>((h * G + g) * D + d)] = static_cast<float>(acc / sum);
-      }
-    }
+    test::dense_attention_double(query, h, G, D, scale, K, V, out);
   }
   return out;
 }
