@@ -31,6 +31,7 @@
 //
 // Usage: gpu_bench_rkv [--batches 1,64] [--budgets 1024] [--keys random,structured]
 //                      [--search tc|fp32|both] [--layers 32] [--reps N] [--out FILE] [--smoke]
+//                      [--mag-range 0.5,3] [--dup-fraction 0.2]
 // (bare integers are read as batches, the old usage). --smoke runs one tiny configuration.
 #include <cuda_runtime_api.h>
 
@@ -510,6 +511,14 @@ int parse_int(const std::string& s, const char* what) {
   return static_cast<int>(v);
 }
 
+float parse_float(const std::string& s, const char* what) {
+  char* end = nullptr;
+  const float v = std::strtof(s.c_str(), &end);
+  KVSIFT_CHECK(!s.empty() && end != nullptr && *end == '\0' && std::isfinite(v) && v >= 0.0f,
+               "gpu_bench_rkv: ", what, " must be a non-negative number, got '", s, "'");
+  return v;
+}
+
 std::vector<int> parse_ints(const std::string& s, const char* what) {
   std::vector<int> out;
   for (const std::string& x : split(s)) out.push_back(parse_int(x, what));
@@ -520,7 +529,8 @@ std::vector<int> parse_ints(const std::string& s, const char* what) {
 const char* kUsage =
     "usage: gpu_bench_rkv [--batches 1,8,32,64,128] [--budgets 1024,2048,4096]\n"
     "                     [--keys random,structured] [--search tc|fp32|both] [--layers 32]\n"
-    "                     [--buffer 128] [--reps N] [--seed N] [--out FILE] [--smoke]\n";
+    "                     [--buffer 128] [--reps N] [--seed N] [--out FILE] [--smoke]\n"
+    "                     [--mag-range 0.5,3] [--dup-fraction 0.2]  (structured keys)\n";
 
 Options parse_options(int argc, char** argv) {
   Options o;
@@ -552,6 +562,18 @@ Options parse_options(int argc, char** argv) {
       o.tensor_core = s == "tc"     ? std::vector<bool>{true}
                       : s == "fp32" ? std::vector<bool>{false}
                                     : std::vector<bool>{true, false};
+    } else if (a == "--mag-range") {
+      const std::vector<std::string> r = split(value());
+      KVSIFT_CHECK(r.size() == 2, "gpu_bench_rkv: --mag-range takes MIN,MAX");
+      o.structured.mag_min = parse_float(r[0], "--mag-range MIN");
+      o.structured.mag_max = parse_float(r[1], "--mag-range MAX");
+      KVSIFT_CHECK(o.structured.mag_min <= o.structured.mag_max, "gpu_bench_rkv: --mag-range MIN (",
+                   o.structured.mag_min, ") exceeds MAX (", o.structured.mag_max, ")");
+    } else if (a == "--dup-fraction") {
+      o.structured.dup_fraction = parse_float(value(), "--dup-fraction");
+      KVSIFT_CHECK(o.structured.dup_fraction < 1.0f,
+                   "gpu_bench_rkv: --dup-fraction must be below 1, got ",
+                   o.structured.dup_fraction);
     } else if (a == "--layers") {
       o.layers = parse_int(value(), "--layers");
       KVSIFT_CHECK(o.layers <= 128, "gpu_bench_rkv: --layers must be <= 128, got ", o.layers);

@@ -4,6 +4,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -18,26 +19,30 @@ constexpr int kThreads = 256;
 constexpr int kMaxBlocks = 8192;
 
 // splitmix64's finaliser: a bijection of 64-bit words with good avalanche.
-__device__ __forceinline__ std::uint64_t mix64(std::uint64_t x) {
+__host__ __device__ __forceinline__ std::uint64_t mix64(std::uint64_t x) {
   x += 0x9e3779b97f4a7c15ull;
   x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
   x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
   return x ^ (x >> 31);
 }
 // One independent stream per (seed, tag), indexed by `idx`.
-__device__ __forceinline__ std::uint64_t draw(std::uint64_t seed, std::uint64_t tag,
-                                              std::uint64_t idx) {
+__host__ __device__ __forceinline__ std::uint64_t draw(std::uint64_t seed, std::uint64_t tag,
+                                                       std::uint64_t idx) {
   return mix64(mix64(seed ^ (tag << 56)) ^ idx);
 }
 // Uniform in [0, 1) from the top 24 bits.
-__device__ __forceinline__ float uniform01(std::uint64_t h) {
+__host__ __device__ __forceinline__ float uniform01(std::uint64_t h) {
   return static_cast<float>(h >> 40) * (1.0f / 16777216.0f);
 }
 // N(0, 1) by Box-Muller from two 24-bit halves (u1 in (0, 1], so the log is finite).
-__device__ __forceinline__ float normal01(std::uint64_t h) {
+__host__ __device__ __forceinline__ float normal01(std::uint64_t h) {
   const float u1 = (static_cast<float>(h >> 40) + 1.0f) * (1.0f / 16777216.0f);
   const float u2 = static_cast<float>(h & 0xffffffull) * (1.0f / 16777216.0f);
+#ifdef __CUDA_ARCH__
   return sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2);
+#else  // host copy (checks of the generator's statistics): the same values up to rounding
+  return std::sqrt(-2.0f * std::log(u1)) * std::cos(6.28318530718f * u2);
+#endif
 }
 
 __global__ void fill_normal_kernel(__nv_bfloat16* dst, std::size_t n, std::uint64_t seed) {
@@ -62,15 +67,37 @@ struct Slab {
   std::int64_t slab, seq, dim;
   float a;
 };
-__device__ __forceinline__ bool is_duplicate(const Slab& s, std::int64_t i, float fraction) {
+__host__ __device__ __forceinline__ bool is_duplicate(const Slab& s, std::int64_t i,
+                                                      float fraction) {
   return i > 0 && uniform01(draw(s.seed, kTagDup, static_cast<std::uint64_t>(s.slab * s.seq + i))) <
                       fraction;
 }
-__device__ __forceinline__ float base_value(const Slab& s, std::int64_t i, std::int64_t d) {
+__host__ __device__ __forceinline__ float base_value(const Slab& s, std::int64_t i,
+                                                     std::int64_t d) {
   const float g = normal01(draw(s.seed, kTagDir, static_cast<std::uint64_t>(s.slab * s.dim + d)));
   const float n = normal01(
       draw(s.seed, kTagNoise, static_cast<std::uint64_t>((s.slab * s.seq + i) * s.dim + d)));
   return s.a * g + n;
+}
+
+// Element e of a contiguous [slabs, seq, dim] structured-key cache (StructuredKeys).
+__host__ __device__ __forceinline__ float structured_value(const StructuredKeys& p,
+                                                           std::uint64_t seed, std::int64_t seq,
+                                                           std::int64_t dim, std::size_t e) {
+  const auto d = static_cast<std::int64_t>(e % static_cast<std::size_t>(dim));
+  const auto row = static_cast<std::int64_t>(e / static_cast<std::size_t>(dim));
+  const std::int64_t i = row % seq;
+  Slab s{seed, row / seq, seq, dim, 0.0f};
+  s.a = p.mag_min + (p.mag_max - p.mag_min) *
+                        uniform01(draw(seed, kTagMag, static_cast<std::uint64_t>(s.slab)));
+  if (!is_duplicate(s, i, p.dup_fraction)) return base_value(s, i, d);
+  // An earlier row, stepped back to a non-duplicate (row 0 never is one, so this ends).
+  std::int64_t j = static_cast<std::int64_t>(
+      uniform01(draw(seed, kTagSrc, static_cast<std::uint64_t>(s.slab * seq + i))) *
+      static_cast<float>(i));
+  j = j < 0 ? 0 : (j > i - 1 ? i - 1 : j);  // float rounding could reach i
+  while (j > 0 && is_duplicate(s, j, p.dup_fraction)) --j;
+  return base_value(s, j, d) + p.dup_noise * normal01(draw(seed, kTagJit, e));
 }
 
 __global__ void fill_structured_kernel(__nv_bfloat16* keys, std::int64_t n_slabs, std::int64_t seq,
@@ -78,27 +105,8 @@ __global__ void fill_structured_kernel(__nv_bfloat16* keys, std::int64_t n_slabs
   const std::size_t n = static_cast<std::size_t>(n_slabs * seq * dim);
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
   for (std::size_t e = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
-       e += stride) {
-    const auto d = static_cast<std::int64_t>(e % static_cast<std::size_t>(dim));
-    const auto row = static_cast<std::int64_t>(e / static_cast<std::size_t>(dim));
-    const std::int64_t i = row % seq;
-    Slab s{seed, row / seq, seq, dim, 0.0f};
-    s.a = p.mag_min + (p.mag_max - p.mag_min) *
-                          uniform01(draw(seed, kTagMag, static_cast<std::uint64_t>(s.slab)));
-    float v;
-    if (is_duplicate(s, i, p.dup_fraction)) {
-      // An earlier row, stepped back to a non-duplicate (row 0 never is one, so this ends).
-      std::int64_t j = static_cast<std::int64_t>(
-          uniform01(draw(seed, kTagSrc, static_cast<std::uint64_t>(s.slab * seq + i))) *
-          static_cast<float>(i));
-      j = min(max(j, std::int64_t{0}), i - 1);
-      while (j > 0 && is_duplicate(s, j, p.dup_fraction)) --j;
-      v = base_value(s, j, d) + p.dup_noise * normal01(draw(seed, kTagJit, e));
-    } else {
-      v = base_value(s, i, d);
-    }
-    keys[e] = __float2bfloat16_rn(v);
-  }
+       e += stride)
+    keys[e] = __float2bfloat16_rn(structured_value(p, seed, seq, dim, e));
 }
 
 int grid_for(std::size_t n) {
