@@ -109,6 +109,18 @@ __global__ void fill_structured_kernel(__nv_bfloat16* keys, std::int64_t n_slabs
     keys[e] = __float2bfloat16_rn(structured_value(p, seed, seq, dim, e));
 }
 
+__global__ void read_flush_kernel(const uint4* __restrict__ buf, std::size_t n,
+                                  std::uint32_t* sink) {
+  std::uint32_t x = 0;
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t e = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
+       e += stride) {
+    const uint4 v = buf[e];
+    x ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (x == 0x9e3779b9u && threadIdx.x == 0x3ffu) *sink = x;  // never: threadIdx.x < 256
+}
+
 int grid_for(std::size_t n) {
   return static_cast<int>(std::clamp<std::size_t>((n + kThreads - 1) / kThreads, 1, kMaxBlocks));
 }
@@ -160,6 +172,14 @@ void fill_structured_keys_bf16(void* keys, std::int64_t batch, std::int64_t kv_h
   const std::size_t n = static_cast<std::size_t>(batch * kv_heads * seq * head_dim);
   fill_structured_kernel<<<grid_for(n), kThreads, 0, stream>>>(
       static_cast<__nv_bfloat16*>(keys), batch * kv_heads, seq, head_dim, params, seed);
+  KVSIFT_CUDA_CHECK(cudaGetLastError());
+}
+
+void read_flush(const void* buf, std::size_t bytes, std::uint32_t* sink, cudaStream_t stream) {
+  KVSIFT_CHECK(bytes % 16 == 0, "read_flush: bytes (", bytes, ") must be a multiple of 16");
+  const std::size_t n = bytes / 16;
+  if (n == 0) return;
+  read_flush_kernel<<<grid_for(n), kThreads, 0, stream>>>(static_cast<const uint4*>(buf), n, sink);
   KVSIFT_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -38,6 +38,12 @@ void fill_structured_keys_bf16(void* keys, std::int64_t batch, std::int64_t kv_h
                                const StructuredKeys& params, std::uint64_t seed,
                                cudaStream_t stream);
 
+// Reads `bytes` (a multiple of 16) of `buf` once, so that the L2 cache holds clean lines of `buf`
+// and nothing of what ran before: the "cold cache" between repetitions. Reading, not writing,
+// keeps the timed work that follows free of dirty-line write-backs. `sink` (device, one
+// uint32) receives a value only in the impossible case that keeps the reads alive.
+void read_flush(const void* buf, std::size_t bytes, std::uint32_t* sink, cudaStream_t stream);
+
 // Throughput in FLOP/s of bf16 mma.sync.m16n8k16 with fp32 accumulation (the instruction of the
 // tensor-core redundancy search), operands in registers: every SM busy with independent
 // accumulator chains, median of `reps` timed launches after `warmup`. An upper bound of what any
