@@ -168,7 +168,8 @@ def format_table(rows, layers=32):
         torch_ms = r.get("torch_ms")
         step_layer = r["step_ms"] / layers if r.get("step_ms") is not None else None
         lines.append(
-            "| %s | %d | %d | %d | %.3f | %.3f | %s | %s | %.4f | %.2fx | %s | %.4f | %.2fx | %s | %s |"
+            "| %s | %d | %d | %d | %.3f | %.3f | %s | %s | %.4f | %.2fx | %s | %.4f | %.2fx | %s "
+            "| %s |"
             % (r.get("keys", "random"), r["batch"], r["budget"], r["seq"], r["kv_ms"], r["sel_ms"],
                _cell(r.get("step_ms"), "%.3f"), _cell(r.get("calls_ms"), "%.3f"), r["floor_ms"],
                r["kv_ms"] / r["floor_ms"],
