@@ -10,17 +10,35 @@ kvsift_compact, once per layer.
 
 Shapes are R1-Llama-8B attention: 32 query / 8 KV heads, head_dim 128, bf16. A step runs at the
 decode trigger, S = budget + buffer tokens (§1.3), with the W = 8 observation-window queries.
+Grid: --batches x --budgets x --keys (defaults 1, 8, 32, 64 x 1024, 2048 x random, structured; the
+issue's full grid adds batch 128 and budget 4096, see the usage lines below):
+  random      i.i.d. N(0, 1): no near-duplicates, kvsift's redundancy search never exits early
+              (its worst case);
+  structured  per (sequence, KV head) a shared direction a*g, g ~ N(0, I), a ~ U[0.5, 3], plus
+              N(0, 1) noise per element, and 20 % planted near-duplicates (an earlier
+              non-duplicate row + 0.1 * N(0, 1), cosine > 0.99), as real keys have (no RoPE): the
+              same parameters as bench/gpu_bench_rkv's generator (bench/gpu_rkv_inputs.hpp);
+  clustered   (older) every key + 2 * one direction per KV head.
 
-Timing: torch.cuda.Event pairs, median of --reps after --warmup, every rep on the next input set of
-a pool large enough to dwarf the L2 cache (so no rep finds its inputs cached). The HBM floor of a
-layer reads K, V and the window queries once and writes the kept K, V once, at the device-to-device
-copy bandwidth measured in the same run.
+Timing: torch.cuda.Event pairs, median of --reps (default: 20, 10 or 5 by input size) after
+--warmup, every rep on the next input set of a pool large enough to dwarf the L2 cache (so no rep
+finds its inputs cached). Floors, measured in the same run:
+  HBM floor per layer = 2 B x (B*Hkv*S*D keys read + B*Hq*W*D queries read + B*Hkv*budget*D kept
+    values read + 2*B*Hkv*budget*D kept keys and values written) / device-to-device copy
+    bandwidth (the same floor as gpu_bench_rkv);
+  compute floor per layer = B*Hkv * S(S-1)/2 * D * 2 FLOP (the symmetric near-duplicate search
+    without early exit) / the bf16 torch.matmul peak (8192^3, cuBLAS).
+The PyTorch formulation needs ~16 B*Hkv*S^2 bytes (its S x S matrices); configurations where that
+does not fit in free device memory report it as n/a.
 
 Before timing, a small case and one full-size case check that both sides keep the same token sets
 (differences allowed only for near-ties at the cut) and that kvsift's in-place compaction equals a
-gather of the kept rows.
+gather of the kept rows: random and clustered keys decide, structured keys are reported (cosines
+near the threshold can move a row's last match between two fp32 orderings; see PARITY_DECISIVE).
 
   python3 bench/torch_rkv.py --lib build/src/c_api/libkvsift_c.so --out $OUT/rkv_bench.md
+  python3 bench/torch_rkv.py --lib ... --batches 1,64 --budgets 1024 --keys structured  # minutes
+  python3 bench/torch_rkv.py --lib ... --batches 1,8,32,64,128 --budgets 1024,2048,4096  # full
   python3 bench/torch_rkv.py --self-test [--lib ...]   # pure-logic checks, no torch or GPU needed
 """
 
@@ -41,6 +59,12 @@ Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 BF16_BYTES = 2
 POOL_TARGET_BYTES = 512 << 20  # input pool per config: ~10x an H200's L2 cache
 POOL_MIN, POOL_MAX = 4, 32
+# The structured keys (same parameters as bench/gpu_rkv_inputs.hpp's StructuredKeys).
+STRUCTURED_MAG = (0.5, 3.0)  # a ~ U[lo, hi] per (sequence, KV head)
+STRUCTURED_DUP_FRACTION = 0.2
+STRUCTURED_DUP_NOISE = 0.1
+KEY_KINDS = ("random", "structured", "clustered")
+MATMUL_PEAK_N = 8192
 
 
 # ---------------------------------------------------------------------------------------------
@@ -60,12 +84,35 @@ def rkv_config(budget, window, buffer, mix_lambda, threshold):
 # Pure helpers (no torch)
 # ---------------------------------------------------------------------------------------------
 def layer_floor_bytes(batch, budget, buffer, window):
-    """HBM bytes one layer must move at least: read K, V and Q once, write the kept K, V once."""
+    """HBM bytes one layer must move at least (gpu_bench_rkv's floor): every key read once (the
+    search needs them all), the window queries read, the kept value rows read, the kept key and
+    value rows written (every kept row counted as moved: evictions are spread through the
+    sequence, so nearly all kept rows change place; kept keys were already read for the search)."""
     seq = budget + buffer
-    read_kv = 2 * batch * KV_HEADS * seq * HEAD_DIM * BF16_BYTES
+    read_k = batch * KV_HEADS * seq * HEAD_DIM * BF16_BYTES
     read_q = batch * Q_HEADS * window * HEAD_DIM * BF16_BYTES
+    read_v_kept = batch * KV_HEADS * budget * HEAD_DIM * BF16_BYTES
     write_kv = 2 * batch * KV_HEADS * budget * HEAD_DIM * BF16_BYTES
-    return read_kv + read_q + write_kv
+    return read_k + read_q + read_v_kept + write_kv
+
+
+def layer_search_flop(batch, seq):
+    """Worst-case FLOPs of one layer's symmetric near-duplicate search (no early exit): each pair
+    i < j once, S(S-1)/2 dot products of D multiply-adds per (sequence, KV head)."""
+    return batch * KV_HEADS * (seq * (seq - 1) // 2) * HEAD_DIM * 2
+
+
+def torch_formulation_bytes(batch, seq):
+    """Rough peak device memory of rkv_scores_torch: its S x S fp32 cosines, the int32 match
+    indices, the comparison mask and a temporary (~16 bytes per entry), plus fp32 key copies."""
+    return 16 * batch * KV_HEADS * seq * seq + 16 * batch * KV_HEADS * seq * HEAD_DIM
+
+
+def reps_for(set_bytes, requested):
+    """--reps when given, else fewer repetitions for larger inputs (the full grid stays short)."""
+    if requested:
+        return requested
+    return 20 if set_bytes <= (256 << 20) else 10 if set_bytes <= (2 << 30) else 5
 
 
 def input_set_bytes(batch, seq, window):
@@ -106,20 +153,30 @@ def compare_kept_sets(kv_rows, ref_rows, ref_scores, n_keep, rel_tol):
     return out
 
 
+def _cell(x, fmt):
+    return fmt % x if x is not None else "n/a"
+
+
 def format_table(rows, layers=32):
-    """Markdown table of the measured rows (dicts), one line per (batch, budget)."""
-    head = ("| batch | budget | S | kvsift ms/layer | kvsift score+select ms"
-            " | kvsift ms/%d-layer step (calls) | step as CUDA graph ms | HBM floor ms/layer"
-            " | ratio to floor | PyTorch ms/layer | speedup |" % layers)
-    lines = [head, "|" + "---|" * 11]
+    """Markdown table of the measured rows (dicts), one line per (keys, batch, budget)."""
+    head = ("| keys | batch | budget | S | kvsift ms/layer | kvsift score+select ms"
+            " | kvsift %d-layer step ms (1 call) | %d per-layer calls ms | HBM floor ms/layer"
+            " | layer ÷ HBM floor | step ÷ HBM floor | compute floor ms/layer"
+            " | layer ÷ compute floor | PyTorch ms/layer | PyTorch ÷ kvsift |" % (layers, layers))
+    lines = [head, "|" + "---|" * 15]
     for r in rows:
-        graph = r.get("graph_ms")
-        lines.append("| %d | %d | %d | %.3f | %.3f | %.3f (%s) | %s | %.4f | %.1fx | %s | %s |" % (
-            r["batch"], r["budget"], r["seq"], r["kv_ms"], r["sel_ms"], r["step_ms"],
-            r.get("step_mode", "%d calls" % layers), "%.3f" % graph if graph is not None else "n/a",
-            r["floor_ms"], r["kv_ms"] / r["floor_ms"],
-            "%.3f" % r["torch_ms"] if r.get("torch_ms") is not None else "n/a",
-            "%.1fx" % (r["torch_ms"] / r["kv_ms"]) if r.get("torch_ms") is not None else "n/a"))
+        torch_ms = r.get("torch_ms")
+        step_layer = r["step_ms"] / layers if r.get("step_ms") is not None else None
+        lines.append(
+            "| %s | %d | %d | %d | %.3f | %.3f | %s | %s | %.4f | %.2fx | %s | %.4f | %.2fx | %s "
+            "| %s |"
+            % (r.get("keys", "random"), r["batch"], r["budget"], r["seq"], r["kv_ms"], r["sel_ms"],
+               _cell(r.get("step_ms"), "%.3f"), _cell(r.get("calls_ms"), "%.3f"), r["floor_ms"],
+               r["kv_ms"] / r["floor_ms"],
+               _cell(step_layer / r["floor_ms"] if step_layer is not None else None, "%.2fx"),
+               r["compute_ms"], r["kv_ms"] / r["compute_ms"],
+               "%.3f" % torch_ms if torch_ms is not None else r.get("torch_note", "n/a"),
+               "%.1fx" % (torch_ms / r["kv_ms"]) if torch_ms is not None else "n/a"))
     return "\n".join(lines)
 
 
@@ -127,21 +184,26 @@ def target_lines(rows, layers):
     """The issue's targets, checked against the measured rows."""
     out = []
     for r in rows:
+        keys = r.get("keys", "random")
         if r["batch"] == 64 and r["budget"] == 1024:
+            limit = 2.0 if keys == "structured" else 3.0
             ratio = r["kv_ms"] / r["floor_ms"]
-            out.append("- batch 64 / budget 1024: %.2fx the HBM floor (target <= 2x): %s" % (
-                ratio, "PASS" if ratio <= 2.0 else "FAIL"))
+            out.append("- batch 64 / budget 1024, %s keys: %.2fx the HBM floor per layer "
+                       "(target <= %.0fx): %s" % (keys, ratio, limit,
+                                                  "PASS" if ratio <= limit else "FAIL"))
+            if r.get("step_ms") is not None:
+                sr = r["step_ms"] / layers / r["floor_ms"]
+                out.append("- batch 64 / budget 1024, %s keys: %d-layer step %.2fx the HBM floor "
+                           "(target <= %.0fx): %s" % (keys, layers, sr, limit,
+                                                      "PASS" if sr <= limit else "FAIL"))
             if r.get("torch_ms") is not None:
                 sp = r["torch_ms"] / r["kv_ms"]
-                out.append("- batch 64 / budget 1024: %.1fx faster than PyTorch (target >= 40x): %s"
-                           % (sp, "PASS" if sp >= 40.0 else "FAIL"))
-        if r["batch"] == 1:
-            out.append("- batch 1 / budget %d: %d-layer step %.3f ms (target < 1 ms): %s" % (
-                r["budget"], layers, r["step_ms"], "PASS" if r["step_ms"] < 1.0 else "FAIL"))
-            if r.get("graph_ms") is not None:
-                out.append("- batch 1 / budget %d: %d-layer step replayed as a CUDA graph %.3f ms "
-                           "(target < 1 ms): %s" % (r["budget"], layers, r["graph_ms"],
-                                                    "PASS" if r["graph_ms"] < 1.0 else "FAIL"))
+                out.append("- batch 64 / budget 1024, %s keys: %.1fx faster than PyTorch "
+                           "(target >= 40x): %s" % (keys, sp, "PASS" if sp >= 40.0 else "FAIL"))
+        if r["batch"] == 1 and r.get("step_ms") is not None:
+            out.append("- batch 1 / budget %d, %s keys: %d-layer step %.3f ms (target < 0.3 ms): %s"
+                       % (r["budget"], keys, layers, r["step_ms"],
+                          "PASS" if r["step_ms"] < 0.3 else "FAIL"))
     return out
 
 
@@ -149,30 +211,43 @@ def parse_int_list(text):
     return [int(x) for x in text.replace(",", " ").split()]
 
 
+def parse_keys(text):
+    kinds = [x for x in text.replace(",", " ").split()]
+    bad = [x for x in kinds if x not in KEY_KINDS]
+    if bad or not kinds:
+        raise argparse.ArgumentTypeError("--keys takes %s, got %r" % (", ".join(KEY_KINDS), text))
+    return kinds
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--lib", help="path to libkvsift_c.so (the C API, built with CUDA)")
     p.add_argument("--out", help="write the markdown table here")
+    # Defaults: the grid scripts/gpu_check.sh can afford (240 s); the issue's full grid is
+    # --batches 1,8,32,64,128 --budgets 1024,2048,4096.
     p.add_argument("--batches", type=parse_int_list, default=[1, 8, 32, 64])
     p.add_argument("--budgets", type=parse_int_list, default=[1024, 2048])
-    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--reps", type=int, default=0,
+                   help="timed repetitions (default: 20, 10 or 5 by input size)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--buffer", type=int, default=128)
     p.add_argument("--window", type=int, default=8)
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--mix-lambda", type=float, default=0.1)
     p.add_argument("--threshold", type=float, default=0.5)
-    p.add_argument("--keys", choices=["random", "clustered"], default="random",
-                   help="random: no near-duplicates, kvsift's redundancy search scans every row to "
-                        "the end (its worst case); clustered: every key has near-duplicates")
+    p.add_argument("--keys", type=parse_keys, default=["random", "structured"],
+                   help="comma-separated: random (no near-duplicates: kvsift's redundancy search "
+                        "scans every row to the end, its worst case), structured (a shared "
+                        "direction per head plus 20%% planted near-duplicates, as real keys), "
+                        "clustered (every key has near-duplicates)")
     p.add_argument("--skip-torch", action="store_true", help="time kvsift only")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--self-test", action="store_true", help="pure-logic checks, no GPU")
     a = p.parse_args(argv)
     if not a.self_test and not a.lib:
         p.error("--lib is required")
-    if a.reps < 20:
-        p.error("--reps must be >= 20 (got %d)" % a.reps)
+    if a.reps and a.reps < 3:
+        p.error("--reps must be >= 3 (got %d)" % a.reps)
     if a.buffer < a.window:
         p.error("--buffer (%d) must be >= --window (%d), docs/algorithms.md §1.3"
                 % (a.buffer, a.window))
@@ -237,11 +312,47 @@ def rkv_step_torch(k, v, q, budget, window, mix_lambda, threshold):
 # ---------------------------------------------------------------------------------------------
 # GPU benchmark
 # ---------------------------------------------------------------------------------------------
-def make_inputs(batch, seq, window, keys, gen):
-    """(k, v, q) bf16 on the GPU; clustered keys share one random direction per KV head."""
+def duplicate_sources(dup, u):
+    """Source row of every row (int64, dup's shape [..., S]): a non-duplicate row is its own source;
+    a duplicate i takes row floor(u_i * i), stepped back to the nearest non-duplicate at or before
+    it (row 0 is never a duplicate, so one always exists). dup: bool, u: uniforms in [0, 1)."""
     import torch
 
-    k = torch.randn(batch, KV_HEADS, seq, HEAD_DIM, device="cuda", generator=gen)
+    s = dup.shape[-1]
+    idx = torch.arange(s, device=dup.device)
+    dup = dup & (idx > 0)
+    j = torch.minimum((u * idx).long(), (idx - 1).clamp(min=0))
+    last_nondup = torch.cummax(idx.expand_as(dup).masked_fill(dup, -1), dim=-1).values
+    return torch.where(dup, last_nondup.gather(-1, j), idx.expand_as(dup))
+
+
+def structured_keys(batch, seq, gen, device="cuda"):
+    """Keys [batch, Hkv, seq, D] fp32 (module docstring: a*g + N(0, 1) with planted
+    near-duplicates), the distribution of gpu_bench_rkv's structured keys."""
+    import torch
+
+    shape = (batch, KV_HEADS, seq, HEAD_DIM)
+    lo, hi = STRUCTURED_MAG
+    a = lo + (hi - lo) * torch.rand(batch, KV_HEADS, 1, 1, device=device, generator=gen)
+    g = torch.randn(batch, KV_HEADS, 1, HEAD_DIM, device=device, generator=gen)
+    base = torch.randn(shape, device=device, generator=gen).add_(a * g)
+    dup = torch.rand(batch, KV_HEADS, seq, device=device, generator=gen) < STRUCTURED_DUP_FRACTION
+    src = duplicate_sources(dup, torch.rand(batch, KV_HEADS, seq, device=device, generator=gen))
+    k = base.gather(2, src.unsqueeze(-1).expand(shape))
+    del base
+    moved = (src != torch.arange(seq, device=device)).unsqueeze(-1)
+    k.add_(torch.randn(shape, device=device, generator=gen).mul_(STRUCTURED_DUP_NOISE * moved))
+    return k
+
+
+def make_inputs(batch, seq, window, keys, gen):
+    """(k, v, q) bf16 on the GPU; keys random, structured or clustered (module docstring)."""
+    import torch
+
+    if keys == "structured":
+        k = structured_keys(batch, seq, gen)
+    else:
+        k = torch.randn(batch, KV_HEADS, seq, HEAD_DIM, device="cuda", generator=gen)
     if keys == "clustered":
         k += 2.0 * torch.randn(1, KV_HEADS, 1, HEAD_DIM, device="cuda", generator=gen)
     v = torch.randn(batch, KV_HEADS, seq, HEAD_DIM, device="cuda", generator=gen)
@@ -267,6 +378,17 @@ def copy_bandwidth(reps, warmup):
             times.append(e0.elapsed_time(e1))
     del src, dst
     return 2.0 * n / (statistics.median(times) * 1e-3)
+
+
+def matmul_peak(reps, warmup, n=MATMUL_PEAK_N):
+    """bf16 torch.matmul (cuBLAS) throughput in FLOP/s on n x n x n, the compute floor's peak."""
+    import torch
+
+    a = torch.randn(n, n, device="cuda").bfloat16()
+    b = torch.randn(n, n, device="cuda").bfloat16()
+    c = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = event_times(lambda r: torch.matmul(a, b, out=c), reps, warmup)
+    return 2.0 * n ** 3 / (ms * 1e-3)
 
 
 class KvsiftRunner:
@@ -357,13 +479,21 @@ def _capi_module():
     return _capi
 
 
+# Key kinds whose parity decides the verdict. Structured keys are checked and reported too, but
+# some of their heads have cosines centred near the 0.5 threshold, where a row's last match can
+# legitimately differ between two fp32 orderings of the same dot product (torch's matmul vs
+# kvsift's fma chain), which moves one spared cosine and so a few scores by ~0.5/S: reported,
+# not failed.
+PARITY_DECISIVE = ("random", "clustered")
+
+
 def check_parity(lib, batch, budget, args, gen):
     """Same kept sets as the PyTorch formulation (up to near-cut ties) and an exact compaction."""
     import torch
 
     seq = budget + args.buffer
     ok = True
-    for keys in ("random", "clustered"):
+    for keys in ("random", "clustered", "structured"):
         k, v, q = make_inputs(batch, seq, args.window, keys, gen)
         k0, v0 = k.clone(), v.clone()
         _, _, keep, scores = rkv_step_torch(k0, v0, q, budget, args.window, args.mix_lambda,
@@ -382,12 +512,14 @@ def check_parity(lib, batch, budget, args, gen):
         cmp = compare_kept_sets(rows(slots), rows(keep), rows(scores),
                                 budget - args.window, rel_tol=1e-4)
         print("parity batch %d budget %d S %d %s keys: %d rows, %d differ (%d tokens, near-cut "
-              "ties), %d hard mismatches; compaction %s" % (
+              "ties), %d hard mismatches; compaction %s%s" % (
                   batch, budget, seq, keys, cmp["rows"], cmp["rows_differing"],
-                  cmp["tokens_differing"], len(cmp["hard"]), "exact" if compact_ok else "WRONG"))
+                  cmp["tokens_differing"], len(cmp["hard"]), "exact" if compact_ok else "WRONG",
+                  "" if keys in PARITY_DECISIVE else " (reported, not decisive)"))
         for row, why in cmp["hard"][:10]:
             print("  row %d: %s" % (row, why))
-        ok = ok and compact_ok and not cmp["hard"]
+        # The compaction must be exact for every kind; kept sets decide for PARITY_DECISIVE only.
+        ok = ok and compact_ok and (not cmp["hard"] or keys not in PARITY_DECISIVE)
     return ok
 
 
@@ -407,57 +539,82 @@ def event_times(fn, reps, warmup):
     return statistics.median(times)
 
 
-def bench_config(lib, batch, budget, args, bandwidth, gen):
+def is_out_of_memory(err):
+    return "out of memory" in str(err).lower()
+
+
+def bench_config(lib, batch, budget, keys, args, bandwidth, peak, gen):
     import torch
 
     seq = budget + args.buffer
-    n_sets = pool_size(input_set_bytes(batch, seq, args.window))
-    pool = [make_inputs(batch, seq, args.window, args.keys, gen) for _ in range(n_sets)]
+    set_bytes = input_set_bytes(batch, seq, args.window)
+    reps = reps_for(set_bytes, args.reps)
+    n_sets = pool_size(set_bytes)
+    pool = [make_inputs(batch, seq, args.window, keys, gen) for _ in range(n_sets)]
     runner = KvsiftRunner(lib, batch, seq, budget, args.window, args.buffer, args.mix_lambda,
                           args.threshold)
     torch.cuda.synchronize()
 
-    kv_ms = event_times(lambda r: runner.step(*pool[r % n_sets]), args.reps, args.warmup)
-    sel_ms = event_times(lambda r: runner.select(*pool[r % n_sets]), args.reps, args.warmup)
+    kv_ms = event_times(lambda r: runner.step(*pool[r % n_sets]), reps, args.warmup)
+    sel_ms = event_times(lambda r: runner.select(*pool[r % n_sets]), reps, args.warmup)
 
     def layer_calls(r):  # one decode step's compression of every layer, one call per layer
         for layer in range(args.layers):
             runner.step(*pool[(r * args.layers + layer) % n_sets])
 
-    calls_ms = event_times(layer_calls, args.reps, args.warmup)
+    calls_ms = event_times(layer_calls, max(3, reps // 2), 1)
     # The one-call step needs every layer's own buffers (it compacts them all at once).
     del pool
     torch.cuda.empty_cache()
-    layer_inputs = [make_inputs(batch, seq, args.window, args.keys, gen)
-                    for _ in range(args.layers)]
-    stepper = KvsiftStepRunner(lib, layer_inputs, budget, args.window, args.buffer,
-                               args.mix_lambda, args.threshold)
-    step_ms = event_times(lambda r: stepper.step(), args.reps, args.warmup)
-    del stepper, layer_inputs
-    torch.cuda.empty_cache()
-    pool = [make_inputs(batch, seq, args.window, args.keys, gen) for _ in range(n_sets)]
-    # The step waits for the stream once (the kept lengths), so it cannot be captured as a CUDA
-    # graph through this API: the graph column stays n/a.
-    graph_ms = None
-    torch_ms = None
-    if not args.skip_torch:
-        def torch_layer(r):
-            k, v, q = pool[r % n_sets]
-            rkv_step_torch(k, v, q, budget, args.window, args.mix_lambda, args.threshold)
+    step_ms, stepper, layer_inputs = None, None, None
+    try:
+        layer_inputs = [make_inputs(batch, seq, args.window, keys, gen)
+                        for _ in range(args.layers)]
+        stepper = KvsiftStepRunner(lib, layer_inputs, budget, args.window, args.buffer,
+                                   args.mix_lambda, args.threshold)
+        step_ms = event_times(lambda r: stepper.step(), max(3, reps // 2), 1)
+    except RuntimeError as err:  # torch's out-of-memory error is a RuntimeError
+        if not is_out_of_memory(err):
+            raise
+        print("  %d-layer step: out of memory, skipped" % args.layers)
+    finally:
+        stepper, layer_inputs = None, None
+        torch.cuda.empty_cache()
+    torch_ms, torch_note = None, "n/a"
+    if args.skip_torch:
+        torch_note = "skipped"
+    else:
+        pool = [make_inputs(batch, seq, args.window, keys, gen) for _ in range(n_sets)]
+        free, _ = torch.cuda.mem_get_info()
+        if torch_formulation_bytes(batch, seq) > 0.9 * free:
+            torch_note = "n/a (memory)"
+        else:
+            def torch_layer(r):
+                k, v, q = pool[r % n_sets]
+                rkv_step_torch(k, v, q, budget, args.window, args.mix_lambda, args.threshold)
 
-        torch_ms = event_times(torch_layer, args.reps, args.warmup)
-    del pool, runner
+            try:
+                torch_ms = event_times(torch_layer, reps, args.warmup)
+            except RuntimeError as err:
+                if not is_out_of_memory(err):
+                    raise
+                torch_note = "n/a (memory)"
+        pool = None
+    runner = None
     torch.cuda.empty_cache()
     floor_ms = layer_floor_bytes(batch, budget, args.buffer, args.window) / bandwidth * 1e3
-    row = dict(batch=batch, budget=budget, seq=seq, kv_ms=kv_ms, sel_ms=sel_ms, step_ms=step_ms,
-               floor_ms=floor_ms, torch_ms=torch_ms, pool=n_sets, graph_ms=graph_ms,
-               step_mode="1 call; %d per-layer calls %.3f" % (args.layers, calls_ms))
-    print("batch %3d budget %4d: kvsift %.3f ms/layer (score+select %.3f), %d layers %.3f ms "
-          "(%s; graph replay %s), floor %.4f ms (%.1fx), PyTorch %s, pool %d sets" % (
-              batch, budget, kv_ms, sel_ms, args.layers, step_ms, row["step_mode"],
-              "%.3f ms" % graph_ms if graph_ms is not None else "n/a", floor_ms,
-              kv_ms / floor_ms, "%.3f ms" % torch_ms if torch_ms is not None else "skipped",
-              n_sets), flush=True)
+    compute_ms = layer_search_flop(batch, seq) / peak * 1e3
+    row = dict(keys=keys, batch=batch, budget=budget, seq=seq, kv_ms=kv_ms, sel_ms=sel_ms,
+               step_ms=step_ms, calls_ms=calls_ms, floor_ms=floor_ms, compute_ms=compute_ms,
+               torch_ms=torch_ms, torch_note=torch_note, pool=n_sets, reps=reps)
+    print("%s keys, batch %3d budget %4d: kvsift %.3f ms/layer (score+select %.3f), %d-layer step "
+          "%s ms (%d per-layer calls %.3f ms), HBM floor %.4f ms (%.1fx), compute floor %.4f ms "
+          "(%.1fx), PyTorch %s, pool %d sets, %d reps" % (
+              keys, batch, budget, kv_ms, sel_ms, args.layers,
+              "%.3f" % step_ms if step_ms is not None else "n/a", args.layers, calls_ms, floor_ms,
+              kv_ms / floor_ms, compute_ms, kv_ms / compute_ms,
+              "%.3f ms" % torch_ms if torch_ms is not None else torch_note, n_sets, reps),
+          flush=True)
     return row
 
 
@@ -482,33 +639,54 @@ def main(argv):
 
     # A small case and the smallest benchmark case; both run even when the first fails.
     parity_ok = all([check_parity(lib, 2, 256, args, gen), check_parity(lib, 1, 1024, args, gen)])
-    bandwidth = copy_bandwidth(args.reps, args.warmup)
+    bandwidth = copy_bandwidth(10, args.warmup)
+    peak = matmul_peak(10, args.warmup)
     name = torch.cuda.get_device_name()
     header = [
         "R-KV compression step (score + select + compact) on %s, torch %s" % (name,
                                                                                torch.__version__),
-        "Hq %d / Hkv %d, head_dim %d, bf16, S = budget + %d, window %d, %s keys; median of %d reps "
-        "after %d warm-up, inputs cycled through a pool (>= %d MiB)" % (
-            Q_HEADS, KV_HEADS, HEAD_DIM, args.buffer, args.window, args.keys, args.reps,
-            args.warmup, POOL_TARGET_BYTES >> 20),
-        "device-to-device copy bandwidth %.0f GB/s (read + write); %d-layer step: one "
-        "select + compact per layer back to back" % (bandwidth * 1e-9, args.layers),
+        "Hq %d / Hkv %d, head_dim %d, bf16, S = budget + %d, window %d; median of %s reps after %d "
+        "warm-up, inputs cycled through a pool (>= %d MiB)" % (
+            Q_HEADS, KV_HEADS, HEAD_DIM, args.buffer, args.window,
+            args.reps or "20/10/5 (by input size)", args.warmup, POOL_TARGET_BYTES >> 20),
+        "keys: random = i.i.d. N(0,1); structured = per (sequence, KV head) a*g + N(0,1) per "
+        "element, g ~ N(0, I), a ~ U[%g, %g], %d %% planted near-duplicates (an earlier row + "
+        "%g*N(0,1), cosine > 0.99); clustered = N(0,1) + 2 * one direction per KV head" % (
+            STRUCTURED_MAG[0], STRUCTURED_MAG[1], round(100 * STRUCTURED_DUP_FRACTION),
+            STRUCTURED_DUP_NOISE),
+        "measured in this run: device-to-device copy bandwidth %.0f GB/s (read + write); bf16 "
+        "torch.matmul peak %.0f TFLOP/s (%d^3, cuBLAS)" % (bandwidth * 1e-9, peak * 1e-12,
+                                                           MATMUL_PEAK_N),
+        "HBM floor per layer = 2 B x (B*Hkv*S*D keys read + B*Hq*W*D queries read + "
+        "B*Hkv*budget*D kept values read + 2*B*Hkv*budget*D kept keys and values written) / copy "
+        "bandwidth; compute floor per layer = B*Hkv * S(S-1)/2 * D * 2 FLOP (the symmetric "
+        "near-duplicate search without early exit) / matmul peak",
         "kvsift %s through its C API (libkvsift_c, policy \"rkv\"): ms/layer = "
-        "kvsift_policy_select (score + select, plan downloaded: one stream wait) + kvsift_compact"
-        % lib.version(),
+        "kvsift_policy_select (score + select, plan downloaded: one stream wait) + kvsift_compact; "
+        "%d-layer step = one kvsift_policy_compress_step call; per-layer calls = %d select + "
+        "compact back to back" % (lib.version(), args.layers, args.layers),
         "parity vs PyTorch before timing: %s" % ("PASS" if parity_ok else "FAILED"),
     ]
     print("\n".join(header), flush=True)
-    rows = [bench_config(lib, b, budget, args, bandwidth, gen)
-            for budget in args.budgets for b in args.batches]
+    rows, errors = [], []
+    for keys in args.keys:
+        for budget in args.budgets:
+            for b in args.batches:
+                try:  # one failing configuration must not cost the others (one GPU session)
+                    rows.append(bench_config(lib, b, budget, keys, args, bandwidth, peak, gen))
+                except (RuntimeError, KvsiftError) as err:
+                    errors.append("- %s keys, batch %d, budget %d: error: %s" % (keys, b, budget,
+                                                                                err))
+                    print(errors[-1], flush=True)
+                    torch.cuda.empty_cache()
     text = "\n".join(["# " + header[0], ""] + ["- " + h for h in header[1:]] + [
-        "", format_table(rows, args.layers), ""] + target_lines(rows, args.layers)) + "\n"
+        "", format_table(rows, args.layers), ""] + target_lines(rows, args.layers) + errors) + "\n"
     print()
     print(text)
-    if args.out:
-        with open(args.out, "w") as f:
+    if args.out:  # appended, so several runs collect in one file
+        with open(args.out, "a") as f:
             f.write(text)
-    return 0 if parity_ok else 2
+    return 0 if parity_ok and not errors else 2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -522,11 +700,16 @@ def self_test(lib_path):
         if not cond:
             failures.append(what)
 
-    # Floor: B=1, budget 1024, S 1152, W 8 by hand: K+V read 2*8*1152*128*2, Q 32*8*128*2,
-    # kept K+V 2*8*1024*128*2.
-    expect(layer_floor_bytes(1, 1024, 128, 8) == 4718592 + 65536 + 4194304, "floor bytes B=1")
-    expect(layer_floor_bytes(64, 1024, 128, 8) == 64 * (4718592 + 65536 + 4194304),
-           "floor bytes scale with batch")
+    # Floor: B=1, budget 1024, S 1152, W 8 by hand: K read 8*1152*128*2 = 2359296, Q 32*8*128*2 =
+    # 65536, kept V read 8*1024*128*2 = 2097152, kept K and V written 2*2097152 = 4194304.
+    expect(layer_floor_bytes(1, 1024, 128, 8) == 2359296 + 65536 + 2097152 + 4194304,
+           "floor bytes B=1")
+    expect(layer_floor_bytes(64, 1024, 128, 8) == 64 * 8716288, "floor bytes scale with batch")
+    # Search: 8 heads * 1152*1151/2 pairs * 128 * 2 = 8 * 662976 * 256.
+    expect(layer_search_flop(1, 1152) == 1357774848, "search FLOPs B=1")
+    expect(layer_search_flop(64, 1152) == 64 * 1357774848, "search FLOPs scale with batch")
+    expect(reps_for(100 << 20, 0) == 20 and reps_for(1 << 30, 0) == 10
+           and reps_for(3 << 30, 0) == 5 and reps_for(3 << 30, 7) == 7, "reps by size")
     expect(pool_size(input_set_bytes(1, 1152, 8)) == POOL_MAX, "small sets: pool capped at max")
     expect(pool_size(input_set_bytes(64, 2176, 8)) == POOL_MIN, "large sets: pool at min")
     expect(pool_size(POOL_TARGET_BYTES // 8) == 8 and pool_size(POOL_TARGET_BYTES // 8 - 1) == 9,
@@ -545,23 +728,86 @@ def self_test(lib_path):
     short = compare_kept_sets([[0, 1, 4, -1]], [[0, 1, 4, 5]], scores, 3, 1e-4)
     expect(short["hard"] and "size" in short["hard"][0][1], "short row rejected")
 
-    row = dict(batch=64, budget=1024, seq=1152, kv_ms=0.5, sel_ms=0.3, step_ms=16.0,
-               floor_ms=0.3, torch_ms=30.0)
-    table = format_table([row])
-    expect(table.count("\n") == 2 and "| 64 | 1024 | 1152 | 0.500 |" in table and "60.0x" in table
-           and "16.000 (32 calls) | n/a |" in table, "table row")
-    lines = target_lines([row, dict(row, batch=1, step_ms=0.8, graph_ms=1.2)], 32)
-    expect(any("1.67x the HBM floor" in l and "PASS" in l for l in lines), "floor target")
+    row = dict(keys="structured", batch=64, budget=1024, seq=1152, kv_ms=0.5, sel_ms=0.3,
+               step_ms=16.0, calls_ms=20.0, floor_ms=0.3, compute_ms=0.25, torch_ms=30.0)
+    table = format_table([row, dict(row, batch=128, torch_ms=None, torch_note="n/a (memory)")])
+    table_ok = (table.count("\n") == 3 and "| structured | 64 | 1024 | 1152 | 0.500 | 0.300 "
+                "| 16.000 | 20.000 | 0.3000 | 1.67x | 1.67x | 0.2500 | 2.00x | 30.000 | 60.0x |"
+                in table and "| n/a (memory) | n/a |" in table)
+    expect(table_ok, "table rows" + ("" if table_ok else ":\n" + table))
+    lines = target_lines([row, dict(row, keys="random", kv_ms=1.0, torch_ms=None),
+                          dict(row, batch=1, step_ms=0.25), dict(row, batch=1, step_ms=0.8)], 32)
+    expect(any("structured keys: 1.67x the HBM floor per layer (target <= 2x): PASS" in l
+               for l in lines), "structured floor target")
+    expect(any("structured keys: 32-layer step 1.67x the HBM floor (target <= 2x): PASS" in l
+               for l in lines), "structured step floor target")
+    expect(any("random keys: 3.33x the HBM floor per layer (target <= 3x): FAIL" in l
+               for l in lines), "random floor target")
     expect(any("60.0x faster" in l and "PASS" in l for l in lines), "speedup target")
-    expect(any("step 0.800 ms" in l and "PASS" in l for l in lines), "batch-1 step target")
-    expect(any("CUDA graph 1.200 ms" in l and "FAIL" in l for l in lines), "batch-1 graph target")
-    expect(parse_args(["--lib", "x", "--batches", "1,8", "--budgets", "1024"]).batches == [1, 8],
+    expect(any("step 0.250 ms" in l and "PASS" in l for l in lines)
+           and any("step 0.800 ms" in l and "FAIL" in l for l in lines), "batch-1 step target")
+    a = parse_args(["--lib", "x", "--batches", "1,8", "--budgets", "1024", "--keys", "structured"])
+    expect(a.batches == [1, 8] and a.budgets == [1024] and a.keys == ["structured"],
            "argument lists")
+    d = parse_args(["--lib", "x"])
+    expect(d.batches == [1, 8, 32, 64] and d.budgets == [1024, 2048]
+           and d.keys == ["random", "structured"] and d.reps == 0, "default grid")
+    expect(parse_error(["--lib", "x", "--keys", "random,bogus"]) and
+           parse_error(["--lib", "x", "--reps", "2"]), "bad --keys / --reps rejected")
+    self_test_torch(expect)
 
     if lib_path:
         self_test_library(kvsift_c.Library(lib_path), expect)
     print("%d failure(s)" % len(failures))
     return 1 if failures else 0
+
+
+def parse_error(argv):
+    """True when parse_args rejects argv (argparse exits; its message is silenced)."""
+    import contextlib
+    import io
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            parse_args(argv)
+    except SystemExit:
+        return True
+    return False
+
+
+def self_test_torch(expect):
+    """The structured-key generator on the CPU (skipped when torch is not installed)."""
+    try:
+        import torch
+    except ImportError:
+        print("skip torch checks (no torch)")
+        return
+    dup = torch.tensor([[False, True, True, False, True], [False, False, True, False, True]])
+    u = torch.tensor([[0.0, 0.99, 0.5, 0.0, 0.6], [0.0, 0.0, 0.9, 0.0, 0.9]])
+    src = duplicate_sources(dup, u).tolist()
+    # Row 1: floor(.99*1) = 0. Row 2: floor(.5*2) = 1, a duplicate: back to 0. Row 4: floor(2.4)
+    # = 2, a duplicate, back to 0. Second row: floor(1.8) = 1; floor(3.6) = 3, both originals.
+    expect(src == [[0, 0, 0, 3, 0], [0, 1, 1, 3, 3]], "duplicate sources: %s" % src)
+
+    gen = torch.Generator().manual_seed(0)
+    seq = 512
+    for kind in ("structured", "random"):
+        k = structured_keys(2, seq, gen, device="cpu") if kind == "structured" else \
+            torch.randn(2, KV_HEADS, seq, HEAD_DIM, generator=gen)
+        unit = k / k.norm(dim=-1, keepdim=True)
+        cos = (unit @ unit.transpose(-1, -2)).tril(diagonal=-1)  # pairs j < i
+        near = (cos.amax(dim=-1) > 0.99).float().mean().item()
+        neighbour = (unit[:, :, 1:] * unit[:, :, :-1]).sum(-1).mean().item()
+        if kind == "structured":
+            # 20 % of 2*8*511 rows planted (binomial sd ~0.5 %); a in [0.5, 3] gives neighbour
+            # cosines a^2 / (a^2 + 1) in [0.2, 0.9], mean ~0.7.
+            expect(0.17 < near < 0.23 and 0.5 < neighbour < 0.85,
+                   "structured keys: %.3f near-duplicate rows, neighbour cosine %.3f"
+                   % (near, neighbour))
+        else:
+            expect(near == 0.0 and abs(neighbour) < 0.02,
+                   "random keys: %.3f near-duplicate rows, neighbour cosine %.3f"
+                   % (near, neighbour))
 
 
 def self_test_library(lib, expect):
