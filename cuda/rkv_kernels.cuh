@@ -130,6 +130,37 @@ void launch_key_redundancy(const StepView& step, int length, float threshold, bo
                            float* denom, void* unit16, int* tc_reached, unsigned long long* spared,
                            float* partial, float* redundancy, cudaStream_t stream);
 
+// The one pass over the keys (cuda/key_pass.cu): for every row of every sequence of the step its
+// divisor ||K|| + 1e-8 (0: pad), the bf16 unit key when unit16 is not null, and the per-chunk sums
+// of the unit keys, reading each key once with 16-byte accesses. Layouts as launch_key_redundancy's
+// scratch below:
+//   denom    [z, kv_heads, length]
+//   unit16   [z, kv_heads, length, tc_row_pitch(head_dim)] bf16, or nullptr
+//   partial  [z, kv_heads, key_sum_chunks(length), head_dim]
+// Returns false, having enqueued nothing, when the keys' layout does not allow 16-byte accesses
+// (head_dim not a multiple of 8 or above 256, a stride or base not 16-byte aligned, unit16 not
+// 16-byte aligned); the caller then runs the scalar kernels of key_redundancy.cu.
+bool launch_key_pass(const StepView& step, int length, float* denom, void* unit16, float* partial,
+                     cudaStream_t stream);
+
+// True when the step's keys allow 16-byte row accesses (cuda/key_vec.cuh): head_dim a multiple of
+// 8 and at most 256, every layer's base and the batch, head and slot strides 16-byte aligned.
+bool key_rows_vectorizable(const StepView& step);
+
+// The scalar kernels launch_key_pass replaced (one warp per row, 2-byte reads), same outputs and
+// layouts; they serve the layouts it refuses, and the tests and benchmark compare against them.
+void launch_key_rows_scalar(const StepView& step, int length, float* denom, void* unit16,
+                            float* partial, cudaStream_t stream);
+
+// rbar_j = (total·k̂_j − k̂_j·k̂_j − spared_j) / S (docs/algorithms.md §1.2 step 4), total = the
+// chunk partials added in chunk order; `vectorized` (requires key_rows_vectorizable) reads the
+// rows with 16-byte accesses, otherwise one warp per row with 2-byte reads.
+//   denom [z, kv_heads, length]; spared [z, kv_heads, length] 32.32 fixed point;
+//   partial [z, kv_heads, key_sum_chunks(length), head_dim]; rbar [z, kv_heads, length]
+void launch_column_means(const StepView& step, int length, const float* denom,
+                         const unsigned long long* spared, const float* partial, float* rbar,
+                         bool vectorized, cudaStream_t stream);
+
 // The tensor-core last-match search (cuda/key_redundancy_tc.cu) handles head_dim <= 128 that are
 // multiples of 4; for others launch_key_redundancy uses the fp32 search.
 bool tc_search_supported(int head_dim);
