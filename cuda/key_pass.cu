@@ -20,9 +20,9 @@
 
 #include <cstdint>
 
+#include "key_vec.cuh"
 #include "kvsift/backend/cuda/check.hpp"
 #include "kvsift/core/dtype.hpp"
-#include "key_vec.cuh"
 #include "rkv_kernels.cuh"
 
 namespace kvsift::cuda::detail {
@@ -56,9 +56,9 @@ __global__ void __launch_bounds__(kBlockThreads)
                     int pitch16,
                     float* __restrict__ partial) {  // [sequences, kv_heads, chunks, head_dim]
   static_assert(G >= 2 && G <= 32 && (G & (G - 1)) == 0, "G: a power of two lanes per row");
-  constexpr int kGroups = kBlockThreads / G;  // rows the block reads at once
+  constexpr int kGroups = kBlockThreads / G;                     // rows the block reads at once
   constexpr int kIters = (kKeySumRows + kGroups - 1) / kGroups;  // rows per group and chunk
-  constexpr int kBatchCap = sizeof(T) == 4 ? 4 : 8;               // 32 registers of raw words
+  constexpr int kBatchCap = sizeof(T) == 4 ? 4 : 8;              // 32 registers of raw words
   constexpr int kBatch = kIters < kBatchCap ? kIters : kBatchCap;
   static_assert(kIters % kBatch == 0, "whole batches of rows");
   __shared__ __align__(16) float sums[kGroups * kVecChannels * G];  // [group][channel]
@@ -113,11 +113,13 @@ __global__ void __launch_bounds__(kBlockThreads)
       const std::int64_t r = bh * length + i;
       if (c == 0) denom[r] = pad[u] ? 0.0f : den;
       if (unit16 != nullptr && c < pitch_vectors) {  // lanes past head_dim write the zero padding
-        uint4 out;
-        __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
+        uint4 out = make_uint4(0, 0, 0, 0);          // (explicitly: 0 · inv is NaN when a key is)
+        if (c < vectors) {
+          __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
 #pragma unroll
-        for (int k = 0; k < kVecChannels / 2; ++k)
-          o[k] = __floats2bfloat162_rn(v[2 * k], v[2 * k + 1]);
+          for (int k = 0; k < kVecChannels / 2; ++k)
+            o[k] = __floats2bfloat162_rn(v[2 * k], v[2 * k + 1]);
+        }
         *reinterpret_cast<uint4*>(unit16 + r * pitch16 + c * kVecChannels) = out;
       }
     }
@@ -161,11 +163,16 @@ bool launch_key_pass(const StepView& step, int length, float* denom, void* unit1
   const int g = vec_group_lanes(static_cast<int>(kv.head_dim()));
   KVSIFT_DISPATCH_DTYPE(kv.dtype(), T, [&] {
     switch (g) {
-      case 2: return launch_pass<T, 2>(step, length, denom, u16, partial, stream);
-      case 4: return launch_pass<T, 4>(step, length, denom, u16, partial, stream);
-      case 8: return launch_pass<T, 8>(step, length, denom, u16, partial, stream);
-      case 16: return launch_pass<T, 16>(step, length, denom, u16, partial, stream);
-      default: return launch_pass<T, 32>(step, length, denom, u16, partial, stream);
+      case 2:
+        return launch_pass<T, 2>(step, length, denom, u16, partial, stream);
+      case 4:
+        return launch_pass<T, 4>(step, length, denom, u16, partial, stream);
+      case 8:
+        return launch_pass<T, 8>(step, length, denom, u16, partial, stream);
+      case 16:
+        return launch_pass<T, 16>(step, length, denom, u16, partial, stream);
+      default:
+        return launch_pass<T, 32>(step, length, denom, u16, partial, stream);
     }
   });
   return true;

@@ -2,19 +2,25 @@
 // column-sum identity of the §1.2 cost note:
 //   sum_i C[i,j] = (sum_i k̂_i)·k̂_j − k̂_j·k̂_j − sum_{i: r_i = j} k̂_i·k̂_j.
 // The kernels:
-//   1. normalize_keys_kernel: k̂_i = K_i / (||K_i|| + 1e-8) in fp32, pads zeroed (steps 1, 6),
-//      written once so the O(S²·D) search below streams plain floats (no conversion, no
-//      division per use), plus the bf16 copy the tensor-core search reads.
+//   1. The one pass over the keys (key_pass.cu, launch_key_pass): per row the divisor
+//      ||K_i|| + 1e-8 (0 for pads, steps 1 and 6; the exact readers divide by it, see UnitKeys),
+//      the bf16 unit key the tensor-core search reads, and the chunk sums of step 3 below, all
+//      from one read of each row with 16-byte accesses. When the layout does not allow them
+//      (head_dim not a multiple of 8 or above 256, unaligned strides), the scalar kernels of this
+//      file do the same (launch_key_rows_scalar): normalize_keys_kernel, or, for head_dim <= 256,
+//      normalize_and_sum_kernel with 3 folded in.
 //   2. last_match_kernel: for a tile of 64 rows, 64×64 cosine tiles from the sequence end
 //      backwards; a row's first match is its last one, r_i (step 3), and the block stops as soon
 //      as all its rows have matched. The spared cosine C[i, r_i] (and in faithful mode C[i, 0]
 //      of unmatched rows) is added to its column in 64-bit fixed point: integer atomics are
 //      exact, so the sum does not depend on the order blocks run in. (Or the tensor-core search
 //      of key_redundancy_tc.cu, with identical results.)
-//   3. unit_key_partial_sums_kernel: sum_i k̂_i over chunks of rows, in a fixed order. For
-//      head_dim <= 256, normalize_and_sum_kernel does 1 and 3 in one pass over the keys.
-//   4. column_means_kernel: rbar_j = (total·k̂_j − k̂_j·k̂_j − spared_j) / S (step 4), with the
-//      two dot products taken on the raw key and divided once.
+//   3. unit_key_partial_sums_kernel: sum_i k̂_i over chunks of rows, in a fixed order (the
+//      scalar fallback for head_dim > 256; the other paths fold it into step 1).
+//   4. column_means_vec_kernel (16-byte reads; column_means_kernel for the other layouts):
+//      rbar_j = (total·k̂_j − k̂_j·k̂_j − spared_j) / S (step 4), total = the chunk sums added in
+//      chunk order (the second, fixed-order stage of the key sums), the two dot products taken on
+//      the raw key and divided once. It reads the keys a second time: it needs the finished total.
 //   5. redundancy_softmax_kernel: R = softmax(rbar) over all S (step 5), one block per (b, h).
 // Steps 3–4 are spread over many blocks: at batch 1 one block per (b, h) would leave the GPU
 // idle and be bound by memory latency.
@@ -23,9 +29,9 @@
 #include <cstdint>
 #include <cub/block/block_reduce.cuh>
 
+#include "key_vec.cuh"
 #include "kvsift/backend/cuda/check.hpp"
 #include "kvsift/core/dtype.hpp"
-#include "key_vec.cuh"
 #include "rkv_kernels.cuh"
 
 namespace kvsift::cuda::detail {
@@ -439,8 +445,8 @@ __global__ void __launch_bounds__(kBlockThreads) column_means_vec_kernel(
 
 template <class T, int G>
 void launch_column_means_vec(const StepView& step, int length, const float* denom,
-                             const unsigned long long* spared, const float* partial,
-                             float* rbar, cudaStream_t stream) {
+                             const unsigned long long* spared, const float* partial, float* rbar,
+                             cudaStream_t stream) {
   const KVCacheView& kv = step.first();
   const dim3 grid(static_cast<unsigned>((length + kVecColumns - 1) / kVecColumns),
                   static_cast<unsigned>(kv.kv_heads()), static_cast<unsigned>(step.sequences()));
@@ -531,11 +537,9 @@ void launch_column_means(const StepView& step, int length, const float* denom,
         case 8:
           return launch_column_means_vec<T, 8>(step, length, denom, spared, partial, rbar, stream);
         case 16:
-          return launch_column_means_vec<T, 16>(step, length, denom, spared, partial, rbar,
-                                                stream);
+          return launch_column_means_vec<T, 16>(step, length, denom, spared, partial, rbar, stream);
         default:
-          return launch_column_means_vec<T, 32>(step, length, denom, spared, partial, rbar,
-                                                stream);
+          return launch_column_means_vec<T, 32>(step, length, denom, spared, partial, rbar, stream);
       }
     }
     const UnitKeys unit = unit_keys_of(step, length, denom);
@@ -571,13 +575,13 @@ void launch_key_redundancy(const StepView& step, int length, float threshold, bo
     KVSIFT_DISPATCH_DTYPE(kv.dtype(), T, [&] {
       const dim3 grid(static_cast<unsigned>((length + kRowTile - 1) / kRowTile),
                       static_cast<unsigned>(kv_heads), static_cast<unsigned>(batch));
-      last_match_kernel<T><<<grid, kBlockThreads, 0, stream>>>(unit, length, head_dim, threshold,
-                                                              faithful, spared);
+      last_match_kernel<T>
+          <<<grid, kBlockThreads, 0, stream>>>(unit, length, head_dim, threshold, faithful, spared);
       KVSIFT_CUDA_CHECK(cudaGetLastError());
     });
   }
-  launch_column_means(step, length, denom, spared, partial, redundancy,
-                      key_rows_vectorizable(step), stream);
+  launch_column_means(step, length, denom, spared, partial, redundancy, key_rows_vectorizable(step),
+                      stream);
   redundancy_softmax_kernel<<<static_cast<unsigned>(batch * kv_heads), kBlockThreads, 0, stream>>>(
       length, redundancy);
   KVSIFT_CUDA_CHECK(cudaGetLastError());
