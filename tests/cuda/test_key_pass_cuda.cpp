@@ -41,7 +41,7 @@ constexpr double kU = 5.9604644775390625e-8;  // 2^-24
 // misaligned base when not a multiple of 8 for 16-bit storage).
 template <class T>
 struct KeyStep {
-  int layers, B, H, capacity, length, D;
+  int layers, B, H, capacity, length, D, offset;
   std::vector<std::vector<T>> keys;                      // [layers][B * H * capacity * D]
   std::vector<std::uint8_t> mask;                        // [B * capacity], empty: no pads
   std::vector<std::unique_ptr<DeviceBuffer<T>>> d_keys;  // not movable: owned by pointer
@@ -50,13 +50,14 @@ struct KeyStep {
   std::vector<KVCacheView> views;
 
   KeyStep(int n_layers, int b, int h, int cap, int len, int d, bool pads, std::uint32_t seed,
-          int offset = 0)
+          int offset_elems = 0)
       : layers(n_layers),
         B(b),
         H(h),
         capacity(cap),
         length(len),
         D(d),
+        offset(offset_elems),
         d_mask(static_cast<std::size_t>(b) * cap),
         lengths(static_cast<std::size_t>(b), len) {
     std::mt19937 rng(seed);
@@ -102,7 +103,7 @@ struct KeyStep {
   int pitch() const { return cuda::detail::tc_row_pitch(D); }
   bool pad(int z, int i) const { return !mask.empty() && mask[(z % B) * capacity + i] == 0; }
   // Key channel d of row i of (sequence z, head h) as float.
-  double x(int z, int h, int i, int d, int offset = 0) const {
+  double x(int z, int h, int i, int d) const {
     const int l = z / B, b = z % B;
     return to_float(
         keys[l][offset + ((static_cast<std::size_t>(b) * H + h) * capacity + i) * D + d]);
