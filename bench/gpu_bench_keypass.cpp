@@ -8,6 +8,10 @@
 //   pass      the one pass of cuda/key_pass.cu: norms, bf16 unit keys, key sums (reads the keys,
 //             writes the bf16 copy: the same bytes as the copy);
 //   pass-ro   the same pass without the bf16 copy (the fp32 search's case: reads only);
+//   +logits   the pass with the window logits folded in (32 query heads, window 8: the R-KV
+//             default), as the scoring runs it; vs logits-old, the separate tensor-core logits
+//             kernel it saves (window importance with and without its logits kernel, the
+//             difference);
 //   scalar    the scalar kernels the pass replaced (normalize_and_sum_kernel);
 //   cm-vec    the column means with 16-byte reads (reads the keys again);
 //   cm-old    the scalar column means;
@@ -37,7 +41,7 @@ using bench::DeviceArray;
 
 namespace {
 
-constexpr int kKVHeads = 8, kHeadDim = 128, kWarmup = 5, kReps = 30;
+constexpr int kKVHeads = 8, kQHeads = 32, kWindow = 8, kHeadDim = 128, kWarmup = 5, kReps = 30;
 
 void run(int batch, int budget, cudaStream_t stream) {
   const int S = budget + 128;
@@ -51,6 +55,16 @@ void run(int batch, int budget, cudaStream_t stream) {
   const KVCacheView kv = make_kv_cache_view(keys.get(), values.get(), DType::bf16, Device::cuda,
                                             batch, kKVHeads, S, kHeadDim, lengths.data());
   const cuda::detail::StepView step{&kv, nullptr, 1};
+  const std::size_t q_elems = static_cast<std::size_t>(batch) * kQHeads * kWindow * kHeadDim;
+  const std::vector<bf16_t> host_q = bench::make_values(q_elems);
+  DeviceArray<bf16_t> queries(q_elems);
+  KVSIFT_CUDA_CHECK(
+      cudaMemcpy(queries.get(), host_q.data(), q_elems * sizeof(bf16_t), cudaMemcpyHostToDevice));
+  const TensorView qv = TensorView::contiguous(queries.get(), DType::bf16, Device::cuda,
+                                               {batch, kQHeads, kWindow, kHeadDim});
+  const cuda::detail::StepView qstep{&kv, &qv, 1};
+  const std::size_t n_rows = static_cast<std::size_t>(batch) * kKVHeads * (S - kWindow);
+  DeviceArray<float> logits(n_rows * kWindow), pre_pool(n_rows), importance(n_rows);
   const int pitch = cuda::detail::tc_row_pitch(kHeadDim);
   const int chunks = cuda::detail::key_sum_chunks(S);
   DeviceArray<float> denom(rows), rbar(rows);
@@ -75,6 +89,20 @@ void run(int batch, int budget, cudaStream_t stream) {
   KVSIFT_CHECK(ok, "gpu_bench_keypass: the one pass refused an aligned bf16 layout");
   const float pass_ro_us = time(
       [&] { cuda::detail::launch_key_pass(step, S, denom.get(), nullptr, partial.get(), stream); });
+  bool written = false;
+  const float pass_logits_us = time([&] {
+    cuda::detail::launch_key_pass(qstep, S, denom.get(), unit16.get(), partial.get(), stream,
+                                  logits.get(), &written);
+  });
+  KVSIFT_CHECK(written, "gpu_bench_keypass: the pass did not fold the window logits in");
+  const float importance_us = time([&] {
+    cuda::detail::launch_window_importance(qstep, S, 7, logits.get(), pre_pool.get(),
+                                           importance.get(), stream, false);
+  });
+  const float softmax_pool_us = time([&] {
+    cuda::detail::launch_window_importance(qstep, S, 7, logits.get(), pre_pool.get(),
+                                           importance.get(), stream, true);
+  });
   const float scalar_us = time([&] {
     cuda::detail::launch_key_rows_scalar(step, S, denom.get(), unit16.get(), partial.get(), stream);
   });
@@ -122,11 +150,12 @@ void run(int batch, int budget, cudaStream_t stream) {
   const double compact_gbs = 4.0 * kept_bytes / (compact_us * 1e3);
   const double kept_copy_gbs = 4.0 * kept_bytes / (kept_copy_us * 1e3);
   std::printf(
-      "| %5d | %6d | %5d | %7.1f | %8.1f | %8.1f (%3.0f%%) | %8.1f (%3.0f%%) | %8.1f | "
-      "%8.1f (%3.0f%%) | %8.1f | %8.1f (%3.0f%%) |\n",
+      "| %5d | %6d | %5d | %7.1f | %8.1f | %8.1f (%3.0f%%) | %8.1f (%3.0f%%) | %8.1f | %8.1f | "
+      "%8.1f | %8.1f (%3.0f%%) | %8.1f | %8.1f (%3.0f%%) |\n",
       batch, budget, S, key_bytes / 1e6, copy_us, pass_us, 100.0 * pass_gbs / copy_gbs, pass_ro_us,
-      100.0 * pass_ro_gbs / copy_gbs, scalar_us, cm_vec_us, 100.0 * cm_gbs / copy_gbs, cm_old_us,
-      compact_us, 100.0 * compact_gbs / kept_copy_gbs);
+      100.0 * pass_ro_gbs / copy_gbs, pass_logits_us, importance_us - softmax_pool_us, scalar_us,
+      cm_vec_us, 100.0 * cm_gbs / copy_gbs, cm_old_us, compact_us,
+      100.0 * compact_gbs / kept_copy_gbs);
 }
 
 }  // namespace
@@ -142,16 +171,16 @@ int main(int argc, char** argv) {
   cudaStream_t stream;
   KVSIFT_CUDA_CHECK(cudaStreamCreate(&stream));
   std::printf(
-      "R-KV key passes on %s: %d KV heads, head_dim %d, bf16, one layer, S = budget + "
-      "128; median µs of %d reps after %d warm-up\n",
-      prop.name, kKVHeads, kHeadDim, kReps, kWarmup);
+      "R-KV key passes on %s: %d KV heads (%d query heads, window %d), head_dim %d, bf16, one "
+      "layer, S = budget + 128; median µs of %d reps after %d warm-up\n",
+      prop.name, kKVHeads, kQHeads, kWindow, kHeadDim, kReps, kWarmup);
   std::printf(
       "(%% = bytes read + written per second relative to the cudaMemcpy of the keys in "
       "the same row; compact: relative to a copy of the kept K and V bytes)\n");
   std::printf(
-      "| batch | budget | S | keys MB | copy µs | pass µs (%% copy) | pass-ro µs (%% "
-      "copy) | scalar µs | cm-vec µs (%% copy) | cm-old µs | compact K+V µs (%% copy) "
-      "|\n|---|---|---|---|---|---|---|---|---|---|---|\n");
+      "| batch | budget | S | keys MB | copy µs | pass µs (%% copy) | pass-ro µs (%% copy) | "
+      "+logits µs | logits-old µs | scalar µs | cm-vec µs (%% copy) | cm-old µs | compact K+V "
+      "µs (%% copy) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (int budget : {1024, 2048})
     for (int batch : batches) run(batch, budget, stream);
   KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));

@@ -552,9 +552,10 @@ void launch_column_means(const StepView& step, int length, const float* denom,
   });
 }
 
-void launch_key_redundancy(const StepView& step, int length, float threshold, bool faithful,
+bool launch_key_redundancy(const StepView& step, int length, float threshold, bool faithful,
                            float* denom, void* unit16, int* tc_reached, unsigned long long* spared,
-                           float* partial, float* redundancy, cudaStream_t stream) {
+                           float* partial, float* redundancy, cudaStream_t stream,
+                           float* window_logits) {
   const KVCacheView& kv = step.first();
   // Every kernel after the normalisation works on [sequences, kv_heads, ...] rows.
   const int batch = step.sequences(), kv_heads = static_cast<int>(kv.kv_heads());
@@ -565,7 +566,9 @@ void launch_key_redundancy(const StepView& step, int length, float threshold, bo
       cudaMemsetAsync(spared, 0, static_cast<std::size_t>(rows) * sizeof(*spared), stream));
   // Norms, the bf16 copy and the key sums: the one pass of key_pass.cu when the layout allows
   // its 16-byte accesses (the common case), the scalar kernels otherwise.
-  if (!launch_key_pass(step, length, denom, unit16, partial, stream))
+  bool logits_written = false;
+  if (!launch_key_pass(step, length, denom, unit16, partial, stream, window_logits,
+                       &logits_written))
     launch_key_rows_scalar(step, length, denom, unit16, partial, stream);
   if (unit16 != nullptr) {  // the tensor-core search: same r_i and spared sums, faster
     // r_i go to `redundancy` as scratch (int-sized), written for real further down.
@@ -585,6 +588,7 @@ void launch_key_redundancy(const StepView& step, int length, float threshold, bo
   redundancy_softmax_kernel<<<static_cast<unsigned>(batch * kv_heads), kBlockThreads, 0, stream>>>(
       length, redundancy);
   KVSIFT_CUDA_CHECK(cudaGetLastError());
+  return logits_written;
 }
 
 }  // namespace kvsift::cuda::detail

@@ -14,6 +14,7 @@
 //   rbar    the chunks added in fp32, two D-term dot products, two divisions: |err| <=
 //           (D + chunks + 16)·u·(Σ_d |x_d|·Σ_c |partial_c,d| / den + x·x/den² + |spared|) / S.
 // Pads are exact: denom 0, bf16 rows 0, no contribution.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -394,4 +395,143 @@ TEST_CASE("compact_device_rows moves rows from far ahead across many tiles",
       bad += std::memcmp(&gv[dst], &v[src], D * sizeof(bf16_t)) != 0;
     }
   CHECK(bad == 0);
+}
+
+namespace {
+
+// Window queries [B, H·group, W, D] per layer of a KeyStep, on the device, and the step with them.
+template <class T>
+struct QuerySet {
+  int group, W;
+  std::vector<std::vector<T>> q;  // [layers][B * H * group * W * D]
+  std::vector<std::unique_ptr<DeviceBuffer<T>>> d_q;
+  std::vector<TensorView> views;
+  QuerySet(const KeyStep<T>& ks, int g, int w, std::uint32_t seed) : group(g), W(w) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> nd;
+    const std::size_t n = static_cast<std::size_t>(ks.B) * ks.H * g * w * ks.D;
+    for (int l = 0; l < ks.layers; ++l) {
+      std::vector<T> v(n);
+      for (auto& x : v) x = from_float<T>(2.0f * nd(rng));
+      q.push_back(v);
+      d_q.push_back(std::make_unique<DeviceBuffer<T>>(v));
+      views.push_back(TensorView::contiguous(d_q.back()->get(), dtype_of<T>::value, Device::cuda,
+                                             {ks.B, ks.H * g, w, ks.D}));
+    }
+  }
+  double at(const KeyStep<T>& ks, int z, int qh, int w, int d) const {
+    const int l = z / ks.B, b = z % ks.B;
+    return to_float(q[l][((static_cast<std::size_t>(b) * ks.H * group + qh) * W + w) * ks.D + d]);
+  }
+};
+
+template <class T>
+void check_pass_with_logits(int D, int group, int W, bool pads, std::uint32_t seed) {
+  INFO("logits: dtype " << dtype_name(dtype_of<T>::value) << " D " << D << " group " << group
+                        << " window " << W << " pads " << pads);
+  const KeyStep<T> ks(2, 2, 2, 320, 300, D, pads, seed);
+  const QuerySet<T> qs(ks, group, W, seed + 100);
+  const cuda::detail::StepView step{ks.views.data(), qs.views.data(), ks.layers};
+  const int n = ks.length - W;
+  const std::size_t logit_count = static_cast<std::size_t>(ks.sequences()) * ks.H * W * n;
+  DeviceBuffer<float> denom(ks.rows()),
+      partial(static_cast<std::size_t>(ks.sequences()) * ks.H * ks.chunks() * D);
+  DeviceBuffer<std::uint16_t> unit16(ks.rows() * ks.pitch());
+  DeviceBuffer<float> fused(logit_count), separate(logit_count);
+  DeviceBuffer<float> pre_pool(static_cast<std::size_t>(ks.sequences()) * ks.H * n),
+      importance(static_cast<std::size_t>(ks.sequences()) * ks.H * n);
+  KVSIFT_CUDA_CHECK(cudaMemset(fused.get(), 0xff, logit_count * sizeof(float)));  // NaN poison
+  bool written = false;
+  REQUIRE(cuda::detail::launch_key_pass(step, ks.length, denom.get(), unit16.get(), partial.get(),
+                                        nullptr, fused.get(), &written));
+  REQUIRE(written);
+  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<float> f_denom = denom.download(), f_partial = partial.download();
+  const std::vector<std::uint16_t> f_unit16 = unit16.download();
+  // The separate tensor-core logits kernel (and its softmax/pool, not compared here).
+  cuda::detail::launch_window_importance(step, ks.length, 7, separate.get(), pre_pool.get(),
+                                         importance.get(), nullptr, false);
+  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<float> got = fused.download(), want = separate.download();
+  CHECK(std::memcmp(got.data(), want.data(), logit_count * sizeof(float)) == 0);
+  // The other outputs are those of the pass without logits, bit for bit.
+  const PassOut plain = run_pass(ks, false);
+  CHECK(f_denom == plain.denom);
+  CHECK(f_partial == plain.partial);
+  CHECK(f_unit16 == plain.unit16);
+  // And the logits against the definition (§1.1 steps 1 and 5) in double: products of two 16-bit
+  // values are exact in fp32, so only the D-term tensor-core accumulation (at most two roundings of
+  // 2^-23 per term, key_redundancy_tc.cu's bound: 4·D·u) and the scaling round.
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  std::int64_t bad = 0;
+  for (int z = 0; z < ks.sequences(); ++z)
+    for (int h = 0; h < ks.H; ++h)
+      for (int w = 0; w < W; ++w)
+        for (int j = 0; j < n; ++j) {
+          const float x = got[((static_cast<std::size_t>(z) * ks.H + h) * W + w) * n + j];
+          if (ks.pad(z, j)) {
+            bad += x != -1e9f;
+            continue;
+          }
+          double best = -INFINITY, mag = 0;
+          for (int g = 0; g < group; ++g) {
+            double dot = 0, abs_dot = 0;
+            for (int d = 0; d < D; ++d) {
+              const double p = qs.at(ks, z, h * group + g, w, d) * ks.x(z, h, j, d);
+              dot += p;
+              abs_dot += std::fabs(p);
+            }
+            best = std::max(best, dot);
+            mag = std::max(mag, abs_dot);
+          }
+          const double ref = best * scale;
+          if (!(std::fabs(x - ref) <= (4 * D + 8) * kU * mag * scale + 1e-30)) {
+            if (bad++ < 5)
+              UNSCOPED_INFO("logit z " << z << " h " << h << " w " << w << " j " << j << ": " << x
+                                       << " vs " << ref);
+          }
+        }
+  CHECK(bad == 0);
+}
+
+}  // namespace
+
+TEST_CASE("one key pass with window logits: bit for bit the separate tensor-core kernel",
+          "[cuda][rkv][keypass]") {
+  SECTION("bf16, head_dim 128, group 4 × window 8, pads") {
+    check_pass_with_logits<bf16_t>(128, 4, 8, true, 31);
+  }
+  SECTION("f16, head_dim 64, group 8 × window 8 (64 rows), no pads") {
+    check_pass_with_logits<f16_t>(64, 8, 8, false, 32);
+  }
+  SECTION("bf16, head_dim 24, group 3 × window 5 (15 rows, one m tile), pads") {
+    check_pass_with_logits<bf16_t>(24, 3, 5, true, 33);
+  }
+  SECTION("bf16, window 50: a chunk entirely inside the window, one partly (idle warps)") {
+    check_pass_with_logits<bf16_t>(128, 1, 50, true, 34);
+  }
+  SECTION("f32 storage or group · window > 64: the pass runs, the logits are left to the kernel") {
+    const KeyStep<float> ks(1, 1, 1, 40, 40, 128, false, 35);
+    const QuerySet<float> qs(ks, 4, 8, 36);
+    const cuda::detail::StepView step{ks.views.data(), qs.views.data(), 1};
+    DeviceBuffer<float> denom(ks.rows()), partial(ks.chunks() * 128), logits(4 * 8 * 32);
+    KVSIFT_CUDA_CHECK(cudaMemset(logits.get(), 0x7f, logits.size() * sizeof(float)));
+    bool written = true;
+    CHECK(cuda::detail::launch_key_pass(step, ks.length, denom.get(), nullptr, partial.get(),
+                                        nullptr, logits.get(), &written));
+    CHECK_FALSE(written);
+    const KeyStep<bf16_t> kb(1, 1, 1, 80, 80, 64, false, 37);
+    const QuerySet<bf16_t> qb(kb, 9, 8, 38);  // 72 rows
+    const cuda::detail::StepView step_b{kb.views.data(), qb.views.data(), 1};
+    DeviceBuffer<float> denom_b(kb.rows()), partial_b(kb.chunks() * 64);
+    written = true;
+    CHECK(cuda::detail::launch_key_pass(step_b, kb.length, denom_b.get(), nullptr, partial_b.get(),
+                                        nullptr, logits.get(), &written));
+    CHECK_FALSE(written);
+    KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<float> after = logits.download();
+    std::vector<float> poison(after.size());
+    std::memset(poison.data(), 0x7f, poison.size() * sizeof(float));
+    CHECK(std::memcmp(after.data(), poison.data(), after.size() * sizeof(float)) == 0);
+  }
 }
