@@ -81,8 +81,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int lane_row = threadIdx.x / slice_units;
   const bool active = unit < units_per_row && lane_row < rows_per_pass;
   const std::int64_t begin = indptr != nullptr ? indptr[row] : std::int64_t{row} * row_stride;
-  // A row keeps at most `capacity` <= 2^31 − 1 slots (host-checked), so int indices suffice and
-  // leave registers for the data.
+  // Slots are int32 and a row's are unique, so it keeps fewer than 2^31 of them: int indices
+  // suffice and leave registers for the data.
   const int n = static_cast<int>(indptr != nullptr ? indptr[row + 1] - begin : row_stride);
   const std::int32_t* row_slots = slots + begin;
   char* head_base = bases.seq<char>(z) + h * stride_h;
