@@ -147,7 +147,7 @@ bool launch_key_redundancy(const StepView& step, int length, float threshold, bo
 // The one pass over the keys (cuda/key_pass.cu): for every row of every sequence of the step its
 // divisor ||K|| + 1e-8 (0: pad), the bf16 unit key when unit16 is not null, and the per-chunk sums
 // of the unit keys, reading each key once with 16-byte accesses. Layouts as launch_key_redundancy's
-// scratch below:
+// scratch above:
 //   denom    [z, kv_heads, length]
 //   unit16   [z, kv_heads, length, tc_row_pitch(head_dim)] bf16, or nullptr
 //   partial  [z, kv_heads, key_sum_chunks(length), head_dim]
