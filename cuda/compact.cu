@@ -1,10 +1,12 @@
 // In-place compaction of a device KV cache.
 //
 // Why in place is safe without a copy of the cache: a row's kept slots are sorted and unique, so
-// slot[i] >= i. One block walks the rows of one (sequence, head, column slice) in tiles; each tile
-// first reads all its source rows into registers, synchronises, then writes its destination rows.
-// Later tiles read only rows >= their own start, which no earlier tile wrote; earlier tiles have
-// finished reading before this tile writes. Column slices are disjoint bytes, so blocks never race.
+// slot[i] >= i. One block walks the rows of one (sequence, head, column slice) in tiles; a tile's
+// source rows are read into registers before a barrier and its destination rows written after it.
+// Later tiles read only rows >= their own start, which no earlier tile writes; earlier tiles have
+// finished reading before this tile writes. So the reads of tile k + 1 may overlap the writes of
+// tile k (compact_rows_kernel does so, one barrier per tile). Column slices are disjoint bytes,
+// so blocks never race.
 #include <algorithm>
 #include <cstdint>
 
@@ -38,48 +40,89 @@ __device__ __forceinline__ bool sequence_invalid(const std::int32_t* slots, int 
     }
   return false;
 }
-constexpr int kRowsPerThread = 8;  // independent loads in flight per thread: fewer, larger tiles
+// Rows per thread and tile. Two tiles are in registers at once (below), so 4 keeps the 16-byte
+// buffers at 32 registers, as 8 rows of one tile did.
+constexpr int kRowsPerThread = 4;
 
+// The moves of one tile: which source row each of the thread's rows reads, and its bytes.
 template <class Unit>
-__global__ void compact_rows_kernel(StepBases bases,        // K or V of every layer
-                                    std::int64_t stride_h,  // bytes between heads
-                                    std::int64_t stride_s,  // bytes between slots
-                                    int units_per_row, int slice_units, int n_layers, int kv_heads,
-                                    const std::int64_t* __restrict__ indptr,  // [B*H + 1] or null
-                                    const std::int32_t* __restrict__ slots,   // [nnz]
-                                    int row_stride, std::int64_t capacity) {
+struct TileRegs {
+  Unit buf[kRowsPerThread];
+  std::int32_t src[kRowsPerThread];  // -1: nothing to move
+};
+
+// Grid (rows = n_layers · batch · kv_heads, column slices), kThreads threads: block (row, slice)
+// moves `slice_units` access units of every kept slot of that row.
+//
+// Software pipeline, one barrier per tile: iteration k loads tile k + 1 and stores tile k, then
+// synchronises. Safe in place because slot[i] >= i (sorted, unique kept slots):
+//   - tile k + 1 reads rows >= its first index, above every row tile k writes, so the two may
+//     overlap;
+//   - tile k's own reads were issued before the previous barrier, its writes after it;
+//   - an earlier tile m < k, which may read a row tile k writes, loaded before barrier m <= k − 1.
+// __launch_bounds__(kThreads, 2): at most 64 registers, two blocks (1024 threads) per SM; the
+// unbounded kernel took 68 and ran one block per SM, alternating between loading and storing.
+template <class Unit>
+__global__ void __launch_bounds__(kThreads, 2)
+    compact_rows_kernel(StepBases bases,        // K or V of every layer
+                        std::int64_t stride_h,  // bytes between heads
+                        std::int64_t stride_s,  // bytes between slots
+                        int units_per_row, int slice_units, int n_layers, int kv_heads,
+                        const std::int64_t* __restrict__ indptr,  // [B*H + 1] or null
+                        const std::int32_t* __restrict__ slots,   // [nnz]
+                        int row_stride, std::int64_t capacity) {
   const int row = blockIdx.x;  // (layer, b, h) flattened
   const int z = row / kv_heads, h = row % kv_heads;
   if (indptr == nullptr &&
       sequence_invalid(slots, z % bases.batch, bases.batch, n_layers, kv_heads, row_stride))
-    return;
+    return;  // the whole block: the decision depends on blockIdx only
   const int unit = blockIdx.y * slice_units + threadIdx.x % slice_units;
   const int rows_per_pass = kThreads / slice_units;
   const int lane_row = threadIdx.x / slice_units;
   const bool active = unit < units_per_row && lane_row < rows_per_pass;
   const std::int64_t begin = indptr != nullptr ? indptr[row] : std::int64_t{row} * row_stride;
-  const std::int64_t n = indptr != nullptr ? indptr[row + 1] - begin : row_stride;
+  // Slots are int32 and a row's are unique, so it keeps fewer than 2^31 of them: int indices
+  // suffice and leave registers for the data.
+  const int n = static_cast<int>(indptr != nullptr ? indptr[row + 1] - begin : row_stride);
+  const std::int32_t* row_slots = slots + begin;
   char* head_base = bases.seq<char>(z) + h * stride_h;
   const int tile = rows_per_pass * kRowsPerThread;
-  for (std::int64_t t0 = 0; t0 < n; t0 += tile) {
-    Unit buf[kRowsPerThread];
-    std::int32_t src[kRowsPerThread];
+  // Tile rows start at t0 < n (so t0 fits in int); offsets are compared against n − t0, so no
+  // index overflows even for n near 2^31.
+  auto load = [&](std::int64_t t0, TileRegs<Unit>& t) {
+    const int base = static_cast<int>(t0 < n ? t0 : n), left = n - base;
 #pragma unroll
     for (int k = 0; k < kRowsPerThread; ++k) {
-      const std::int64_t i = t0 + k * rows_per_pass + lane_row;
-      src[k] = (active && i < n) ? slots[begin + i] : -1;
-      if (src[k] >= capacity) src[k] = -1;  // device rows are not host-checked: stay in bounds
-      if (src[k] >= 0 && src[k] != i) {
-        buf[k] = reinterpret_cast<const Unit*>(head_base + src[k] * stride_s)[unit];
-      }
+      const int off = k * rows_per_pass + lane_row;
+      std::int32_t src = (active && off < left) ? row_slots[base + off] : -1;
+      // Out of bounds (device rows are not host-checked), or already in place: nothing to move.
+      if (src >= capacity || (src >= 0 && src - base == off)) src = -1;
+      t.src[k] = src;
+      if (src >= 0) t.buf[k] = reinterpret_cast<const Unit*>(head_base + src * stride_s)[unit];
     }
+  };
+  auto store = [&](std::int64_t t0, const TileRegs<Unit>& t) {
+    const int base = static_cast<int>(t0 < n ? t0 : n);
+#pragma unroll
+    for (int k = 0; k < kRowsPerThread; ++k) {
+      if (t.src[k] < 0) continue;
+      const int i = base + k * rows_per_pass + lane_row;  // src >= 0: i < n
+      reinterpret_cast<Unit*>(head_base + i * stride_s)[unit] = t.buf[k];
+    }
+  };
+  // Two named register sets, alternated by unrolling the loop twice (an array indexed by the
+  // iteration's parity would live in local memory). `n` is uniform over the block, so every
+  // thread takes the same branches and meets every barrier.
+  TileRegs<Unit> a, b;
+  load(0, a);
+  __syncthreads();
+  for (std::int64_t t0 = 0; t0 < n; t0 += 2 * tile) {
+    load(t0 + tile, b);
+    store(t0, a);
     __syncthreads();
-#pragma unroll
-    for (int k = 0; k < kRowsPerThread; ++k) {
-      const std::int64_t i = t0 + k * rows_per_pass + lane_row;
-      if (src[k] >= 0 && src[k] != i)
-        reinterpret_cast<Unit*>(head_base + i * stride_s)[unit] = buf[k];
-    }
+    if (t0 + tile >= n) break;
+    load(t0 + 2 * tile, a);
+    store(t0 + tile, b);
     __syncthreads();
   }
 }

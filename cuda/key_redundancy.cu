@@ -2,19 +2,25 @@
 // column-sum identity of the §1.2 cost note:
 //   sum_i C[i,j] = (sum_i k̂_i)·k̂_j − k̂_j·k̂_j − sum_{i: r_i = j} k̂_i·k̂_j.
 // The kernels:
-//   1. normalize_keys_kernel: k̂_i = K_i / (||K_i|| + 1e-8) in fp32, pads zeroed (steps 1, 6),
-//      written once so the O(S²·D) search below streams plain floats (no conversion, no
-//      division per use), plus the bf16 copy the tensor-core search reads.
+//   1. The one pass over the keys (key_pass.cu, launch_key_pass): per row the divisor
+//      ||K_i|| + 1e-8 (0 for pads, steps 1 and 6; the exact readers divide by it, see UnitKeys),
+//      the bf16 unit key the tensor-core search reads, and the chunk sums of step 3 below, all
+//      from one read of each row with 16-byte accesses. When the layout does not allow them
+//      (head_dim not a multiple of 8 or above 256, unaligned strides), the scalar kernels of this
+//      file do the same (launch_key_rows_scalar): normalize_keys_kernel, or, for head_dim <= 256,
+//      normalize_and_sum_kernel with 3 folded in.
 //   2. last_match_kernel: for a tile of 64 rows, 64×64 cosine tiles from the sequence end
 //      backwards; a row's first match is its last one, r_i (step 3), and the block stops as soon
 //      as all its rows have matched. The spared cosine C[i, r_i] (and in faithful mode C[i, 0]
 //      of unmatched rows) is added to its column in 64-bit fixed point: integer atomics are
 //      exact, so the sum does not depend on the order blocks run in. (Or the tensor-core search
 //      of key_redundancy_tc.cu, with identical results.)
-//   3. unit_key_partial_sums_kernel: sum_i k̂_i over chunks of rows, in a fixed order. For
-//      head_dim <= 256, normalize_and_sum_kernel does 1 and 3 in one pass over the keys.
-//   4. column_means_kernel: rbar_j = (total·k̂_j − k̂_j·k̂_j − spared_j) / S (step 4), with the
-//      two dot products taken on the raw key and divided once.
+//   3. unit_key_partial_sums_kernel: sum_i k̂_i over chunks of rows, in a fixed order (the
+//      scalar fallback for head_dim > 256; the other paths fold it into step 1).
+//   4. column_means_vec_kernel (16-byte reads; column_means_kernel for the other layouts):
+//      rbar_j = (total·k̂_j − k̂_j·k̂_j − spared_j) / S (step 4), total = the chunk sums added in
+//      chunk order (the second, fixed-order stage of the key sums), the two dot products taken on
+//      the raw key and divided once. It reads the keys a second time: it needs the finished total.
 //   5. redundancy_softmax_kernel: R = softmax(rbar) over all S (step 5), one block per (b, h).
 // Steps 3–4 are spread over many blocks: at batch 1 one block per (b, h) would leave the GPU
 // idle and be bound by memory latency.
@@ -23,6 +29,7 @@
 #include <cstdint>
 #include <cub/block/block_reduce.cuh>
 
+#include "key_vec.cuh"
 #include "kvsift/backend/cuda/check.hpp"
 #include "kvsift/core/dtype.hpp"
 #include "rkv_kernels.cuh"
@@ -353,6 +360,102 @@ __global__ void __launch_bounds__(kBlockThreads)
   }
 }
 
+// The sum of the chunk partials of channel d, in chunk order (the order column_means_kernel
+// uses, so both produce the same total), four loads in flight at a time.
+__device__ __forceinline__ float chunk_total(const float* __restrict__ part, int chunks,
+                                             int head_dim, int d) {
+  float t = 0.0f;
+  int c = 0;
+  for (; c + 4 <= chunks; c += 4) {
+    const float p0 = part[c * head_dim + d], p1 = part[(c + 1) * head_dim + d];
+    const float p2 = part[(c + 2) * head_dim + d], p3 = part[(c + 3) * head_dim + d];
+    t += p0;
+    t += p1;
+    t += p2;
+    t += p3;
+  }
+  for (; c < chunks; ++c) t += part[c * head_dim + d];
+  return t;
+}
+
+// column_means_kernel with 16-byte row reads (key_vec.cuh; the host checked the alignment):
+// grid (column blocks of kVecColumns, kv_heads, sequences). Group g (G lanes) takes columns g,
+// g + kGroups, ... of the block, lane c channels 8c .. 8c + 7; the dot products are summed per
+// lane then across the group (another order than column_means_kernel's, same tolerance).
+constexpr int kVecColumns = 128;  // columns of rbar per block
+template <class T, int G>
+__global__ void __launch_bounds__(kBlockThreads) column_means_vec_kernel(
+    StepBases keys,                                 // per layer [batch, kv_heads, capacity, D]
+    std::int64_t stride_h, std::int64_t stride_s,   // elements
+    const float* __restrict__ denom,                // [sequences, kv_heads, length]
+    const unsigned long long* __restrict__ spared,  // [sequences, kv_heads, length]
+    const float* __restrict__ partial,              // [sequences, kv_heads, chunks, head_dim]
+    int chunks, int length, int head_dim,
+    float* __restrict__ rbar) {  // [sequences, kv_heads, length]
+  constexpr int kGroups = kBlockThreads / G;
+  constexpr int kIters = (kVecColumns + kGroups - 1) / kGroups;
+  constexpr int kBatchCap = sizeof(T) == 4 ? 4 : 8;
+  constexpr int kBatch = kIters < kBatchCap ? kIters : kBatchCap;
+  static_assert(kIters % kBatch == 0, "whole batches of rows");
+  __shared__ __align__(16) float total[kVecMaxDim];  // sum_i k̂_i
+  const int z = blockIdx.z, h = blockIdx.y, kv_heads = gridDim.y;
+  const std::int64_t bh = static_cast<std::int64_t>(z) * kv_heads + h;
+  const float* part = partial + bh * chunks * head_dim;
+  for (int d = threadIdx.x; d < head_dim; d += kBlockThreads)
+    total[d] = chunk_total(part, chunks, head_dim, d);
+  __syncthreads();
+  const int g = static_cast<int>(threadIdx.x) / G, c = static_cast<int>(threadIdx.x) % G;
+  const int vectors = head_dim / kVecChannels;
+  const T* kbase = keys.seq<const T>(z) + h * stride_h;
+  const int j0 = blockIdx.x * kVecColumns, j1 = min(length, j0 + kVecColumns);
+  // This lane's 8 channels of the total (zeros past head_dim: those lanes read zero keys).
+  float tot[kVecChannels];
+#pragma unroll
+  for (int k = 0; k < kVecChannels; ++k) tot[k] = c < vectors ? total[c * kVecChannels + k] : 0.0f;
+  for (int it0 = 0; it0 < kIters; it0 += kBatch) {
+    RawVec<T> raw[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int j = j0 + g + (it0 + u) * kGroups;
+      raw[u] = (j < j1 && c < vectors) ? load_vec(kbase + j * stride_s, c) : zero_vec<T>();
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int j = j0 + g + (it0 + u) * kGroups;
+      float x[kVecChannels];
+      unpack_vec(raw[u], x);
+      float dot = 0.0f, sq = 0.0f;
+#pragma unroll
+      for (int k = 0; k < kVecChannels; ++k) {
+        dot = fmaf(x[k], tot[k], dot);
+        sq = fmaf(x[k], x[k], sq);
+      }
+      dot = group_sum<G>(dot);
+      sq = group_sum<G>(sq);
+      if (c == 0 && j < j1) {
+        // As column_means_kernel: k̂_j·total = (K_j·total) / den_j, k̂_j·k̂_j = (K_j·K_j) / den_j².
+        const std::int64_t r = bh * length + j;
+        const float den = denom[r];
+        const float own = den == 0.0f ? 0.0f : dot / den - sq / (den * den);
+        rbar[r] = (own - fixed_to_float(spared[r])) / static_cast<float>(length);
+      }
+    }
+  }
+}
+
+template <class T, int G>
+void launch_column_means_vec(const StepView& step, int length, const float* denom,
+                             const unsigned long long* spared, const float* partial, float* rbar,
+                             cudaStream_t stream) {
+  const KVCacheView& kv = step.first();
+  const dim3 grid(static_cast<unsigned>((length + kVecColumns - 1) / kVecColumns),
+                  static_cast<unsigned>(kv.kv_heads()), static_cast<unsigned>(step.sequences()));
+  column_means_vec_kernel<T, G><<<grid, kBlockThreads, 0, stream>>>(
+      key_bases(step), kv.keys.stride[1], kv.keys.stride[2], denom, spared, partial,
+      key_sum_chunks(length), length, static_cast<int>(kv.head_dim()), rbar);
+  KVSIFT_CUDA_CHECK(cudaGetLastError());
+}
+
 // R = softmax(rbar) over all S, in place, one block per (b, h) (§1.2 step 5). The row is read
 // back after barriers by the same block, so it is not a read-only pointer.
 __global__ void __launch_bounds__(kBlockThreads)
@@ -386,61 +489,106 @@ UnitKeys unit_keys_of(const StepView& step, int length, const float* denom) {
       length};
 }
 
-void launch_key_redundancy(const StepView& step, int length, float threshold, bool faithful,
+void launch_key_rows_scalar(const StepView& step, int length, float* denom, void* unit16,
+                            float* partial, cudaStream_t stream) {
+  const KVCacheView& kv = step.first();
+  const int batch = step.sequences(), kv_heads = static_cast<int>(kv.kv_heads());
+  const int head_dim = static_cast<int>(kv.head_dim());
+  const std::int64_t rows = static_cast<std::int64_t>(batch) * kv_heads * length;
+  if (rows == 0) return;
+  const KeyStrides ks{kv.keys.stride[1], kv.keys.stride[2]};
+  const UnitKeys unit = unit_keys_of(step, length, denom);
+  const dim3 grid(static_cast<unsigned>(key_sum_chunks(length)), static_cast<unsigned>(kv_heads),
+                  static_cast<unsigned>(batch));
+  auto* u16 = static_cast<__nv_bfloat16*>(unit16);
+  KVSIFT_DISPATCH_DTYPE(kv.dtype(), T, [&] {
+    if (head_dim <= kFusedMaxDim) {  // normalisation and key sums in one kernel
+      normalize_and_sum_kernel<T><<<grid, kBlockThreads, 0, stream>>>(
+          unit.keys, ks, kv.valid_mask, kv.capacity(), length, head_dim, denom, u16,
+          tc_row_pitch(head_dim), partial);
+      KVSIFT_CUDA_CHECK(cudaGetLastError());
+      return;
+    }
+    normalize_keys_kernel<T>
+        <<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kBlockThreads, 0, stream>>>(
+            unit.keys, ks, kv.valid_mask, kv.capacity(), kv_heads, length, head_dim, rows, denom,
+            u16, tc_row_pitch(head_dim));
+    KVSIFT_CUDA_CHECK(cudaGetLastError());
+    unit_key_partial_sums_kernel<T>
+        <<<grid, kBlockThreads, 0, stream>>>(unit, length, head_dim, partial);
+    KVSIFT_CUDA_CHECK(cudaGetLastError());
+  });
+}
+
+void launch_column_means(const StepView& step, int length, const float* denom,
+                         const unsigned long long* spared, const float* partial, float* rbar,
+                         bool vectorized, cudaStream_t stream) {
+  const KVCacheView& kv = step.first();
+  const int batch = step.sequences(), kv_heads = static_cast<int>(kv.kv_heads());
+  const int head_dim = static_cast<int>(kv.head_dim());
+  if (static_cast<std::int64_t>(batch) * kv_heads * length == 0) return;
+  KVSIFT_DISPATCH_DTYPE(kv.dtype(), T, [&] {
+    if (vectorized) {
+      switch (vec_group_lanes(head_dim)) {
+        case 2:
+          return launch_column_means_vec<T, 2>(step, length, denom, spared, partial, rbar, stream);
+        case 4:
+          return launch_column_means_vec<T, 4>(step, length, denom, spared, partial, rbar, stream);
+        case 8:
+          return launch_column_means_vec<T, 8>(step, length, denom, spared, partial, rbar, stream);
+        case 16:
+          return launch_column_means_vec<T, 16>(step, length, denom, spared, partial, rbar, stream);
+        default:
+          return launch_column_means_vec<T, 32>(step, length, denom, spared, partial, rbar, stream);
+      }
+    }
+    const UnitKeys unit = unit_keys_of(step, length, denom);
+    const dim3 grid(static_cast<unsigned>((length + kColumnsPerBlock - 1) / kColumnsPerBlock),
+                    static_cast<unsigned>(kv_heads), static_cast<unsigned>(batch));
+    const std::size_t total_bytes = static_cast<std::size_t>(head_dim) * sizeof(float);
+    column_means_kernel<T><<<grid, kBlockThreads, total_bytes, stream>>>(
+        unit, spared, partial, key_sum_chunks(length), length, head_dim, rbar);
+    KVSIFT_CUDA_CHECK(cudaGetLastError());
+  });
+}
+
+bool launch_key_redundancy(const StepView& step, int length, float threshold, bool faithful,
                            float* denom, void* unit16, int* tc_reached, unsigned long long* spared,
-                           float* partial, float* redundancy, cudaStream_t stream) {
+                           float* partial, float* redundancy, cudaStream_t stream,
+                           float* window_logits) {
   const KVCacheView& kv = step.first();
   // Every kernel after the normalisation works on [sequences, kv_heads, ...] rows.
   const int batch = step.sequences(), kv_heads = static_cast<int>(kv.kv_heads());
   const int head_dim = static_cast<int>(kv.head_dim());
   const std::int64_t rows = static_cast<std::int64_t>(batch) * kv_heads * length;
-  const KeyStrides ks{kv.keys.stride[1], kv.keys.stride[2]};
   const UnitKeys unit = unit_keys_of(step, length, denom);
   KVSIFT_CUDA_CHECK(
       cudaMemsetAsync(spared, 0, static_cast<std::size_t>(rows) * sizeof(*spared), stream));
-  const int chunks = key_sum_chunks(length);
-  auto grid = [&](int x) {
-    return dim3(static_cast<unsigned>(x), static_cast<unsigned>(kv_heads),
-                static_cast<unsigned>(batch));
-  };
-  const bool fused = head_dim <= kFusedMaxDim;  // normalisation and key sums in one pass
-  auto* u16 = static_cast<__nv_bfloat16*>(unit16);
-  KVSIFT_DISPATCH_DTYPE(kv.dtype(), T, [&] {
-    if (fused) {
-      normalize_and_sum_kernel<T><<<grid(chunks), kBlockThreads, 0, stream>>>(
-          unit.keys, ks, kv.valid_mask, kv.capacity(), length, head_dim, denom, u16,
-          tc_row_pitch(head_dim), partial);
-    } else {
-      normalize_keys_kernel<T>
-          <<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kBlockThreads, 0, stream>>>(
-              unit.keys, ks, kv.valid_mask, kv.capacity(), kv_heads, length, head_dim, rows, denom,
-              u16, tc_row_pitch(head_dim));
-    }
-    KVSIFT_CUDA_CHECK(cudaGetLastError());
-    if (unit16 != nullptr) {  // the tensor-core search: same r_i and spared sums, faster
-      // r_i go to `redundancy` as scratch (int-sized), written for real further down.
-      launch_last_match_tc(unit, kv.dtype(), unit16, batch, kv_heads, length, head_dim, threshold,
-                           faithful, spared, reinterpret_cast<int*>(redundancy), tc_reached,
-                           stream);
-    } else {
-      last_match_kernel<T><<<grid((length + kRowTile - 1) / kRowTile), kBlockThreads, 0, stream>>>(
-          unit, length, head_dim, threshold, faithful, spared);
+  // Norms, the bf16 copy and the key sums: the one pass of key_pass.cu when the layout allows
+  // its 16-byte accesses (the common case), the scalar kernels otherwise.
+  bool logits_written = false;
+  if (!launch_key_pass(step, length, denom, unit16, partial, stream, window_logits,
+                       &logits_written))
+    launch_key_rows_scalar(step, length, denom, unit16, partial, stream);
+  if (unit16 != nullptr) {  // the tensor-core search: same r_i and spared sums, faster
+    // r_i go to `redundancy` as scratch (int-sized), written for real further down.
+    launch_last_match_tc(unit, kv.dtype(), unit16, batch, kv_heads, length, head_dim, threshold,
+                         faithful, spared, reinterpret_cast<int*>(redundancy), tc_reached, stream);
+  } else {
+    KVSIFT_DISPATCH_DTYPE(kv.dtype(), T, [&] {
+      const dim3 grid(static_cast<unsigned>((length + kRowTile - 1) / kRowTile),
+                      static_cast<unsigned>(kv_heads), static_cast<unsigned>(batch));
+      last_match_kernel<T>
+          <<<grid, kBlockThreads, 0, stream>>>(unit, length, head_dim, threshold, faithful, spared);
       KVSIFT_CUDA_CHECK(cudaGetLastError());
-    }
-    if (!fused) {
-      unit_key_partial_sums_kernel<T>
-          <<<grid(chunks), kBlockThreads, 0, stream>>>(unit, length, head_dim, partial);
-      KVSIFT_CUDA_CHECK(cudaGetLastError());
-    }
-    const std::size_t total_bytes = static_cast<std::size_t>(head_dim) * sizeof(float);
-    column_means_kernel<T>
-        <<<grid((length + kColumnsPerBlock - 1) / kColumnsPerBlock), kBlockThreads, total_bytes,
-           stream>>>(unit, spared, partial, chunks, length, head_dim, redundancy);
-    KVSIFT_CUDA_CHECK(cudaGetLastError());
-  });
+    });
+  }
+  launch_column_means(step, length, denom, spared, partial, redundancy, key_rows_vectorizable(step),
+                      stream);
   redundancy_softmax_kernel<<<static_cast<unsigned>(batch * kv_heads), kBlockThreads, 0, stream>>>(
       length, redundancy);
   KVSIFT_CUDA_CHECK(cudaGetLastError());
+  return logits_written;
 }
 
 }  // namespace kvsift::cuda::detail

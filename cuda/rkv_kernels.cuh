@@ -114,8 +114,19 @@ __device__ __forceinline__ UnitHead<T> unit_head(const UnitKeys& u, std::int64_t
 //   logits      [z, kv_heads, window, length − window] scratch: GQA-max logits
 //   pre_pool    [z, kv_heads, length − window] scratch: window-mean attention A
 //   importance  [z, kv_heads, length − window] output a
+// logits_ready: `logits` already holds the GQA-max logits (the one key pass wrote them), so only
+// the softmax, window mean and pooling run.
 void launch_window_importance(const StepView& step, int length, int kernel, float* logits,
-                              float* pre_pool, float* importance, cudaStream_t stream);
+                              float* pre_pool, float* importance, cudaStream_t stream,
+                              bool logits_ready = false);
+
+// The logit of a pad key (docs/algorithms.md §1.1 step 5).
+inline constexpr float kPadLogit = -1e9f;
+
+// True when the window logits may take the tensor-core path (cuda/window_importance.cu): 16-bit
+// storage, group · window <= 64 query rows, head_dim <= 128 and a multiple of 8, rows of keys and
+// queries on 16-byte boundaries in every layer. Requires step.queries.
+bool mma_logits_supported(const StepView& step, int group, int window);
 
 // Key redundancy R over all `length` tokens (docs/algorithms.md §1.2 steps 1–5, before the slice)
 // of every sequence z = layer · batch + b of the step.
@@ -126,9 +137,48 @@ void launch_window_importance(const StepView& step, int length, int kernel, floa
 //   spared      [z, kv_heads, length] scratch: fixed-point sums of spared cosines per column
 //   partial     [z, kv_heads, key_sum_chunks(length), head_dim] scratch: sums of k̂ per chunk
 //   redundancy  [z, kv_heads, length] output R
-void launch_key_redundancy(const StepView& step, int length, float threshold, bool faithful,
+//   window_logits  [z, kv_heads, window, length − window] or nullptr: see launch_key_pass.
+// Returns true when it wrote `window_logits`.
+bool launch_key_redundancy(const StepView& step, int length, float threshold, bool faithful,
                            float* denom, void* unit16, int* tc_reached, unsigned long long* spared,
-                           float* partial, float* redundancy, cudaStream_t stream);
+                           float* partial, float* redundancy, cudaStream_t stream,
+                           float* window_logits = nullptr);
+
+// The one pass over the keys (cuda/key_pass.cu): for every row of every sequence of the step its
+// divisor ||K|| + 1e-8 (0: pad), the bf16 unit key when unit16 is not null, and the per-chunk sums
+// of the unit keys, reading each key once with 16-byte accesses. Layouts as launch_key_redundancy's
+// scratch above:
+//   denom    [z, kv_heads, length]
+//   unit16   [z, kv_heads, length, tc_row_pitch(head_dim)] bf16, or nullptr
+//   partial  [z, kv_heads, key_sum_chunks(length), head_dim]
+// Returns false, having enqueued nothing, when the keys' layout does not allow 16-byte accesses
+// (head_dim not a multiple of 8 or above 256, a stride or base not 16-byte aligned, unit16 not
+// 16-byte aligned); the caller then runs the scalar kernels of key_redundancy.cu.
+// With `window_logits` [z, kv_heads, window, length − window] not null, step.queries set and
+// mma_logits_supported, the same pass also writes the window logits (§1.1 steps 1 and 5: GQA max
+// of q·k / sqrt(D), pads −1e9) bit for bit as launch_window_importance computes them, and sets
+// *logits_written (when given) to true; otherwise to false.
+bool launch_key_pass(const StepView& step, int length, float* denom, void* unit16, float* partial,
+                     cudaStream_t stream, float* window_logits = nullptr,
+                     bool* logits_written = nullptr);
+
+// True when the step's keys allow 16-byte row accesses (cuda/key_vec.cuh): head_dim a multiple of
+// 8 and at most 256, every layer's base and the batch, head and slot strides 16-byte aligned.
+bool key_rows_vectorizable(const StepView& step);
+
+// The scalar kernels launch_key_pass replaced (one warp per row, 2-byte reads), same outputs and
+// layouts; they serve the layouts it refuses, and the tests and benchmark compare against them.
+void launch_key_rows_scalar(const StepView& step, int length, float* denom, void* unit16,
+                            float* partial, cudaStream_t stream);
+
+// rbar_j = (total·k̂_j − k̂_j·k̂_j − spared_j) / S (docs/algorithms.md §1.2 step 4), total = the
+// chunk partials added in chunk order; `vectorized` (requires key_rows_vectorizable) reads the
+// rows with 16-byte accesses, otherwise one warp per row with 2-byte reads.
+//   denom [z, kv_heads, length]; spared [z, kv_heads, length] 32.32 fixed point;
+//   partial [z, kv_heads, key_sum_chunks(length), head_dim]; rbar [z, kv_heads, length]
+void launch_column_means(const StepView& step, int length, const float* denom,
+                         const unsigned long long* spared, const float* partial, float* rbar,
+                         bool vectorized, cudaStream_t stream);
 
 // The tensor-core last-match search (cuda/key_redundancy_tc.cu) handles head_dim <= 128 that are
 // multiples of 4; for others launch_key_redundancy uses the fp32 search.

@@ -208,10 +208,14 @@ void enqueue_scores(const StepView& step, const RKVConfig& cfg, const CallShape&
   float* a = importance != nullptr ? importance : w.importance;
   float* r = redundancy != nullptr ? redundancy : w.redundancy;
   const int length = static_cast<int>(s.length);
-  launch_window_importance(step, length, cfg.kernel, w.logits, w.pre_pool, a, stream);
+  // The key redundancy first: its one pass over the keys also writes the window logits when the
+  // tensor-core logits apply, so the importance then reads them instead of the keys again. The
+  // two use disjoint scratch, so the order changes no result.
   const bool faithful = cfg.redundancy == RedundancyMode::faithful;
-  launch_key_redundancy(step, length, cfg.threshold, faithful, w.denom, w.unit16, w.tc_reached,
-                        w.spared, w.key_sums, r, stream);
+  const bool logits_ready =
+      launch_key_redundancy(step, length, cfg.threshold, faithful, w.denom, w.unit16, w.tc_reached,
+                            w.spared, w.key_sums, r, stream, w.logits);
+  launch_window_importance(step, length, cfg.kernel, w.logits, w.pre_pool, a, stream, logits_ready);
   launch_joint_score(a, r, static_cast<int>(s.rows()), static_cast<int>(s.n()), length,
                      cfg.mix_lambda, score, stream);
 }

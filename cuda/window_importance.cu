@@ -6,6 +6,8 @@
 //      gqa_logits_mma_kernel (16-bit storage: tensor cores, the common case) or gqa_logits_kernel
 //      (fp32 storage and the shapes the first does not take: fp32 FMAs, each thread owning 8
 //      (g, w) query rows × 4 keys in registers, keys staged transposed in shared memory).
+//      When the R-KV scoring's one pass over the keys (key_pass.cu) already wrote them, with
+//      gqa_logits_mma_kernel's very arithmetic, this step is skipped (logits_ready).
 //   2. window_softmax_pool_kernel: one block per (b, h) row: softmax statistics per window row,
 //      the window mean A, then the max pool (edges: over the entries that exist).
 #include <cmath>
@@ -26,7 +28,6 @@ constexpr int kKeyTile = 128;  // keys per block: one warp spans the tile, 4 key
 constexpr int kDimChunk = 16;  // head_dim slice staged in shared memory at a time
 constexpr int kRowSlots = 8;   // query rows (g, w) a thread accumulates at once
 constexpr int kKeyTilePitch = kKeyTile + 4;  // keeps every transposed row 16-byte aligned
-constexpr float kPadLogit = -1e9f;           // docs/algorithms.md §1.1 step 5
 
 struct KeyStrides {  // in elements
   std::int64_t h, s;
@@ -287,8 +288,14 @@ __global__ void __launch_bounds__(kBlockThreads)
   }
 }
 
-// gqa_logits_mma_kernel takes 16-bit storage, G·W <= 64 rows, head_dim <= 128 in whole 16-byte
-// chunks, and rows that start on 16-byte boundaries in every layer.
+int pow2_at_least(int x) {
+  int p = 1;
+  while (p < x) p *= 2;
+  return p;
+}
+
+}  // namespace
+
 bool mma_logits_supported(const StepView& step, int group, int window) {
   const KVCacheView& kv = step.first();
   const TensorView& q = step.queries[0];
@@ -304,16 +311,9 @@ bool mma_logits_supported(const StepView& step, int group, int window) {
   return ok;
 }
 
-int pow2_at_least(int x) {
-  int p = 1;
-  while (p < x) p *= 2;
-  return p;
-}
-
-}  // namespace
-
 void launch_window_importance(const StepView& step, int length, int kernel, float* logits,
-                              float* pre_pool, float* importance, cudaStream_t stream) {
+                              float* pre_pool, float* importance, cudaStream_t stream,
+                              bool logits_ready) {
   const KVCacheView& kv = step.first();
   const TensorView& queries = step.queries[0];
   const int sequences = step.sequences(), kv_heads = static_cast<int>(kv.kv_heads());
@@ -329,7 +329,9 @@ void launch_window_importance(const StepView& step, int length, int kernel, floa
   const dim3 grid(static_cast<unsigned>((n + kKeyTile - 1) / kKeyTile),
                   static_cast<unsigned>(kv_heads), static_cast<unsigned>(sequences));
   const StepBases kb = key_bases(step), qb = query_bases(step);
-  if (mma_logits_supported(step, group, window)) {
+  if (logits_ready) {
+    // The one key pass wrote them (key_pass.cu), with this file's tensor-core arithmetic.
+  } else if (mma_logits_supported(step, group, window)) {
     const dim3 mma_grid(static_cast<unsigned>((n + kMmaKeyTile - 1) / kMmaKeyTile),
                         static_cast<unsigned>(kv_heads), static_cast<unsigned>(sequences));
     auto launch = [&](auto tag) {
