@@ -78,8 +78,8 @@ struct Step {
                                                   random_values<T>(cache, 0.0f, rng),
                                                   random_values<T>(q, 0.0f, rng)));
     std::vector<std::uint8_t> m(std::size_t(s.B) * s.S, 1);
-    for (int b = 0; b < s.B; ++b)  // sequence b has 23·b left pads
-      for (int i = 0; i < 23 * b; ++i) m[std::size_t(b) * s.S + i] = 0;
+    for (int b = 0; b < s.B; ++b)  // sequence b has 23·b left pads (at most half the cache)
+      for (int i = 0; i < std::min(23 * b, s.S / 2); ++i) m[std::size_t(b) * s.S + i] = 0;
     mask.upload(m);
   }
   KVCacheView kv(int l) {
