@@ -90,9 +90,9 @@ KeepPlan fake_plan(const KVCacheView& kv, int budget) {
   FakeRows rows;
   for (std::int64_t b = 0; b < kv.batch(); ++b)
     for (std::int64_t h = 0; h < kv.kv_heads(); ++h)
-      plan.append_row(src[b] <= budget ? all.data()
-                                       : rows.row(src[b] - kWindow, budget - kWindow, b, h),
-                      kept[b]);
+      plan.append_row(
+          src[b] <= budget ? all.data() : rows.row(src[b] - kWindow, budget - kWindow, b, h),
+          kept[b]);
   return plan;
 }
 
@@ -223,8 +223,9 @@ struct Fixture {
     for (float& x : hidden) x = nd(rng);
     for (int l = 0; l < kLayers; ++l) layers.emplace_back(batch, l);
     for (int l = 0; l < kLayers; ++l) views.push_back(layers[l].view);
-    queries.assign(kLayers, TensorView::contiguous(reinterpret_cast<void*>(std::uintptr_t{1} << 39),
-                                                   DType::bf16, Device::cuda, {batch, kHeads, kWindow, 1}));
+    queries.assign(kLayers,
+                   TensorView::contiguous(reinterpret_cast<void*>(std::uintptr_t{1} << 39),
+                                          DType::bf16, Device::cuda, {batch, kHeads, kWindow, 1}));
     observe(0, kPrompt);
     step();  // the prompt's compression: 16K tokens down to the budget
   }
@@ -259,7 +260,8 @@ struct Fixture {
     const SegmentTable& t = policy.segments(0);
     for (std::int64_t b = 0; b < batch; ++b)
       for (std::int64_t h = 0; h < kHeads; ++h)
-        n += static_cast<std::int64_t>(t.penalty_ranges(0, b, h, policy.tracker(b).sentences()).size());
+        n += static_cast<std::int64_t>(
+            t.penalty_ranges(0, b, h, policy.tracker(b).sentences()).size());
     return n;
   }
 };

@@ -283,7 +283,8 @@ class CudaBackend final : public DeviceBackend {
     const int budget = cfg.rkv.budget;
     const std::int64_t batch = kv0.batch(), heads = kv0.kv_heads(), rows = batch * heads;
     const std::size_t slot_count = static_cast<std::size_t>(n_layers) *
-                                   static_cast<std::size_t>(rows) * static_cast<std::size_t>(budget);
+                                   static_cast<std::size_t>(rows) *
+                                   static_cast<std::size_t>(budget);
     out.row_stride = budget;
     out.kept.assign(kv0.lengths, kv0.lengths + batch);
     out.slots.resize(slot_count);

@@ -419,7 +419,7 @@ TEST_CASE("SkipKV's one-call device step equals select + compact per layer, rang
   FakeBackend& be = fake();
   const int n = 3;
   std::mt19937 rng(77), rng2(77), obs(5), kv_rng(6);
-  StepCaches oracle(n, rng);  // host views, per-layer select + compact, each layer its own mask
+  StepCaches oracle(n, rng);    // host views, per-layer select + compact, each layer its own mask
   StepCaches stepped(n, rng2);  // device views, one compress_step over a shared mask
   SkipKV host(sentence_config()), dev(sentence_config());
   observe_sentences({&host, &dev}, 0, 48, 3, obs);

@@ -263,8 +263,9 @@ class SkipKV final : public Policy {
     KVSIFT_CHECK(static_cast<std::int64_t>(out.kept.size()) == batch() && out.row_stride > 0 &&
                      out.slots.size() >= static_cast<std::size_t>(n_layers * rows) *
                                              static_cast<std::size_t>(out.row_stride),
-                 "SkipKV::compress_step: the backend returned ", out.kept.size(), " kept counts and ",
-                 out.slots.size(), " slots for ", n_layers, " layers of ", rows, " rows");
+                 "SkipKV::compress_step: the backend returned ", out.kept.size(),
+                 " kept counts and ", out.slots.size(), " slots for ", n_layers, " layers of ",
+                 rows, " rows");
     // §2.3 after eviction. A NaN sequence was left as it was: it kept everything.
     std::vector<std::int32_t> kept(out.kept);
     std::string nan_rows;
