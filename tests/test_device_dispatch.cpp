@@ -50,7 +50,10 @@ class FakeBackend final : public DeviceBackend {
  public:
   mutable int copies = 0, compacts = 0, rkv_selects = 0, skipkv_selects = 0, rkv_steps = 0,
               skipkv_steps = 0;
-  mutable int nan_sequence = -1;  // skipkv_compress_step reports this sequence as NaN once
+  mutable int nan_sequence = -1;
+  // The penalty bound of the last skipkv_step_workspace_bytes: the step's CSR must fit in it.
+  mutable std::int64_t last_max_ranges =
+      -1;  // skipkv_compress_step reports this sequence as NaN once
 
   std::size_t compact_workspace_bytes(const KeepPlan&) const override { return 11; }
   std::size_t compact_workspace_bound(const KVCacheView&) const override { return 13; }
@@ -77,7 +80,8 @@ class FakeBackend final : public DeviceBackend {
   }
   std::size_t skipkv_step_workspace_bytes(const KVCacheView*, const TensorView*, int,
                                           const SentenceScorerConfig&,
-                                          std::int64_t) const override {
+                                          std::int64_t max_ranges) const override {
+    last_max_ranges = max_ranges;
     return 8765;
   }
   // The fake's SkipKV step: every layer planned on the host from its rows of the step's CSR (the
@@ -92,6 +96,8 @@ class FakeBackend final : public DeviceBackend {
                        rows = batch * heads;
     REQUIRE(pen.layers == n);
     REQUIRE(pen.indptr.size() == static_cast<std::size_t>(n * rows + 1));
+    if (last_max_ranges >= 0)
+      CHECK(static_cast<std::int64_t>(pen.ranges.size()) <= last_max_ranges);
     std::vector<KeepPlan> plans;
     for (int l = 0; l < n; ++l) {
       SentencePenalties lists(static_cast<std::size_t>(rows));

@@ -230,22 +230,6 @@ class SegmentTable {
     std::int64_t frontier = 0;  // first cache slot past every mapped sentence (after evictions)
   };
 
-  // First element of the ascending [first, last) that is not `less` than x, searched from the
-  // front outward (exponential steps, then binary within the last step): the cost grows with the
-  // log of the distance to the answer, not of the row, which is what makes remapping a head's
-  // ~hundreds of ascending ranges cheap. Same answer as std::lower_bound / std::upper_bound.
-  template <class Less>
-  static const std::int32_t* gallop(const std::int32_t* first, const std::int32_t* last,
-                                    std::int64_t x, Less less) {
-    std::ptrdiff_t step = 1;
-    while (last - first > step && less(first[step - 1], x)) {
-      first += step;
-      step <<= 1;
-    }
-    return std::partition_point(first, std::min(first + step, last),
-                                [&](std::int32_t v) { return less(v, x); });
-  }
-
   // Marks the head evicted on its first plan: everything not yet mapped starts where the next
   // sentence would.
   void begin_eviction(Head& head, std::int64_t b) const {
@@ -254,59 +238,58 @@ class SegmentTable {
     head.evicted = true;
   }
 
-  // First element of [first, last) that is not `less` than x, by walking: cheaper than any
-  // search when the answers lie a few slots apart (every range of a head with hundreds of them).
+  // First element of the ascending [first, last) that is not `less` than x, for answers near
+  // `first`: strides of 16 until the answer is within one, then a branchless binary search of
+  // those 16 (conditional moves, no mispredicted branches). Remapping a head's ranges asks
+  // hundreds of such questions per row, each a few slots past the last answer. Same answer as
+  // std::lower_bound (less = <) or std::upper_bound (less = <=).
   template <class Less>
-  static const std::int32_t* walk(const std::int32_t* first, const std::int32_t* last,
-                                  std::int64_t x, Less less) {
-    while (first != last && less(*first, x)) ++first;
-    return first;
+  static const std::int32_t* search_near(const std::int32_t* first, const std::int32_t* last,
+                                         std::int64_t x, Less less) {
+    constexpr std::ptrdiff_t kSpan = 16;
+    while (last - first > kSpan && less(first[kSpan - 1], x)) first += kSpan;
+    std::ptrdiff_t n = std::min(kSpan, last - first);
+    if (n == 0) return first;
+    while (n > 1) {
+      const std::ptrdiff_t half = n / 2;
+      first = less(first[half], x) ? first + half : first;
+      n -= half;
+    }
+    return first + (less(*first, x) ? 1 : 0);
   }
 
-  // §2.3 after eviction for one head, P = p[0 .. n) ascending. The ranges are ascending and
-  // disjoint, so each search starts where the previous one ended: a walk over P when the head
-  // has many ranges (one pass over the row in all), galloping when it has few.
+  // §2.3 after eviction for one head, P = p[0 .. n) ascending: lo' = lower_bound(P, lo),
+  // hi' = upper_bound(P, hi) - 1 for every range. The ranges are ascending and disjoint, so each
+  // search starts where the previous one ended; sentences usually tile the sequence (lo = the
+  // previous hi + 1), and then lo' is that very position.
   void remap_head(std::int64_t layer, std::int64_t b, std::int64_t h, const std::int32_t* p,
                   std::int64_t n) {
     Head& head = heads_[head_index(layer, b, h)];
     begin_eviction(head, b);
     const auto lt = [](std::int32_t v, std::int64_t x) { return v < x; };
     const auto le = [](std::int32_t v, std::int64_t x) { return v <= x; };
-    if (static_cast<std::int64_t>(head.ranges.size()) * 8 >= n) {
-      remap_ranges(head, p, n,
-                   [&](const std::int32_t* f, const std::int32_t* l, std::int64_t x, bool upper) {
-                     return upper ? walk(f, l, x, le) : walk(f, l, x, lt);
-                   });
-    } else {
-      remap_ranges(head, p, n,
-                   [&](const std::int32_t* f, const std::int32_t* l, std::int64_t x, bool upper) {
-                     return upper ? gallop(f, l, x, le) : gallop(f, l, x, lt);
-                   });
-    }
-    // The unmapped tail (the open sentence's kept tokens) starts after the kept slots that lay
-    // before it; equals the last surviving range's hi + 1 whenever nothing lies between.
-    head.frontier = std::lower_bound(p, p + n, head.frontier) - p;
-  }
-
-  // lo' = lower_bound(P, lo), hi' = upper_bound(P, hi) - 1 for every range, searching with
-  // find(first, last, x, upper) from where the previous range ended.
-  template <class Find>
-  static void remap_ranges(Head& head, const std::int32_t* p, std::int64_t n, Find find) {
     const std::int32_t* const p_end = p + n;
-    const std::int32_t* cur = p;  // every slot before it lies below the previous range's hi + 1
+    // upper_bound(P, prev_hi) = lower_bound(P, prev_hi + 1); P = p (slots >= 0) for prev_hi = -1
+    const std::int32_t* cur = p;
     std::int64_t prev_hi = -1;
     std::size_t kept = 0;
     for (const CacheRange& r : head.ranges) {
       // Start points are only taken when the ranges are ordered as append() keeps them, so the
       // answers are lower_bound / upper_bound over the whole row whatever the table holds.
-      const std::int32_t* lo_it = find(r.lo > prev_hi ? cur : p, p_end, r.lo, false);
-      const std::int32_t* hi_it = find(r.hi >= r.lo ? lo_it : p, p_end, r.hi, true);
+      const std::int32_t* lo_it = r.lo == prev_hi + 1 ? cur
+                                  : r.lo > prev_hi    ? search_near(cur, p_end, r.lo, lt)
+                                                      : std::lower_bound(p, p_end, r.lo);
+      const std::int32_t* hi_it =
+          r.hi >= r.lo ? search_near(lo_it, p_end, r.hi, le) : std::upper_bound(p, p_end, r.hi);
       cur = hi_it;
       prev_hi = r.hi;
       const std::int64_t lo = lo_it - p, hi = (hi_it - p) - 1;
       if (lo <= hi) head.ranges[kept++] = CacheRange{r.sentence, lo, hi};
     }
     head.ranges.resize(kept);
+    // The unmapped tail (the open sentence's kept tokens) starts after the kept slots that lay
+    // before it; equals the last surviving range's hi + 1 whenever nothing lies between.
+    head.frontier = std::lower_bound(p, p_end, head.frontier) - p;
   }
 
   // remap_head() with P = 0 .. source - 1 (the head kept everything): ranges stay, the frontier

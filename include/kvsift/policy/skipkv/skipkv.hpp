@@ -215,11 +215,25 @@ class SkipKV final : public Policy {
                                    int n_layers) const override {
     if (!one_device_step(layers, queries, n_layers))
       return Policy::step_workspace_bytes(layers, queries, n_layers);
-    // As workspace_bytes(): every closed sentence a penalty range in every head of every layer.
+    // Penalty ranges the step can plan: per (layer, b, h) the ranges mapped now plus the
+    // sentences closed since that layer's last append (every closed sentence for a layer not
+    // planned yet), whichever of them the trigger marks.
     std::int64_t ranges = 0;
-    for (std::int64_t b = 0; b < layers[0].batch() && b < batch(); ++b)
-      ranges += trackers_[b].num_sentences();
-    ranges *= layers[0].kv_heads() * n_layers;
+    const std::int64_t heads = layers[0].kv_heads();
+    for (int l = 0; l < n_layers; ++l)
+      for (std::int64_t b = 0; b < layers[0].batch() && b < batch(); ++b) {
+        const std::int64_t closed = trackers_[b].num_sentences();
+        const bool known = static_cast<std::size_t>(l) < layers_.size() && layers_[l] &&
+                           layers_[l]->table.kv_heads() == heads;
+        if (!known) {
+          ranges += closed * heads;
+          continue;
+        }
+        const SegmentTable& t = layers_[l]->table;
+        const std::int64_t fresh = std::max<std::int64_t>(closed - t.sentences_appended(0, b), 0);
+        for (std::int64_t h = 0; h < heads; ++h)
+          ranges += static_cast<std::int64_t>(t.ranges(0, b, h).size()) + fresh;
+      }
     return device_backend().skipkv_step_workspace_bytes(layers, queries, n_layers, cfg_.scorer,
                                                         ranges);
   }
