@@ -98,6 +98,7 @@ class FakeBackend final : public DeviceBackend {
     REQUIRE(pen.indptr.size() == static_cast<std::size_t>(n * rows + 1));
     if (last_max_ranges >= 0)
       CHECK(static_cast<std::int64_t>(pen.ranges.size()) <= last_max_ranges);
+    last_max_ranges = -1;  // a bound holds for the step it was asked for
     std::vector<KeepPlan> plans;
     for (int l = 0; l < n; ++l) {
       SentencePenalties lists(static_cast<std::size_t>(rows));
