@@ -3,12 +3,15 @@
 // sentences per sequence, redundancy marks from small hidden states).
 //
 // The GPU is replaced by a bench-local DeviceBackend whose "device memory" is never touched: its
-// selection writes a cheap deterministic plan (a strided thinning of the candidates, different
-// per head, O(budget) per row) and its compaction only rewrites the lengths. What is timed is
-// therefore SkipKV's own bookkeeping (range maps before and after eviction, penalty lists,
-// plan handling) plus the plan rows the fake writes, which BM_FakeRowsOnly times alone so the
-// bookkeeping is the difference. Each timed iteration is one steady-state step: 128 decode tokens
-// observed (untimed), then compress_step() over all 32 layers.
+// selection hands back a cheap deterministic plan (a strided thinning of the candidates, 64
+// patterns copied row by row, as a download would) and its compaction only rewrites the lengths.
+// What is timed is therefore SkipKV's own bookkeeping (range maps before and after eviction,
+// penalties, plan handling) plus the rows the fake writes (BM_FakeRowsOnly: the per-layer path's
+// KeepPlans alone). Each timed iteration is one steady-state step: 128 decode tokens observed
+// (untimed), then the step over all 32 layers: range(2) = 0 the one-call SkipKV::compress_step,
+// 1 the per-layer path (Policy::compress_step: select + compact of each layer). Built with
+// -DKVSIFT_BENCH_BEFORE_STEP against headers without the one-call step, both rows time the
+// per-layer path (the "before" of bench/RESULTS.md).
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
