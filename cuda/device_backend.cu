@@ -10,6 +10,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -81,9 +82,79 @@ StepLayout step_layout(const KVCacheView* layers, const TensorView* queries, int
   return w;
 }
 
+// skipkv_compress_step's workspace: [slot rows of every layer | kept lengths | penalty CSR of
+// every layer (indptr, ranges) | selection scratch of one layer]. The layers are selected one
+// after the other (each its own launches, no host wait between them), so one layer's scratch is
+// reused; the penalties are uploaded once for the step.
+struct SkipKVStepLayout {
+  std::size_t slots_b = 0, lengths_b = 0, indptr_b = 0, ranges_b = 0, scratch_b = 0;
+  std::size_t total() const { return slots_b + lengths_b + indptr_b + ranges_b + scratch_b; }
+};
+SkipKVStepLayout skipkv_step_layout(const KVCacheView* layers, const TensorView* queries,
+                                    int n_layers, const SentenceScorerConfig& cfg,
+                                    std::int64_t ranges) {
+  const char* op = "DeviceBackend::skipkv_compress_step";
+  KVSIFT_CHECK(n_layers >= 1 && n_layers <= 128, op, ": n_layers (", n_layers,
+               ") must be in [1, 128]; call once per group of layers");
+  KVSIFT_CHECK(layers != nullptr && queries != nullptr, op, ": layers or queries is null");
+  KVSIFT_CHECK(ranges >= 0, op, ": penalty range count (", ranges, ") must be >= 0");
+  const KVCacheView& kv0 = layers[0];
+  kv0.validate();
+  const std::int64_t rows = std::max<std::int64_t>(kv0.batch() * kv0.kv_heads(), 1);
+  SkipKVStepLayout w;
+  w.slots_b = align_up(static_cast<std::size_t>(n_layers) * static_cast<std::size_t>(rows) *
+                       static_cast<std::size_t>(cfg.rkv.budget) * sizeof(std::int32_t));
+  w.lengths_b = align_up(static_cast<std::size_t>(std::max<std::int64_t>(kv0.batch(), 1)) *
+                         sizeof(std::int32_t));
+  w.indptr_b = align_up((static_cast<std::size_t>(n_layers) * static_cast<std::size_t>(rows) + 1) *
+                        sizeof(std::int64_t));
+  w.ranges_b = align_up(static_cast<std::size_t>(ranges) * sizeof(PenaltyRange));
+  for (int l = 0; l < n_layers; ++l) {
+    const KVCacheView& kv = layers[l];
+    kv.validate();
+    KVSIFT_CHECK(kv.keys.shape == kv0.keys.shape && kv.dtype() == kv0.dtype() &&
+                     kv.keys.stride == kv0.keys.stride && kv.values.stride == kv0.values.stride,
+                 op, ": layer ", l, " keys ", kv.keys.shape_string(),
+                 " differ from layer 0's in shape, dtype or strides");
+    KVSIFT_CHECK(kv.valid_mask == kv0.valid_mask, op, ": layer ", l,
+                 " valid_mask differs from layer 0's (the mask is per sequence: one for all "
+                 "layers)");
+    for (std::int64_t b = 0; b < kv0.batch(); ++b)
+      KVSIFT_CHECK(kv.length(b) == kv0.length(b), op, ": layer ", l, " holds ", kv.length(b),
+                   " tokens of sequence ", b, ", layer 0 ", kv0.length(b),
+                   " (one step compresses layers of equal lengths)");
+    w.scratch_b = std::max(w.scratch_b, cuda::skipkv_workspace_bytes(kv, queries[l], cfg));
+  }
+  return w;
+}
+
+// The step's penalties: made for these layers, a CSR whose ranges build_penalty_csr() would
+// accept (0 <= lo <= hi, finite λ).
+void check_step_penalties(const StepPenalties& p, const KVCacheView& kv0, int n_layers,
+                          const char* op) {
+  KVSIFT_CHECK(p.layers == n_layers && p.batch == kv0.batch() && p.kv_heads == kv0.kv_heads(), op,
+               ": penalties were built for layers=", p.layers, ", batch=", p.batch,
+               ", kv_heads=", p.kv_heads, " but the step has layers=", n_layers,
+               ", batch=", kv0.batch(), ", kv_heads=", kv0.kv_heads());
+  const std::size_t rows = static_cast<std::size_t>(n_layers * kv0.batch() * kv0.kv_heads());
+  KVSIFT_CHECK(p.indptr.size() == rows + 1 && p.indptr[0] == 0 &&
+                   p.indptr[rows] == static_cast<std::int64_t>(p.ranges.size()),
+               op, ": penalty indptr has ", p.indptr.size(), " entries (", rows + 1,
+               " expected) and must run from 0 to the ", p.ranges.size(), " ranges");
+  for (std::size_t r = 0; r < rows; ++r)
+    KVSIFT_CHECK(p.indptr[r] <= p.indptr[r + 1], op, ": penalty indptr decreases at row ", r);
+  for (std::size_t i = 0; i < p.ranges.size(); ++i) {
+    const PenaltyRange& q = p.ranges[i];
+    KVSIFT_CHECK(q.lo >= 0 && q.lo <= q.hi && std::isfinite(q.lambda), op, ": penalty range ", i,
+                 " [", q.lo, ", ", q.hi, "] lambda ", q.lambda,
+                 " must have 0 <= lo <= hi and a finite lambda");
+  }
+}
+
 // The backend's own layouts, carved from ctx.workspace in this order:
 //   rkv_select     [slot rows | rkv scratch]
 //   skipkv_select  [slot rows | penalty CSR | skipkv scratch]
+//   skipkv_compress_step  see SkipKVStepLayout
 class CudaBackend final : public DeviceBackend {
  public:
   std::size_t compact_workspace_bytes(const KeepPlan& plan) const override {
@@ -193,6 +264,84 @@ class CudaBackend final : public DeviceBackend {
     cuda::skipkv_select(kv, queries, cfg, d_pen, slots, nullptr, base + slots_b + pen_b,
                         ctx.workspace_bytes - slots_b - pen_b, stream_of(ctx));
     return download_keep_plan(kv, slots, cfg.rkv.budget, cfg.rkv.window, stream_of(ctx));
+  }
+
+  std::size_t skipkv_step_workspace_bytes(const KVCacheView* layers, const TensorView* queries,
+                                          int n_layers, const SentenceScorerConfig& cfg,
+                                          std::int64_t max_ranges) const override {
+    return skipkv_step_layout(layers, queries, n_layers, cfg, max_ranges).total();
+  }
+  void skipkv_compress_step(const KVCacheView* layers, const TensorView* queries, int n_layers,
+                            const SentenceScorerConfig& cfg, const StepPenalties& penalties,
+                            SkipKVStepRows& out, const ExecContext& ctx) const override {
+    const char* op = "DeviceBackend::skipkv_compress_step";
+    // Everything is validated before anything is enqueued: an error leaves every cache as it was.
+    const SkipKVStepLayout w = skipkv_step_layout(
+        layers, queries, n_layers, cfg, static_cast<std::int64_t>(penalties.ranges.size()));
+    const KVCacheView& kv0 = layers[0];
+    check_step_penalties(penalties, kv0, n_layers, op);
+    const int budget = cfg.rkv.budget;
+    const std::int64_t batch = kv0.batch(), heads = kv0.kv_heads(), rows = batch * heads;
+    const std::size_t slot_count = static_cast<std::size_t>(n_layers) *
+                                   static_cast<std::size_t>(rows) *
+                                   static_cast<std::size_t>(budget);
+    out.row_stride = budget;
+    out.kept.assign(kv0.lengths, kv0.lengths + batch);
+    out.slots.resize(slot_count);
+    if (!any_over_budget(kv0, budget)) {  // §1.3: nothing moves; every row keeps 0 .. S_b - 1
+      for (std::int64_t r = 0; r < n_layers * rows; ++r) {
+        std::int32_t* row = out.slots.data() + r * budget;
+        for (std::int32_t i = 0; i < kv0.length(r % rows / heads); ++i) row[i] = i;
+      }
+      return;
+    }
+    KVSIFT_CHECK(ctx.workspace != nullptr && ctx.workspace_bytes >= w.total(), op,
+                 ": workspace of ", ctx.workspace_bytes, " bytes is too small (", w.total(),
+                 " needed)");
+    char* base = static_cast<char*>(ctx.workspace);
+    auto* slots = reinterpret_cast<std::int32_t*>(base);
+    auto* new_lengths = reinterpret_cast<std::int32_t*>(base + w.slots_b);
+    auto* d_indptr = reinterpret_cast<std::int64_t*>(base + w.slots_b + w.lengths_b);
+    auto* d_ranges = reinterpret_cast<PenaltyRange*>(base + w.slots_b + w.lengths_b + w.indptr_b);
+    void* scratch = base + w.slots_b + w.lengths_b + w.indptr_b + w.ranges_b;
+    const cudaStream_t stream = stream_of(ctx);
+    const std::int64_t count = static_cast<std::int64_t>(penalties.ranges.size());
+    // `penalties` outlives the copies: the wait below comes before this returns.
+    if (count > 0) {
+      KVSIFT_CUDA_CHECK(cudaMemcpyAsync(d_indptr, penalties.indptr.data(),
+                                        penalties.indptr.size() * sizeof(std::int64_t),
+                                        cudaMemcpyHostToDevice, stream));
+      KVSIFT_CUDA_CHECK(cudaMemcpyAsync(d_ranges, penalties.ranges.data(),
+                                        penalties.ranges.size() * sizeof(PenaltyRange),
+                                        cudaMemcpyHostToDevice, stream));
+    }
+    // Select every layer (its rows of the indptr index the shared ranges absolutely), then
+    // compact them all at once: a sequence with a NaN row in any layer is left untouched in every
+    // layer.
+    for (int l = 0; l < n_layers; ++l) {
+      SentencePenaltiesDevice d;
+      d.batch = batch;
+      d.kv_heads = heads;
+      if (count > 0) {
+        d.count = count;
+        d.indptr = d_indptr + static_cast<std::int64_t>(l) * rows;
+        d.ranges = d_ranges;
+      }
+      cuda::skipkv_select(layers[l], queries[l], cfg, d, slots + l * rows * budget, nullptr,
+                          scratch, w.scratch_b, stream);
+    }
+    cuda::compact_device_rows_step(layers, n_layers, slots, budget, new_lengths, stream);
+    // The one wait of the step: kept counts and every layer's kept rows (the range maps' input).
+    KVSIFT_CUDA_CHECK(cudaMemcpyAsync(out.kept.data(), new_lengths,
+                                      out.kept.size() * sizeof(std::int32_t),
+                                      cudaMemcpyDeviceToHost, stream));
+    KVSIFT_CUDA_CHECK(cudaMemcpyAsync(out.slots.data(), slots, slot_count * sizeof(std::int32_t),
+                                      cudaMemcpyDeviceToHost, stream));
+    KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    for (std::int64_t b = 0; b < batch; ++b) {
+      if (out.kept[b] < 0) continue;  // NaN: left untouched, reported to the caller
+      for (int l = 0; l < n_layers; ++l) layers[l].lengths[b] = out.kept[b];
+    }
   }
 
   void copy_to_host(void* dst, const void* src, std::size_t bytes,

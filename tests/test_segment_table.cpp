@@ -1,5 +1,5 @@
-// SegmentTable (docs/algorithms.md §2.3): hand-built multi-step scenarios with every range worked out
-// on paper, a randomized comparison with a slot-by-slot simulation of the cache, the penalty
+// SegmentTable (docs/algorithms.md §2.3): hand-built multi-step scenarios with every range worked
+// out on paper, a randomized comparison with a slot-by-slot simulation of the cache, the penalty
 // lookup, and the error paths.
 #include <algorithm>
 #include <map>
@@ -117,6 +117,8 @@ struct CacheSim {
 };
 }  // namespace
 
+// Layer 0 takes its plans through apply_plan(), layer 1 through apply_rows() (a sequence that keeps
+// everything, early on, takes its identity path).
 TEST_CASE("random multi-step runs match a slot-by-slot simulation of the cache", "[segments]") {
   const std::int64_t L = 2, B = 2, H = 3;
   std::mt19937 rng(1234);
@@ -171,7 +173,17 @@ TEST_CASE("random multi-step runs match a slot-by-slot simulation of the cache",
             rows[b * H + h] = survivors;
           }
         }
-        table.apply_plan(l, plan);
+        if (l == 0) {
+          table.apply_plan(l, plan);
+        } else {  // the device step's form: fixed-stride rows, junk past each kept count
+          const std::int64_t stride = budget + 2;
+          std::vector<std::int32_t> flat(static_cast<std::size_t>(B * H * stride), -9);
+          for (std::int64_t b = 0; b < B; ++b)
+            for (std::int64_t h = 0; h < H; ++h)
+              std::copy(plan.row(b, h), plan.row(b, h) + plan.row_size(b, h),
+                        flat.begin() + (b * H + h) * stride);
+          table.apply_rows(l, flat.data(), stride, kept.data(), lens.data());
+        }
         // Compare every appended sentence in every head with the simulation.
         for (std::int64_t b = 0; b < B; ++b) {
           for (std::int64_t h = 0; h < H; ++h) {
@@ -197,6 +209,14 @@ TEST_CASE("random multi-step runs match a slot-by-slot simulation of the cache",
 }
 
 TEST_CASE("SegmentTable rejects bad shapes, plans and spans with clear errors", "[errors]") {
+  {
+    SegmentTable t(1, 1, 1);
+    const std::vector<std::int32_t> rows = {0, 1, 2}, kept = {4}, source = {10};
+    REQUIRE_THROWS_WITH(t.apply_rows(0, rows.data(), 3, kept.data(), source.data()),
+                        Catch::Matchers::Contains("sequence 0 keeps 4 of 10 tokens in rows of 3"));
+    REQUIRE_THROWS_WITH(t.apply_rows(1, rows.data(), 3, kept.data(), source.data()),
+                        Catch::Matchers::Contains("apply_rows: layer 1 outside [0, 1)"));
+  }
   REQUIRE_THROWS_WITH(SegmentTable(1, 0, 2), Catch::Matchers::Contains("batch (0)"));
   SegmentTable t(2, 1, 2);
   REQUIRE_THROWS_WITH(t.append(2, 0, {0, 3}, 10, 10),

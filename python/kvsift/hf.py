@@ -15,8 +15,8 @@ How it works (docs/python.md):
 - A wrapper around the decoder's forward runs after each step: it feeds the policy what it
   observes (SkipKV: the step's token ids and final-norm hidden states) and, once a sequence
   reaches budget + buffer, plans and compacts every layer in place in one call
-  (Policy.compress_step, torch's current stream; on CUDA, R-KV does all layers in one launch
-  sequence with one wait per step).
+  (Policy.compress_step, torch's current stream; on CUDA, R-KV and SkipKV do all layers in one
+  call with one wait per step).
 - Until a cache first compresses, its slots are exactly DynamicCache's (left pads in the first
   slots, the caller's attention mask untouched), so generation is token-identical. A compaction
   drops a compressed sequence's pads (kvsift's budget counts real tokens) and sequences may then
@@ -686,8 +686,9 @@ class KVSiftCache(_HFCache):
         self._refresh_valid(self.hf_layers[0])  # the mask all layers share
         wq = ([self._window_queries(i) for i in range(len(self.hf_layers))]
               if self.window > 0 else None)
-        # Every layer in one call: on CUDA, R-KV selects and compacts all layers in one launch
-        # sequence and waits once per step (the kept lengths), instead of once per layer.
+        # Every layer in one call: on CUDA, R-KV and SkipKV select and compact all layers in one
+        # call and wait once per step (the kept lengths; SkipKV also its kept rows), instead of
+        # once per layer.
         self.policy.compress_step([L.view for L in self.hf_layers], wq)
         kept = self.hf_layers[0].lengths.copy()
         for i, L in enumerate(self.hf_layers):

@@ -13,6 +13,8 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+#include <vector>
 
 #include "kvsift/config/rkv_config.hpp"
 #include "kvsift/config/sentence_scorer_config.hpp"
@@ -60,6 +62,33 @@ class DeviceBackend {
                                  const SentenceScorerConfig& cfg,
                                  const SentencePenalties& penalties,
                                  const ExecContext& ctx) const = 0;
+
+  // SkipKV's whole compression step (SkipKV::compress_step): every layer selected by eq. 6 with
+  // its own penalties, then all layers compacted in one launch sequence; one host wait per step,
+  // which downloads what the host range maps need: the kept count of every sequence and the kept
+  // slot rows of every layer. The layers share shape, strides, lengths and one padding mask.
+  //   layers     [n_layers] device caches; queries [n_layers] device window queries
+  //   penalties  rows (layer, b, h) of every layer, at most `max_ranges` ranges in all
+  //   out        kept [batch]: tokens each sequence keeps in every layer, -1 for a sequence with a
+  //              NaN score in some layer (left untouched in every layer, lengths not rewritten;
+  //              the caller raises). slots [n_layers, batch, kv_heads, row_stride = budget]:
+  //              row (l, b, h) holds its kept slots ascending in its first kept[b] entries (the
+  //              rest unspecified; rows of a kept[b] < 0 sequence are unspecified).
+  // Layers' host lengths are rewritten to the kept counts (NaN sequences excepted). An error
+  // raised before the wait leaves every cache untouched.
+  struct SkipKVStepRows {
+    std::vector<std::int32_t> kept;
+    std::vector<std::int32_t> slots;
+    int row_stride = 0;
+  };
+  virtual std::size_t skipkv_step_workspace_bytes(const KVCacheView* layers,
+                                                  const TensorView* queries, int n_layers,
+                                                  const SentenceScorerConfig& cfg,
+                                                  std::int64_t max_ranges) const = 0;
+  virtual void skipkv_compress_step(const KVCacheView* layers, const TensorView* queries,
+                                    int n_layers, const SentenceScorerConfig& cfg,
+                                    const StepPenalties& penalties, SkipKVStepRows& out,
+                                    const ExecContext& ctx) const = 0;
 
   // Copies `bytes` from device memory `src` to host memory `dst` on ctx.stream and waits for it
   // (work enqueued earlier on the stream finishes first), so the host may read `dst` on return.

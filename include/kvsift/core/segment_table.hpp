@@ -42,6 +42,15 @@ struct PenaltyRange {
 // [batch * kv_heads] lists of penalty ranges, one list per (sequence, KV head) row.
 using SentencePenalties = std::vector<std::vector<PenaltyRange>>;
 
+// The penalty ranges of every layer of one compression step, flat (a CSR): row
+// r = (layer * batch + b) * kv_heads + h owns ranges[indptr[r] .. indptr[r + 1]), in the order
+// SegmentTable::penalty_ranges lists them. Built on the host, uploaded to the device in one piece.
+struct StepPenalties {
+  std::int64_t layers = 0, batch = 0, kv_heads = 0;
+  std::vector<std::int64_t> indptr;  // [layers * batch * kv_heads + 1]
+  std::vector<PenaltyRange> ranges;  // [indptr.back()]
+};
+
 class SegmentTable {
  public:
   SegmentTable() = default;
@@ -148,26 +157,31 @@ class SegmentTable {
                  ", kv_heads=", kv_heads_, "]");
     KVSIFT_CHECK(plan.complete(), "SegmentTable::apply_plan: plan has only ", plan.rows_appended(),
                  " of ", batch_ * kv_heads_, " rows");
+    for (std::int64_t b = 0; b < batch_; ++b)
+      for (std::int64_t h = 0; h < kv_heads_; ++h)
+        remap_head(layer, b, h, plan.row(b, h), plan.row_size(b, h));
+  }
+
+  // apply_plan() for plans held as fixed-stride rows (the device step's download): row (b, h)
+  // is rows[(b * kv_heads + h) * row_stride ..], its first kept[b] entries the sorted kept slots.
+  // A sequence with kept[b] == source[b] keeps everything and its rows are not read (a sequence
+  // the step left untouched is passed that way).
+  //   rows    [batch, kv_heads, row_stride]
+  //   kept    [batch] kept slots per row;  source [batch] tokens each sequence held
+  void apply_rows(std::int64_t layer, const std::int32_t* rows, std::int64_t row_stride,
+                  const std::int32_t* kept, const std::int32_t* source) {
+    check_layer(layer, "apply_rows");
     for (std::int64_t b = 0; b < batch_; ++b) {
+      KVSIFT_CHECK(
+          kept[b] >= 0 && kept[b] <= source[b] && (kept[b] == source[b] || kept[b] <= row_stride),
+          "SegmentTable::apply_rows: sequence ", b, " keeps ", kept[b], " of ", source[b],
+          " tokens in rows of ", row_stride, " slots");
       for (std::int64_t h = 0; h < kv_heads_; ++h) {
-        const std::int32_t* p = plan.row(b, h);
-        const std::int32_t* p_end = p + plan.row_size(b, h);
-        Head& head = heads_[head_index(layer, b, h)];
-        if (!head.evicted) {
-          // First eviction: everything not yet mapped starts where the next sentence would.
-          head.frontier = head.ranges.empty() ? first_position_[b] : head.ranges.back().hi + 1;
-          head.evicted = true;
+        if (kept[b] == source[b]) {
+          keep_everything(layer, b, h, source[b]);
+        } else {
+          remap_head(layer, b, h, rows + (b * kv_heads_ + h) * row_stride, kept[b]);
         }
-        std::size_t kept = 0;
-        for (const CacheRange& r : head.ranges) {
-          const std::int64_t lo = std::lower_bound(p, p_end, r.lo) - p;
-          const std::int64_t hi = (std::upper_bound(p, p_end, r.hi) - p) - 1;
-          if (lo <= hi) head.ranges[kept++] = CacheRange{r.sentence, lo, hi};
-        }
-        head.ranges.resize(kept);
-        // The unmapped tail (the open sentence's kept tokens) starts after the kept slots that
-        // lay before it; equals the last surviving range's hi + 1 whenever nothing lies between.
-        head.frontier = std::lower_bound(p, p_end, head.frontier) - p;
       }
     }
   }
@@ -192,14 +206,21 @@ class SegmentTable {
   std::vector<PenaltyRange> penalty_ranges(std::int64_t layer, std::int64_t b, std::int64_t h,
                                            const std::vector<SentenceLike>& sentences) const {
     std::vector<PenaltyRange> out;
+    append_penalty_ranges(layer, b, h, sentences, out);
+    return out;
+  }
+  // The same ranges appended to `out` (a flat CSR under construction, no list per row).
+  template <class SentenceLike>
+  void append_penalty_ranges(std::int64_t layer, std::int64_t b, std::int64_t h,
+                             const std::vector<SentenceLike>& sentences,
+                             std::vector<PenaltyRange>& out) const {
+    const std::int64_t known = static_cast<std::int64_t>(sentences.size());
     for (const CacheRange& r : ranges(layer, b, h)) {
-      KVSIFT_CHECK(r.sentence < static_cast<std::int64_t>(sentences.size()),
-                   "SegmentTable::penalty_ranges: sentence ", r.sentence, " of sequence ", b,
-                   " is mapped but only ", sentences.size(), " sentences were given");
+      KVSIFT_CHECK(r.sentence < known, "SegmentTable::penalty_ranges: sentence ", r.sentence,
+                   " of sequence ", b, " is mapped but only ", known, " sentences were given");
       const float lambda = sentences[r.sentence].lambda;
       if (lambda >= 0.0f) out.push_back(PenaltyRange{r.lo, r.hi, lambda});
     }
-    return out;
   }
 
  private:
@@ -208,6 +229,83 @@ class SegmentTable {
     bool evicted = false;
     std::int64_t frontier = 0;  // first cache slot past every mapped sentence (after evictions)
   };
+
+  // Marks the head evicted on its first plan: everything not yet mapped starts where the next
+  // sentence would.
+  void begin_eviction(Head& head, std::int64_t b) const {
+    if (head.evicted) return;
+    head.frontier = head.ranges.empty() ? first_position_[b] : head.ranges.back().hi + 1;
+    head.evicted = true;
+  }
+
+  // First element of the ascending [first, last) that is not `less` than x, for answers near
+  // `first`: strides of 16 until the answer is within one, then a branchless binary search of
+  // those 16 (conditional moves, no mispredicted branches). Remapping a head's ranges asks
+  // hundreds of such questions per row, each a few slots past the last answer. Same answer as
+  // std::lower_bound (less = <) or std::upper_bound (less = <=).
+  template <class Less>
+  static const std::int32_t* search_near(const std::int32_t* first, const std::int32_t* last,
+                                         std::int64_t x, Less less) {
+    constexpr std::ptrdiff_t kSpan = 16;
+    while (last - first > kSpan && less(first[kSpan - 1], x)) first += kSpan;
+    std::ptrdiff_t n = std::min(kSpan, last - first);
+    if (n == 0) return first;
+    while (n > 1) {
+      const std::ptrdiff_t half = n / 2;
+      first = less(first[half], x) ? first + half : first;
+      n -= half;
+    }
+    return first + (less(*first, x) ? 1 : 0);
+  }
+
+  // §2.3 after eviction for one head, P = p[0 .. n) ascending: lo' = lower_bound(P, lo),
+  // hi' = upper_bound(P, hi) - 1 for every range. The ranges are ascending and disjoint, so each
+  // search starts where the previous one ended; sentences usually tile the sequence (lo = the
+  // previous hi + 1), and then lo' is that very position.
+  void remap_head(std::int64_t layer, std::int64_t b, std::int64_t h, const std::int32_t* p,
+                  std::int64_t n) {
+    Head& head = heads_[head_index(layer, b, h)];
+    begin_eviction(head, b);
+    const auto lt = [](std::int32_t v, std::int64_t x) { return v < x; };
+    const auto le = [](std::int32_t v, std::int64_t x) { return v <= x; };
+    const std::int32_t* const p_end = p + n;
+    // upper_bound(P, prev_hi) = lower_bound(P, prev_hi + 1); P = p (slots >= 0) for prev_hi = -1
+    const std::int32_t* cur = p;
+    std::int64_t prev_hi = -1;
+    std::size_t kept = 0;
+    for (const CacheRange& r : head.ranges) {
+      // Start points are only taken when the ranges are ordered as append() keeps them, so the
+      // answers are lower_bound / upper_bound over the whole row whatever the table holds.
+      const std::int32_t* lo_it = r.lo == prev_hi + 1 ? cur
+                                  : r.lo > prev_hi    ? search_near(cur, p_end, r.lo, lt)
+                                                      : std::lower_bound(p, p_end, r.lo);
+      const std::int32_t* hi_it =
+          r.hi >= r.lo ? search_near(lo_it, p_end, r.hi, le) : std::upper_bound(p, p_end, r.hi);
+      cur = hi_it;
+      prev_hi = r.hi;
+      const std::int64_t lo = lo_it - p, hi = (hi_it - p) - 1;
+      if (lo <= hi) head.ranges[kept++] = CacheRange{r.sentence, lo, hi};
+    }
+    head.ranges.resize(kept);
+    // The unmapped tail (the open sentence's kept tokens) starts after the kept slots that lay
+    // before it; equals the last surviving range's hi + 1 whenever nothing lies between.
+    head.frontier = std::lower_bound(p, p_end, head.frontier) - p;
+  }
+
+  // remap_head() with P = 0 .. source - 1 (the head kept everything): ranges stay, the frontier
+  // is clipped to the cache.
+  void keep_everything(std::int64_t layer, std::int64_t b, std::int64_t h, std::int64_t source) {
+    Head& head = heads_[head_index(layer, b, h)];
+    begin_eviction(head, b);
+    std::size_t kept = 0;
+    for (const CacheRange& r : head.ranges) {
+      const std::int64_t lo = std::min(std::max<std::int64_t>(r.lo, 0), source);
+      const std::int64_t hi = std::min(std::max<std::int64_t>(r.hi + 1, 0), source) - 1;
+      if (lo <= hi) head.ranges[kept++] = CacheRange{r.sentence, lo, hi};
+    }
+    head.ranges.resize(kept);
+    head.frontier = std::min(std::max<std::int64_t>(head.frontier, 0), source);
+  }
 
   std::size_t seq_index(std::int64_t layer, std::int64_t b) const {
     return static_cast<std::size_t>(layer * batch_ + b);

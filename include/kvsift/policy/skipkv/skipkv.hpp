@@ -172,50 +172,19 @@ class SkipKV final : public Policy {
   using Policy::select;
   KeepPlan select(const StepInputs& in, const ExecContext& ctx) override {
     const KVCacheView& kv = in.kv;
-    kv.validate();
-    KVSIFT_CHECK(observed_tokens_ || !any_over_budget(kv),
-                 "SkipKV needs observe() with the step's token ids (Observation layer -1: "
-                 "token_ids [batch, n], last_hidden [batch, n, hidden]) every step, prompt "
-                 "included; layer ",
-                 in.layer, " is over budget but no token was ever observed");
-    KVSIFT_CHECK(kv.batch() == batch(), "SkipKV::select: cache batch (", kv.batch(),
-                 ") != ", cfg_.batch > 0 ? "config batch (" : "sequences observed (", batch(), ")");
-    frozen_ = true;  // the range maps are sized now
-    KVSIFT_CHECK(in.layer >= 0 && in.layer < (cfg_.layers == 0 ? kMaxLayers : cfg_.layers),
-                 "SkipKV::select: layer ", in.layer, " outside [0, ",
-                 cfg_.layers == 0 ? kMaxLayers : cfg_.layers, ")");
-    if (kv_heads_ == 0) kv_heads_ = cfg_.kv_heads;
-    KVSIFT_CHECK(kv_heads_ == 0 || kv.kv_heads() == kv_heads_, "SkipKV::select: layer ", in.layer,
-                 " cache has ", kv.kv_heads(), " kv heads, expected ", kv_heads_);
-    kv_heads_ = kv.kv_heads();
-    LayerState& st = layer_state(in.layer);
-    if (kv.device() == Device::cpu) {
-      check_lengths(in.layer, kv, st);
-    } else {
-      HostStaging staging(ctx);  // the pad mask, for the first plan's pad check
-      check_lengths(in.layer, st.planned ? kv : staging.lengths_and_mask(kv), st);
-    }
-    if (pending_trigger_) begin_trigger();
-
+    LayerState& st = prepare_layer(in.layer, kv, ctx);
     const std::int64_t heads = kv.kv_heads();
     SentencePenalties penalties(static_cast<std::size_t>(batch() * heads));
-    for (std::int64_t b = 0; b < batch(); ++b) {
-      const SentenceTracker& t = trackers_[b];
-      // §2.3 before eviction: sentences closed since this layer's last eviction.
-      st.table.append_closed(0, b, t.sentences(), t.position(), kv.length(b));
+    for (std::int64_t b = 0; b < batch(); ++b)
       for (std::int64_t h = 0; h < heads; ++h)
-        penalties[b * heads + h] = st.table.penalty_ranges(0, b, h, t.sentences());
-    }
+        penalties[b * heads + h] = st.table.penalty_ranges(0, b, h, trackers_[b].sentences());
     KeepPlan plan =
         kv.device() == Device::cpu || !any_over_budget(kv)
             ? scorer_.select(kv, in.window_queries, penalties)
             : device_backend().skipkv_select(kv, in.window_queries, cfg_.scorer, penalties, ctx);
     // §2.3 after eviction, recorded now on the contract that the host applies the plan.
     st.table.apply_plan(0, plan);
-    for (std::int64_t b = 0; b < batch(); ++b) {
-      st.length_after_plan[b] = plan.kept_length(b);
-      st.position_at_plan[b] = trackers_[b].position();
-    }
+    for (std::int64_t b = 0; b < batch(); ++b) record_plan(st, b, plan.kept_length(b));
     st.planned = true;
     return plan;
   }
@@ -230,6 +199,105 @@ class SkipKV final : public Policy {
       for (std::int64_t h = 0; h < heads; ++h)
         bound[b * heads + h].assign(trackers_[b].sentences().size(), PenaltyRange{0, 0, 1.0f});
     return device_backend().skipkv_workspace_bytes(in.kv, in.window_queries, cfg_.scorer, bound);
+  }
+
+  // ---- the whole step ----------------------------------------------------------------------
+
+  // Device views whose layers share one mask (or none) and hold equal lengths, at most 128
+  // layers: every layer's penalties planned on the host, then every layer selected and compacted
+  // on the device in one call with one host wait (DeviceBackend::skipkv_compress_step); the range
+  // maps are updated from the kept rows it downloads. Exactly select() + compact() per layer
+  // (select() of every layer first), range maps included. Otherwise layer by layer.
+  // A sequence with a NaN score in any layer is left untouched in every layer (its range maps
+  // record that it kept everything, so the next step stays consistent), the others are
+  // compacted, and kvsift::Error names it.
+  std::size_t step_workspace_bytes(const KVCacheView* layers, const TensorView* queries,
+                                   int n_layers) const override {
+    if (!one_device_step(layers, queries, n_layers))
+      return Policy::step_workspace_bytes(layers, queries, n_layers);
+    // Penalty ranges the step can plan: per (layer, b, h) the ranges mapped now plus the
+    // sentences closed since that layer's last append (every closed sentence for a layer not
+    // planned yet), whichever of them the trigger marks.
+    std::int64_t ranges = 0;
+    const std::int64_t heads = layers[0].kv_heads();
+    for (int l = 0; l < n_layers; ++l)
+      for (std::int64_t b = 0; b < layers[0].batch() && b < batch(); ++b) {
+        const std::int64_t closed = trackers_[b].num_sentences();
+        const bool known = static_cast<std::size_t>(l) < layers_.size() && layers_[l] &&
+                           layers_[l]->table.kv_heads() == heads;
+        if (!known) {
+          ranges += closed * heads;
+          continue;
+        }
+        const SegmentTable& t = layers_[l]->table;
+        const std::int64_t fresh = std::max<std::int64_t>(closed - t.sentences_appended(0, b), 0);
+        for (std::int64_t h = 0; h < heads; ++h)
+          ranges += static_cast<std::int64_t>(t.ranges(0, b, h).size()) + fresh;
+      }
+    return device_backend().skipkv_step_workspace_bytes(layers, queries, n_layers, cfg_.scorer,
+                                                        ranges);
+  }
+  void compress_step(const KVCacheView* layers, const TensorView* queries, int n_layers,
+                     const ExecContext& ctx) override {
+    if (!one_device_step(layers, queries, n_layers))
+      return Policy::compress_step(layers, queries, n_layers, ctx);
+    // Every layer checked and its ranges appended (§2.3 before eviction) before anything runs.
+    for (int l = 0; l < n_layers; ++l) prepare_layer(l, layers[l], ctx);
+    // Taken once every layer exists: a new layer's state may move the others.
+    std::vector<LayerState*> states(static_cast<std::size_t>(n_layers));
+    for (int l = 0; l < n_layers; ++l) states[l] = &layer_state(l);
+    const KVCacheView& kv0 = layers[0];
+    const std::int64_t heads = kv0.kv_heads(), rows = batch() * heads;
+    std::vector<std::int32_t> source(kv0.lengths, kv0.lengths + batch());
+    if (!any_over_budget(kv0)) {  // §1.3: nothing moves; every layer keeps everything
+      for (int l = 0; l < n_layers; ++l) {
+        states[l]->table.apply_rows(0, nullptr, 0, source.data(), source.data());
+        for (std::int64_t b = 0; b < batch(); ++b) record_plan(*states[l], b, source[b]);
+        states[l]->planned = true;
+      }
+      return;
+    }
+    // The penalties of every layer, one flat CSR (buffers reused from step to step).
+    StepPenalties& pen = step_penalties_;
+    pen.layers = n_layers;
+    pen.batch = batch();
+    pen.kv_heads = heads;
+    pen.indptr.resize(static_cast<std::size_t>(n_layers * rows + 1));
+    pen.ranges.clear();
+    pen.indptr[0] = 0;
+    for (int l = 0; l < n_layers; ++l)
+      for (std::int64_t b = 0; b < batch(); ++b)
+        for (std::int64_t h = 0; h < heads; ++h) {
+          states[l]->table.append_penalty_ranges(0, b, h, trackers_[b].sentences(), pen.ranges);
+          pen.indptr[static_cast<std::size_t>(l * rows + b * heads + h + 1)] =
+              static_cast<std::int64_t>(pen.ranges.size());
+        }
+    DeviceBackend::SkipKVStepRows& out = step_rows_;
+    device_backend().skipkv_compress_step(layers, queries, n_layers, cfg_.scorer, pen, out, ctx);
+    KVSIFT_CHECK(static_cast<std::int64_t>(out.kept.size()) == batch() && out.row_stride > 0 &&
+                     out.slots.size() >= static_cast<std::size_t>(n_layers * rows) *
+                                             static_cast<std::size_t>(out.row_stride),
+                 "SkipKV::compress_step: the backend returned ", out.kept.size(),
+                 " kept counts and ", out.slots.size(), " slots for ", n_layers, " layers of ",
+                 rows, " rows");
+    // §2.3 after eviction. A NaN sequence was left as it was: it kept everything.
+    std::vector<std::int32_t> kept(out.kept);
+    std::string nan_rows;
+    for (std::int64_t b = 0; b < batch(); ++b) {
+      if (kept[b] >= 0) continue;
+      kept[b] = source[b];
+      nan_rows += (nan_rows.empty() ? "" : ", ") + std::to_string(b);
+    }
+    const std::size_t layer_slots =
+        static_cast<std::size_t>(rows) * static_cast<std::size_t>(out.row_stride);
+    for (int l = 0; l < n_layers; ++l) {
+      states[l]->table.apply_rows(0, out.slots.data() + l * layer_slots, out.row_stride,
+                                  kept.data(), source.data());
+      for (std::int64_t b = 0; b < batch(); ++b) record_plan(*states[l], b, kept[b]);
+      states[l]->planned = true;
+    }
+    KVSIFT_CHECK(nan_rows.empty(), "SkipKV::compress_step: NaN scores in sequence(s) ", nan_rows,
+                 "; those sequences were left untouched in every layer, the others compacted");
   }
 
   // ---- steering ----------------------------------------------------------------------------
@@ -290,6 +358,62 @@ class SkipKV final : public Policy {
     std::vector<std::int64_t> position_at_plan;   // [batch] tracker position at that plan
     bool planned = false;
   };
+
+  // What select() checks and does before planning layer `layer`: the cache against the recorded
+  // plans and observed tokens, the trigger's marks (once per trigger), and the sentences closed
+  // since this layer's last eviction appended to its range map (§2.3 before eviction).
+  LayerState& prepare_layer(int layer, const KVCacheView& kv, const ExecContext& ctx) {
+    kv.validate();
+    KVSIFT_CHECK(observed_tokens_ || !any_over_budget(kv),
+                 "SkipKV needs observe() with the step's token ids (Observation layer -1: "
+                 "token_ids [batch, n], last_hidden [batch, n, hidden]) every step, prompt "
+                 "included; layer ",
+                 layer, " is over budget but no token was ever observed");
+    KVSIFT_CHECK(kv.batch() == batch(), "SkipKV::select: cache batch (", kv.batch(),
+                 ") != ", cfg_.batch > 0 ? "config batch (" : "sequences observed (", batch(), ")");
+    frozen_ = true;  // the range maps are sized now
+    KVSIFT_CHECK(layer >= 0 && layer < (cfg_.layers == 0 ? kMaxLayers : cfg_.layers),
+                 "SkipKV::select: layer ", layer, " outside [0, ",
+                 cfg_.layers == 0 ? kMaxLayers : cfg_.layers, ")");
+    if (kv_heads_ == 0) kv_heads_ = cfg_.kv_heads;
+    KVSIFT_CHECK(kv_heads_ == 0 || kv.kv_heads() == kv_heads_, "SkipKV::select: layer ", layer,
+                 " cache has ", kv.kv_heads(), " kv heads, expected ", kv_heads_);
+    kv_heads_ = kv.kv_heads();
+    LayerState& st = layer_state(layer);
+    if (kv.device() == Device::cpu) {
+      check_lengths(layer, kv, st);
+    } else {
+      HostStaging staging(ctx);  // the pad mask, for the first plan's pad check
+      check_lengths(layer, st.planned ? kv : staging.lengths_and_mask(kv), st);
+    }
+    if (pending_trigger_) begin_trigger();
+    for (std::int64_t b = 0; b < batch(); ++b) {
+      const SentenceTracker& t = trackers_[b];
+      st.table.append_closed(0, b, t.sentences(), t.position(), kv.length(b));
+    }
+    return st;
+  }
+
+  void record_plan(LayerState& st, std::int64_t b, std::int64_t kept) const {
+    st.length_after_plan[b] = kept;
+    st.position_at_plan[b] = trackers_[b].position();
+  }
+
+  // compress_step's one-call device path applies (see there); the layers' views are checked
+  // by the backend.
+  bool one_device_step(const KVCacheView* layers, const TensorView* queries, int n_layers) const {
+    check_step_args(layers, queries, n_layers);
+    if (layers[0].device() == Device::cpu || n_layers > 128) return false;
+    if (layers[0].lengths == nullptr || layers[0].batch() != batch()) return false;
+    for (int l = 1; l < n_layers; ++l) {
+      if (layers[l].valid_mask != layers[0].valid_mask || layers[l].lengths == nullptr ||
+          layers[l].batch() != layers[0].batch())
+        return false;
+      for (std::int64_t b = 0; b < layers[0].batch(); ++b)
+        if (layers[l].length(b) != layers[0].length(b)) return false;
+    }
+    return true;
+  }
 
   static SkipKVConfig validated(const SkipKVConfig& c) {
     c.validate();
@@ -418,6 +542,9 @@ class SkipKV final : public Policy {
   // [batch] decode steps observed per sequence (-1: prompt not yet observed); grown lazily.
   std::vector<std::int64_t> decode_steps_;
   std::int64_t refreshes_ = 0;
+  // compress_step's host buffers, kept from step to step (no per-step allocation).
+  StepPenalties step_penalties_;
+  DeviceBackend::SkipKVStepRows step_rows_;
 };
 
 }  // namespace kvsift
