@@ -19,6 +19,7 @@
 #include "kvsift/backend/cuda/check.hpp"
 #include "kvsift/backend/cuda/compact.hpp"
 #include "kvsift/backend/cuda/rkv_scoring.hpp"
+#include "kvsift/backend/cuda/rkv_step.hpp"
 #include "kvsift/backend/cuda/sentence_scoring.hpp"
 #include "kvsift/backend/cuda/workspace.hpp"
 #include "kvsift/backend/device_backend.hpp"
@@ -45,41 +46,10 @@ bool any_over_budget(const KVCacheView& kv, int budget) {
   return false;
 }
 
-// rkv_compress_step's workspace: [slot rows of every layer | kept lengths | selection scratch of
-// one chunk of layers]. Chunks keep layers · batch <= 256 sequences per launch sequence (one
-// chunk for all 32 layers up to batch 8; one layer per chunk from batch 256), which bounds the
-// scratch (a bf16 copy of the chunk's normalised keys) to a few layers' worth at large batch.
-struct StepLayout {
-  int chunk = 1;
-  std::size_t slots_b = 0, lengths_b = 0, scratch_b = 0;
-};
-StepLayout step_layout(const KVCacheView* layers, const TensorView* queries, int n_layers,
-                       const RKVConfig& cfg) {
-  const char* op = "DeviceBackend::rkv_compress_step";
-  KVSIFT_CHECK(n_layers >= 1 && n_layers <= 128, op, ": n_layers (", n_layers,
-               ") must be in [1, 128]; call once per group of layers");
-  KVSIFT_CHECK(layers != nullptr && queries != nullptr, op, ": layers or queries is null");
-  const std::int64_t batch = std::max<std::int64_t>(layers[0].batch(), 1);
-  StepLayout w;
-  w.chunk = static_cast<int>(std::clamp<std::int64_t>(256 / batch, 1, n_layers));
-  w.slots_b = align_up(static_cast<std::size_t>(n_layers) *
-                       static_cast<std::size_t>(
-                           std::max<std::int64_t>(layers[0].batch() * layers[0].kv_heads(), 1)) *
-                       static_cast<std::size_t>(cfg.budget) * sizeof(std::int32_t));
-  w.lengths_b = align_up(static_cast<std::size_t>(batch) * sizeof(std::int32_t));
-  for (int l = 1; l < n_layers; ++l) {
-    for (std::int64_t b = 0; b < layers[0].batch(); ++b)
-      KVSIFT_CHECK(layers[l].length(b) == layers[0].length(b), op, ": layer ", l, " holds ",
-                   layers[l].length(b), " tokens of sequence ", b, ", layer 0 ",
-                   layers[0].length(b), " (one step compresses layers of equal lengths)");
-  }
-  // Every chunk is validated here (shapes, shared mask), the largest one sizes the scratch.
-  for (int l0 = 0; l0 < n_layers; l0 += w.chunk) {
-    const int n = std::min(w.chunk, n_layers - l0);
-    w.scratch_b =
-        std::max(w.scratch_b, cuda::rkv_step_workspace_bytes(layers + l0, queries + l0, n, cfg));
-  }
-  return w;
+// Device kept lengths [batch] int32 that a step's compaction writes and the host reads back.
+std::size_t lengths_bytes(const KVCacheView& kv) {
+  return align_up(static_cast<std::size_t>(std::max<std::int64_t>(kv.batch(), 1)) *
+                  sizeof(std::int32_t));
 }
 
 // skipkv_compress_step's workspace: [slot rows of every layer | kept lengths | penalty CSR of
@@ -104,8 +74,7 @@ SkipKVStepLayout skipkv_step_layout(const KVCacheView* layers, const TensorView*
   SkipKVStepLayout w;
   w.slots_b = align_up(static_cast<std::size_t>(n_layers) * static_cast<std::size_t>(rows) *
                        static_cast<std::size_t>(cfg.rkv.budget) * sizeof(std::int32_t));
-  w.lengths_b = align_up(static_cast<std::size_t>(std::max<std::int64_t>(kv0.batch(), 1)) *
-                         sizeof(std::int32_t));
+  w.lengths_b = lengths_bytes(kv0);
   w.indptr_b = align_up((static_cast<std::size_t>(n_layers) * static_cast<std::size_t>(rows) + 1) *
                         sizeof(std::int64_t));
   w.ranges_b = align_up(static_cast<std::size_t>(ranges) * sizeof(PenaltyRange));
@@ -193,35 +162,25 @@ class CudaBackend final : public DeviceBackend {
     return download_keep_plan(kv, slots, cfg.budget, cfg.window, stream_of(ctx));
   }
 
+  // rkv_compress_step's workspace: [kept lengths | cuda::rkv_compress_step's own layout].
   std::size_t rkv_step_workspace_bytes(const KVCacheView* layers, const TensorView* queries,
                                        int n_layers, const RKVConfig& cfg) const override {
-    const StepLayout w = step_layout(layers, queries, n_layers, cfg);
-    return w.slots_b + w.lengths_b + w.scratch_b;
+    const std::size_t step = cuda::rkv_compress_step_layout(layers, queries, n_layers, cfg).total();
+    return lengths_bytes(layers[0]) + step;
   }
   void rkv_compress_step(const KVCacheView* layers, const TensorView* queries, int n_layers,
                          const RKVConfig& cfg, const ExecContext& ctx) const override {
     const char* op = "DeviceBackend::rkv_compress_step";
-    const StepLayout w = step_layout(layers, queries, n_layers, cfg);  // validates every layer
+    const std::size_t need = rkv_step_workspace_bytes(layers, queries, n_layers, cfg);  // validates
     const KVCacheView& kv0 = layers[0];
     if (!any_over_budget(kv0, cfg.budget)) return;  // §1.3: nothing moves
-    const std::size_t need = w.slots_b + w.lengths_b + w.scratch_b;
     KVSIFT_CHECK(ctx.workspace != nullptr && ctx.workspace_bytes >= need, op, ": workspace of ",
                  ctx.workspace_bytes, " bytes is too small (", need, " needed)");
     char* base = static_cast<char*>(ctx.workspace);
-    auto* slots = reinterpret_cast<std::int32_t*>(base);
-    auto* new_lengths = reinterpret_cast<std::int32_t*>(base + w.slots_b);
-    void* scratch = base + w.slots_b + w.lengths_b;
-    const std::size_t rows = static_cast<std::size_t>(kv0.batch() * kv0.kv_heads()) *
-                             static_cast<std::size_t>(cfg.budget);
-    // Select every layer (in chunks that bound the scratch), then compact them all at once: a
-    // sequence with a NaN row in any layer is left untouched in every layer.
-    for (int l0 = 0; l0 < n_layers; l0 += w.chunk) {
-      const int n = std::min(w.chunk, n_layers - l0);
-      cuda::rkv_select_step(layers + l0, queries + l0, n, cfg, slots + l0 * rows, nullptr, scratch,
-                            w.scratch_b, stream_of(ctx));
-    }
-    cuda::compact_device_rows_step(layers, n_layers, slots, cfg.budget, new_lengths,
-                                   stream_of(ctx));
+    auto* new_lengths = reinterpret_cast<std::int32_t*>(base);
+    const std::size_t len_b = lengths_bytes(kv0);
+    cuda::rkv_compress_step(layers, queries, n_layers, cfg, base + len_b,
+                            ctx.workspace_bytes - len_b, new_lengths, stream_of(ctx));
     std::vector<std::int32_t> kept(static_cast<std::size_t>(kv0.batch()));
     KVSIFT_CUDA_CHECK(cudaMemcpyAsync(kept.data(), new_lengths, kept.size() * sizeof(std::int32_t),
                                       cudaMemcpyDeviceToHost, stream_of(ctx)));
