@@ -4,14 +4,13 @@
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
-#include <fstream>
 #include <random>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "kvsift/core/segment_table.hpp"
 #include "kvsift/policy/skipkv/sentence_tracker.hpp"
+#include "real_tokens.hpp"
 
 using namespace kvsift;
 
@@ -23,15 +22,7 @@ constexpr std::int64_t kInterval = 128;  // docs/algorithms.md §4 compression i
 // lengths), repeated if the file runs short.
 const std::vector<std::int32_t>& real_stream() {
   static const std::vector<std::int32_t> stream = [] {
-    std::vector<std::int32_t> ids;
-    std::ifstream in(std::string(KVSIFT_DATA_DIR) + "/math500_r1qwen_tokens.tsv");
-    std::string line;
-    while (std::getline(in, line)) {
-      std::replace(line.begin(), line.end(), '\t', ' ');
-      std::istringstream is(line);
-      long v;
-      while (is >> v) ids.push_back(static_cast<std::int32_t>(v));
-    }
+    std::vector<std::int32_t> ids = bench::read_math500_r1qwen_tokens();
     if (ids.empty()) ids.push_back(198);  // no data: a stream of one-token sentences
     std::vector<std::int32_t> out;
     while (static_cast<std::int64_t>(out.size()) < kTokens)

@@ -17,14 +17,13 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <fstream>
 #include <random>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "kvsift/backend/device_backend.hpp"
 #include "kvsift/policy/skipkv/skipkv.hpp"
+#include "real_tokens.hpp"
 
 using namespace kvsift;
 
@@ -41,15 +40,7 @@ constexpr std::int64_t kHidden = 16;  // small: the step's cost, not the embeddi
 // sequence to start at its own offset.
 const std::vector<std::int32_t>& real_stream() {
   static const std::vector<std::int32_t> stream = [] {
-    std::vector<std::int32_t> ids;
-    std::ifstream in(std::string(KVSIFT_DATA_DIR) + "/math500_r1qwen_tokens.tsv");
-    std::string line;
-    while (std::getline(in, line)) {
-      std::replace(line.begin(), line.end(), '\t', ' ');
-      std::istringstream is(line);
-      long v;
-      while (is >> v) ids.push_back(static_cast<std::int32_t>(v));
-    }
+    std::vector<std::int32_t> ids = bench::read_math500_r1qwen_tokens();
     if (ids.empty()) {  // no data: a delimiter every 24 tokens
       ids.assign(24 * 1024, 1000);
       for (std::size_t i = 23; i < ids.size(); i += 24) ids[i] = 271;
