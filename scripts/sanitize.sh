@@ -10,7 +10,10 @@ install_dependencies
 
 SAN_DIR=${SANITIZE_BUILD_DIR:-"$KVSIFT_ROOT/build-sanitize"}
 SAN_FLAGS="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
-args=(-DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVSIFT_CUDA=OFF -DKVSIFT_BUILD_TESTS=ON
+# -O0 with line tables: the sanitized build is compiled only to run the tests once, and template-
+# heavy test files compile ~3.5x faster than at -O2 -g (its tests still take seconds).
+if command -v clang++ >/dev/null 2>&1; then SAN_OPT="-O0 -gline-tables-only"; else SAN_OPT="-O0 -g1"; fi
+args=(-DCMAKE_BUILD_TYPE=Sanitize "-DCMAKE_CXX_FLAGS_SANITIZE=$SAN_OPT" -DKVSIFT_CUDA=OFF -DKVSIFT_BUILD_TESTS=ON
       -DKVSIFT_BUILD_EXAMPLES=OFF -DKVSIFT_BUILD_BENCH=OFF
       -DKVSIFT_BUILD_C_API=OFF "-DCMAKE_CXX_FLAGS=$SAN_FLAGS" "-DCMAKE_EXE_LINKER_FLAGS=$SAN_FLAGS")
 if command -v clang++ >/dev/null 2>&1; then
