@@ -239,8 +239,8 @@ PagedTableSizes paged_table_sizes(const ThoughtBlockTableConfig& cfg, std::int32
   cfg.validate();
   // The device append mirrors only the default refill rule (§3.4): a regroup refill would
   // re-quantize survivors on the host side the mirror never sees (docs/thinkv.md §6).
-  KVSIFT_CHECK(cfg.refill == RefillRule::run, "paged_table_sizes: refill = ",
-               refill_rule_name(cfg.refill),
+  KVSIFT_CHECK(cfg.refill == RefillRule::run,
+               "paged_table_sizes: refill = ", refill_rule_name(cfg.refill),
                " is a CPU-only experiment; the CUDA paged table mirrors only refill = run");
   KVSIFT_CHECK(max_sequences > 0, "paged_table_sizes: max_sequences must be > 0, got ",
                max_sequences);

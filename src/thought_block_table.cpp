@@ -265,8 +265,8 @@ SlotAddress ThoughtBlockTable::best_pinned_run(const Sequence& s, ThoughtType ty
   return best;
 }
 
-void ThoughtBlockTable::regroup_run(Sequence& s, ThoughtType type, std::int32_t head,
-                                    SlotAddress a, int free_slots) {
+void ThoughtBlockTable::regroup_run(Sequence& s, ThoughtType type, std::int32_t head, SlotAddress a,
+                                    int free_slots) {
   Frame& f = frames_[static_cast<std::size_t>(s.blocks[static_cast<std::size_t>(a.block)])];
   const BlockHeadLayout L = layout(f.format);
   const std::size_t D = static_cast<std::size_t>(config_.head_dim);
@@ -279,7 +279,8 @@ void ThoughtBlockTable::regroup_run(Sequence& s, ThoughtType type, std::int32_t 
   // rounding of the dequantized row, never a return to values the table no longer has.
   std::vector<float> block_keys(S * D), block_values(S * D);
   dequantize_block_head(L, base, g, block_keys.data(), block_values.data());
-  std::vector<float> new_keys(static_cast<std::size_t>(free_slots) * D), new_values(new_keys.size());
+  std::vector<float> new_keys(static_cast<std::size_t>(free_slots) * D),
+      new_values(new_keys.size());
   std::vector<std::int32_t> new_positions(static_cast<std::size_t>(free_slots));
   s.staging->take_oldest(type, head, free_slots, new_keys.data(), new_values.data(),
                          new_positions.data());

@@ -241,9 +241,9 @@ class ThinKVDemoPolicy final : public DemoPolicy {
               t.dequantize_block(id, r.address.block, h, keys.data(), values.data());
               loaded = r.address.block;
             }
-            const float* k = keys_.data() +
-                             (index(l, static_cast<int>(b), h) * options_.length + r.position) *
-                                 head_dim_;
+            const float* k =
+                keys_.data() +
+                (index(l, static_cast<int>(b), h) * options_.length + r.position) * head_dim_;
             const float* d = keys.data() + static_cast<std::size_t>(r.address.slot) * head_dim_;
             double err = 0, norm = 0;
             for (int c = 0; c < head_dim_; ++c) {
