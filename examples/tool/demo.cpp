@@ -243,7 +243,9 @@ void print_legend(const demo::DemoConfig& cfg, bool with_skipkv, bool with_think
         "theta1/theta2: this decode has no real thought structure, so they are the 1/3 and 2/3 "
         "quantiles of the attention sparsity of every layer over the first 128 steps (held at "
         "full precision, then replayed into ThinKV); L* = all layers; later sparsities are "
-        "taken over ThinKV's resident tokens on the unquantized keys. Whole-sentence evictions "
+        "taken over ThinKV's resident tokens on the unquantized keys. key rel. err: mean "
+        "|k_dequantized - k| / |k| over the tokens held in blocks at the end (--thinkv-refill "
+        "picks the refill rule, docs/thinkv.md section 6). Whole-sentence evictions "
         "are not tracked for it.");
   }
   if (with_quantizers) {
