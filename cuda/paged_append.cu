@@ -237,6 +237,11 @@ bool run_free(const std::uint64_t* mask, std::int32_t first) {  // 16 slots, nev
 PagedTableSizes paged_table_sizes(const ThoughtBlockTableConfig& cfg, std::int32_t max_sequences,
                                   const PagedPoolFrames& pools) {
   cfg.validate();
+  // The device append mirrors only the default refill rule (§3.4): a regroup refill would
+  // re-quantize survivors on the host side the mirror never sees (docs/thinkv.md §6).
+  KVSIFT_CHECK(cfg.refill == RefillRule::run,
+               "paged_table_sizes: refill = ", refill_rule_name(cfg.refill),
+               " is a CPU-only experiment; the CUDA paged table mirrors only refill = run");
   KVSIFT_CHECK(max_sequences > 0, "paged_table_sizes: max_sequences must be > 0, got ",
                max_sequences);
   PagedTableSizes s;
@@ -351,12 +356,13 @@ void DevicePagedTable::record_append(const ThoughtBlockTable& table, std::int32_
   KVSIFT_CHECK(tc.kv_heads == cfg_.kv_heads && tc.head_dim == cfg_.head_dim &&
                    tc.block_size == cfg_.block_size && tc.num_blocks == cfg_.num_blocks &&
                    tc.reasoning == cfg_.reasoning && tc.execution == cfg_.execution &&
-                   tc.transition == cfg_.transition && tc.staging == cfg_.staging,
+                   tc.transition == cfg_.transition && tc.staging == cfg_.staging &&
+                   tc.refill == cfg_.refill,
                "DevicePagedTable::record_append: the CPU table's config (kv_heads ", tc.kv_heads,
                ", head_dim ", tc.head_dim, ", block_size ", tc.block_size, ", num_blocks ",
                tc.num_blocks, ") differs from the mirror's (kv_heads ", cfg_.kv_heads,
                ", head_dim ", cfg_.head_dim, ", block_size ", cfg_.block_size, ", num_blocks ",
-               cfg_.num_blocks, ") or in block formats or staging dtype");
+               cfg_.num_blocks, ") or in block formats, staging dtype or refill rule");
   KVSIFT_CHECK(table.has_sequence(seq), "DevicePagedTable::record_append: sequence ", seq,
                " is not active in the CPU table");
   KVSIFT_CHECK(where != nullptr, "DevicePagedTable::record_append: where must not be null");

@@ -33,6 +33,8 @@ inline const EnumNames<BlockFormat> kBlockNames{{"f32", BlockFormat::f32},
                                                 {"fp8", BlockFormat::fp8},
                                                 {"ternary", BlockFormat::ternary}};
 inline const EnumNames<DType> kStagingNames{{"bf16", DType::bf16}, {"f16", DType::f16}};
+inline const EnumNames<RefillRule> kRefillNames{{"run", RefillRule::run},
+                                                {"regroup", RefillRule::regroup}};
 
 struct EmptyConfig {
   void validate() const {}
@@ -207,6 +209,8 @@ struct ThinKVFields {
     v("transition", p.transition, kBlockNames);
     v("global_factors", p.global_factors);
     v("staging", p.staging, kStagingNames);
+    v("refill", p.refill, kRefillNames);
+    v("regroup_min_free", p.regroup_min_free);
   }
 };
 

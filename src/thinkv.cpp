@@ -89,6 +89,8 @@ ThoughtBlockTableConfig ThinKVConfig::table_config(int layer) const {
   c.execution = execution;
   c.transition = transition;
   c.staging = staging;
+  c.refill = refill;
+  c.regroup_min_free = regroup_min_free;
   if (!global_factors.empty()) {
     const auto begin = global_factors.begin() + static_cast<std::ptrdiff_t>(layer) * kv_heads;
     c.global_factors.assign(begin, begin + kv_heads);

@@ -61,6 +61,11 @@ void ThoughtBlockTableConfig::validate() const {
   KVSIFT_CHECK(staging == DType::f16 || staging == DType::bf16,
                "ThoughtBlockTableConfig: staging must be f16 or bf16 (16-bit, §3.4), got ",
                dtype_name(staging));
+  KVSIFT_CHECK(refill == RefillRule::run || refill == RefillRule::regroup,
+               "ThoughtBlockTableConfig: unknown refill rule code ", static_cast<int>(refill));
+  KVSIFT_CHECK(regroup_min_free >= 1 && regroup_min_free < kQuantGroupSize,
+               "ThoughtBlockTableConfig: regroup_min_free must be in [1, ", kQuantGroupSize - 1,
+               "], got ", regroup_min_free);
 }
 
 ThoughtBlockTable::ThoughtBlockTable(ThoughtBlockTableConfig config) : config_(std::move(config)) {
@@ -238,6 +243,70 @@ SlotAddress ThoughtBlockTable::lowest_free_run(const Sequence& s, ThoughtType ty
   return SlotAddress{};
 }
 
+SlotAddress ThoughtBlockTable::best_pinned_run(const Sequence& s, ThoughtType type,
+                                               std::int32_t head, int& free_slots) const {
+  SlotAddress best;
+  free_slots = 0;
+  for (std::size_t b = 0; b < s.blocks.size(); ++b) {
+    const Frame& f = frames_[static_cast<std::size_t>(s.blocks[b])];
+    if (f.type != type) continue;
+    const std::uint64_t* mask = &f.free[static_cast<std::size_t>(head) * mask_words_];
+    for (std::int32_t first = 0; first < config_.block_size; first += kQuantGroupSize) {
+      const std::uint64_t run = (mask[first / 64] >> (first % 64)) & 0xffffu;
+      int n = 0;
+      for (int i = 0; i < kQuantGroupSize; ++i) n += (run >> i) & 1u;
+      // Strictly more: the first (lowest block, lowest run) of the best ones wins.
+      if (n < kQuantGroupSize && n >= config_.regroup_min_free && n > free_slots) {
+        best = SlotAddress{static_cast<std::int32_t>(b), first};
+        free_slots = n;
+      }
+    }
+  }
+  return best;
+}
+
+void ThoughtBlockTable::regroup_run(Sequence& s, ThoughtType type, std::int32_t head, SlotAddress a,
+                                    int free_slots) {
+  Frame& f = frames_[static_cast<std::size_t>(s.blocks[static_cast<std::size_t>(a.block)])];
+  const BlockHeadLayout L = layout(f.format);
+  const std::size_t D = static_cast<std::size_t>(config_.head_dim);
+  const std::size_t S = static_cast<std::size_t>(config_.block_size);
+  std::uint8_t* base = f.data.data() + head * L.bytes();
+  std::uint64_t* mask = &f.free[static_cast<std::size_t>(head) * mask_words_];
+  std::int32_t* slot_position = &f.position[static_cast<std::size_t>(head) * S];
+  const float g = config_.global_factor(head);
+  // The survivors' current values: what attention reads today, so re-quantizing them is a second
+  // rounding of the dequantized row, never a return to values the table no longer has.
+  std::vector<float> block_keys(S * D), block_values(S * D);
+  dequantize_block_head(L, base, g, block_keys.data(), block_values.data());
+  std::vector<float> new_keys(static_cast<std::size_t>(free_slots) * D),
+      new_values(new_keys.size());
+  std::vector<std::int32_t> new_positions(static_cast<std::size_t>(free_slots));
+  s.staging->take_oldest(type, head, free_slots, new_keys.data(), new_values.data(),
+                         new_positions.data());
+  // [16, D] rows in slot order: survivors where they are, new tokens (oldest first) in the free
+  // slots in ascending order.
+  std::vector<float> keys(kQuantGroupSize * D), values(keys.size());
+  int next = 0;
+  for (int i = 0; i < kQuantGroupSize; ++i) {
+    const std::int32_t slot = a.slot + i;
+    const bool free = bit(mask, slot);
+    const float* k = free ? &new_keys[next * D] : &block_keys[slot * D];
+    const float* v = free ? &new_values[next * D] : &block_values[slot * D];
+    std::copy_n(k, D, &keys[i * D]);
+    std::copy_n(v, D, &values[i * D]);
+    if (free) slot_position[slot] = new_positions[static_cast<std::size_t>(next++)];
+  }
+  QuantizedGroup group;
+  quantize_token_group(f.format, keys.data(), values.data(), config_.head_dim, config_.head_dim, g,
+                       group);
+  write_token_group(L, base, a.slot / kQuantGroupSize, group.key_codes.data(),
+                    group.key_scales.data(), group.value_codes.data(), group.value_scales.data());
+  mask[a.slot / 64] &= ~(std::uint64_t{0xffff} << (a.slot % 64));
+  ++refill_stats_.regroups;
+  refill_stats_.survivors_requantized += kQuantGroupSize - free_slots;
+}
+
 std::int32_t ThoughtBlockTable::segment_of(const Sequence& s, std::int32_t position) const {
   const auto it = std::upper_bound(s.segment_starts.begin(), s.segment_starts.end(), position);
   return static_cast<std::int32_t>(it - s.segment_starts.begin()) - 1;
@@ -284,6 +353,7 @@ std::int32_t ThoughtBlockTable::append(std::int32_t seq, const float* key, const
   // quantized ones stage it and, in heads where it completes a group, need a free 16-slot run.
   std::vector<SlotAddress> chosen(H);
   std::vector<bool> writes(H, false);
+  std::vector<int> regroup_free(H, 0);  // > 0: this head regroups a pinned run (refill = regroup)
   bool need_block = false;
   for (std::int32_t h = 0; h < config_.kv_heads; ++h) {
     const bool completes =
@@ -292,6 +362,12 @@ std::int32_t ThoughtBlockTable::append(std::int32_t seq, const float* key, const
     writes[static_cast<std::size_t>(h)] = true;
     chosen[static_cast<std::size_t>(h)] =
         is_quantized(format) ? lowest_free_run(s, type, h) : lowest_free_slot(s, type, h);
+    if (is_quantized(format) && config_.refill == RefillRule::regroup &&
+        chosen[static_cast<std::size_t>(h)].block < 0) {
+      // No fully free run (which keeps every survivor untouched): the best pinned run, if any.
+      chosen[static_cast<std::size_t>(h)] =
+          best_pinned_run(s, type, h, regroup_free[static_cast<std::size_t>(h)]);
+    }
     need_block = need_block || chosen[static_cast<std::size_t>(h)].block < 0;
   }
   if (need_block) {
@@ -313,6 +389,13 @@ std::int32_t ThoughtBlockTable::append(std::int32_t seq, const float* key, const
         if (where != nullptr) where[h] = SlotAddress{kStagedBlock, position};
         continue;
       }
+      if (regroup_free[static_cast<std::size_t>(h)] > 0) {
+        // The f oldest staged tokens go in; this token, the newest, stays staged (f <= 15).
+        regroup_run(s, type, h, chosen[static_cast<std::size_t>(h)],
+                    regroup_free[static_cast<std::size_t>(h)]);
+        if (where != nullptr) where[h] = SlotAddress{kStagedBlock, position};
+        continue;
+      }
     }
     const SlotAddress a = chosen[static_cast<std::size_t>(h)];
     Frame& f = frames_[static_cast<std::size_t>(s.blocks[static_cast<std::size_t>(a.block)])];
@@ -331,6 +414,7 @@ std::int32_t ThoughtBlockTable::append(std::int32_t seq, const float* key, const
     // A whole group of this type has arrived in this head: quantize it with its own scales and
     // write it into the run (§3.4 refill with fresh scales).
     s.staging->take_group(type, h, group);
+    ++refill_stats_.runs;
     write_token_group(L, base, a.slot / kQuantGroupSize, group.key_codes.data(),
                       group.key_scales.data(), group.value_codes.data(), group.value_scales.data());
     for (int i = 0; i < kQuantGroupSize; ++i) slot_position[a.slot + i] = group.positions[i];

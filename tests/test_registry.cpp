@@ -39,9 +39,8 @@ TEST_CASE("every registered method creates from its example config", "[registry]
       REQUIRE_THROWS_WITH(make_cache_owning_policy(m.name), Contains("make_policy"));
     }
   }
-  for (const char* expected :
-       {"fullkv", "streaming", "h2o", "lazy", "raas", "snapkv", "rkv", "skipkv", "thinkv", "kivi",
-        "pmkvq"})
+  for (const char* expected : {"fullkv", "streaming", "h2o", "lazy", "raas", "snapkv", "rkv",
+                               "skipkv", "thinkv", "kivi", "pmkvq"})
     CHECK(names.count(expected) == 1);
   CHECK(policy_names().size() == registered_methods().size());
 }
@@ -85,6 +84,20 @@ TEST_CASE("registry errors name the problem", "[registry][errors]") {
   CHECK(make_cache_owning_policy("thinkv", thinkv + R"("f16"})") != nullptr);
   REQUIRE_THROWS_WITH(make_cache_owning_policy("thinkv", thinkv + R"("f32"})"),
                       Contains("staging") && Contains("f32"));
+  // ThinKV's refill rule (docs/thinkv.md §6): run (default) or the regroup experiment, by name.
+  const std::string geometry =
+      R"({"num_layers": 1, "kv_heads": 1, "q_heads": 1, "head_dim": 16, "theta1": 0.3,
+          "theta2": 0.6, "calibrated_layers": [0], )";
+  CHECK(make_cache_owning_policy("thinkv", geometry + R"("refill": "regroup"})") != nullptr);
+  CHECK(make_cache_owning_policy("thinkv", geometry + R"("refill": "run",
+                                                          "regroup_min_free": 4})") != nullptr);
+  REQUIRE_THROWS_WITH(make_cache_owning_policy("thinkv", geometry + R"("refill": "gather"})"),
+                      Contains("refill") && Contains("gather"));
+  REQUIRE_THROWS_WITH(make_cache_owning_policy("thinkv", geometry + R"("refill": 1})"),
+                      Contains("refill"));
+  REQUIRE_THROWS_WITH(make_cache_owning_policy(
+                          "thinkv", geometry + R"("refill": "regroup", "regroup_min_free": 0})"),
+                      Contains("regroup_min_free must be in [1, 15], got 0"));
   // The quantizers: KIVI's bit widths, PM-KVQ's required budgets, their count and the backend.
   REQUIRE_THROWS_WITH(make_cache_owning_policy("kivi", R"({"k_bits": 3})"),
                       Contains("k_bits must be 2, 4 or 8, got 3"));

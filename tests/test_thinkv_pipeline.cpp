@@ -521,6 +521,14 @@ TEST_CASE("ThinKV: config errors name the field and its value") {
     c.staging = DType::f16;
     REQUIRE(ThinKV(c).table(1).config().staging == DType::f16);
     c = small_config();
+    REQUIRE(ThinKV(c).table(0).config().refill == RefillRule::run);  // default: §3.4's rule
+    c.refill = RefillRule::regroup;
+    c.regroup_min_free = 12;
+    REQUIRE(ThinKV(c).table(1).config().refill == RefillRule::regroup);
+    REQUIRE(ThinKV(c).table(1).config().regroup_min_free == 12);
+    c.regroup_min_free = 16;
+    REQUIRE_THROWS_WITH(c.validate(), Contains("regroup_min_free must be in [1, 15], got 16"));
+    c = small_config();
     c.pool_blocks = 0;
     REQUIRE_THROWS_WITH(c.validate(), Contains("pool_blocks must be > 0, got 0"));
     c.pool_blocks = 2147483647;  // used to attempt allocations of hundreds of GB

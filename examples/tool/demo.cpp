@@ -59,6 +59,9 @@ flags:
   --buffer N        decode steps between compressions once the budget is reached (default 128)
   --tokens SRC      where sentences end: 'auto' (the MATH-500 token streams when the data file is
                     there, else synthetic lengths), 'synthetic', or a token file path (default auto)
+  --thinkv-refill R ThinKV's refill of partly evicted groups: run (default, docs/algorithms.md
+                    §3.4) or regroup (the experiment of docs/thinkv.md §6), or regroup:F to
+                    re-quantize a group only with at least F (1..15) free slots (regroup = regroup:8)
   --device D        cpu (default) or cuda: every method's select() runs on device copies of the
                     caches (R-KV and SkipKV on CUDA kernels, the others staged to the host by the
                     library); ThinKV stays on the CPU. Needs the CUDA backend and a CUDA device
@@ -111,7 +114,8 @@ std::vector<std::string> chosen_policies(const Args& args) {
 // quantizers (KIVI, PM-KVQ) get demo_quantizer.hpp's adapter (their settings are described there).
 std::unique_ptr<demo::DemoPolicy> make_demo_policy(const std::string& name,
                                                    const std::string& shared_config, int budget,
-                                                   std::int64_t length, const std::string& device) {
+                                                   std::int64_t length, const std::string& device,
+                                                   const std::string& thinkv_refill) {
   if (method_info(name).family == "quantizer")
     return std::make_unique<demo::QuantizerDemoPolicy>(name, length);
   if (method_info(name).owns_cache) {
@@ -120,6 +124,7 @@ std::unique_ptr<demo::DemoPolicy> make_demo_policy(const std::string& name,
     demo::ThinKVDemoOptions o;
     o.budget = budget;
     o.length = length;
+    demo::parse_thinkv_refill(thinkv_refill, o);
     return std::make_unique<demo::ThinKVDemoPolicy>(o);
   }
   auto policy =
@@ -238,7 +243,9 @@ void print_legend(const demo::DemoConfig& cfg, bool with_skipkv, bool with_think
         "theta1/theta2: this decode has no real thought structure, so they are the 1/3 and 2/3 "
         "quantiles of the attention sparsity of every layer over the first 128 steps (held at "
         "full precision, then replayed into ThinKV); L* = all layers; later sparsities are "
-        "taken over ThinKV's resident tokens on the unquantized keys. Whole-sentence evictions "
+        "taken over ThinKV's resident tokens on the unquantized keys. key rel. err: mean "
+        "|k_dequantized - k| / |k| over the tokens held in blocks at the end (--thinkv-refill "
+        "picks the refill rule, docs/thinkv.md section 6). Whole-sentence evictions "
         "are not tracked for it.");
   }
   if (with_quantizers) {
@@ -263,7 +270,7 @@ void print_legend(const demo::DemoConfig& cfg, bool with_skipkv, bool with_think
 int run_demo_command(const std::vector<std::string>& argv) {
   const Args args(argv,
                   {"budget", "length", "batch", "seed", "layers", "dtype", "policies", "window",
-                   "buffer", "tokens", "device"},
+                   "buffer", "tokens", "device", "thinkv-refill"},
                   {"help"});
   if (args.has("help")) {
     print_help();
@@ -297,7 +304,8 @@ int run_demo_command(const std::vector<std::string>& argv) {
   const std::string shared = demo::shared_config_json(cfg);
   std::vector<std::unique_ptr<demo::DemoPolicy>> policies;
   for (const auto& name : names)
-    policies.push_back(make_demo_policy(name, shared, cfg.budget, length, device));
+    policies.push_back(make_demo_policy(name, shared, cfg.budget, length, device,
+                                        args.str("thinkv-refill", "run")));
 
   SentenceSource src =
       sentence_source(args.str("tokens", "auto"), length, cfg.generator.batch, cfg.generator.seed);

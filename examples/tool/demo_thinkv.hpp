@@ -24,6 +24,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -48,6 +49,9 @@ struct ThinKVDemoOptions {
   std::int64_t length = 2048;   // decode length: sizes each layer's block pool
   int calibration_steps = 128;  // steps measured before θ1 / θ2 are set (one refresh interval)
   int refresh = 128;            // τ (docs/algorithms.md §4)
+  // Refill of partly evicted groups (paged/refill_rule.hpp; docs/thinkv.md §6).
+  kvsift::RefillRule refill = kvsift::RefillRule::run;
+  int regroup_min_free = 8;
 
   void validate() const {
     KVSIFT_CHECK(budget >= 1, "ThinKVDemoOptions: budget must be >= 1, got ", budget);
@@ -57,6 +61,21 @@ struct ThinKVDemoOptions {
     KVSIFT_CHECK(refresh >= 1, "ThinKVDemoOptions: refresh must be >= 1, got ", refresh);
   }
 };
+
+// --thinkv-refill: "run", "regroup" or "regroup:F" (F = regroup_min_free, 1..15).
+inline void parse_thinkv_refill(const std::string& text, ThinKVDemoOptions& o) {
+  const std::size_t colon = text.find(':');
+  o.refill = kvsift::parse_refill_rule(text.substr(0, colon));
+  if (colon == std::string::npos) return;
+  KVSIFT_CHECK(o.refill == kvsift::RefillRule::regroup, "--thinkv-refill '", text,
+               "': only regroup takes a minimum of free slots (regroup:F)");
+  const std::string f = text.substr(colon + 1);
+  KVSIFT_CHECK(!f.empty() && f.size() <= 2 && std::all_of(f.begin(), f.end(), ::isdigit),
+               "--thinkv-refill '", text, "': F must be an integer in [1, 15]");
+  o.regroup_min_free = std::stoi(f);
+  KVSIFT_CHECK(o.regroup_min_free >= 1 && o.regroup_min_free <= 15, "--thinkv-refill '", text,
+               "': F must be in [1, 15], got ", o.regroup_min_free);
+}
 
 // The q-quantile (0 <= q <= 1) of `samples` by nearest rank on the sorted copy.
 inline float quantile_of(std::vector<float> samples, double q) {
@@ -120,6 +139,8 @@ class ThinKVDemoPolicy final : public DemoPolicy {
                   : std::to_string(held_slots_per_head()) + " (" +
                         std::to_string(pinned_group_slots_per_head()) + ")"},
             {"codes+scales / metadata / staging", !kv_ ? "-" : format_split()},
+            {"refill; key rel. err of block-resident tokens",
+             !kv_ ? "-" : format_refill() + "; " + format_key_error()},
             {"theta1 / theta2 (calibrated)",
              !kv_ ? "-" : format_theta(theta1_) + " / " + format_theta(theta2_)}};
   }
@@ -182,6 +203,63 @@ class ThinKVDemoPolicy final : public DemoPolicy {
                   sum.metadata / 1024.0, sum.staging / 1024.0);
     return buf;
   }
+  std::string format_refill() const {
+    std::string out(kvsift::refill_rule_name(options_.refill));
+    if (options_.refill == kvsift::RefillRule::regroup) {
+      std::int64_t regroups = 0, survivors = 0;
+      for (std::int64_t b = 0; b < kv_->batch(); ++b) {
+        const kvsift::ThinKV& seq = kv_->sequence(b);
+        for (int l = 0; l < layers_; ++l) {
+          regroups += seq.table(l).refill_stats().regroups;
+          survivors += seq.table(l).refill_stats().survivors_requantized;
+        }
+      }
+      out += ":" + std::to_string(options_.regroup_min_free) + " (" + std::to_string(regroups) +
+             " regroups, " + std::to_string(survivors) + " survivors re-rounded)";
+    }
+    return out;
+  }
+  // The accuracy cost of the refill rule: mean over every token held in a block (staged ones, at
+  // 16 bits, left out) of |k_dequantized - k| / |k|, k the fp32 key the demo generated.
+  std::string format_key_error() const {
+    double sum = 0;
+    std::int64_t n = 0;
+    std::vector<float> keys, values;
+    for (std::int64_t b = 0; b < kv_->batch(); ++b) {
+      const kvsift::ThinKV& seq = kv_->sequence(b);
+      const std::int32_t id = seq.sequence_id();
+      for (int l = 0; l < layers_; ++l) {
+        const kvsift::ThoughtBlockTable& t = seq.table(l);
+        const std::size_t S = static_cast<std::size_t>(t.config().block_size);
+        keys.resize(S * head_dim_);
+        values.resize(keys.size());
+        for (int h = 0; h < kv_heads_; ++h) {
+          std::int32_t loaded = -1;
+          for (const kvsift::ResidentToken& r : t.resident_tokens(id, h)) {
+            if (r.address.block == kvsift::kStagedBlock) continue;
+            if (r.address.block != loaded) {
+              t.dequantize_block(id, r.address.block, h, keys.data(), values.data());
+              loaded = r.address.block;
+            }
+            const float* k =
+                keys_.data() +
+                (index(l, static_cast<int>(b), h) * options_.length + r.position) * head_dim_;
+            const float* d = keys.data() + static_cast<std::size_t>(r.address.slot) * head_dim_;
+            double err = 0, norm = 0;
+            for (int c = 0; c < head_dim_; ++c) {
+              err += (d[c] - k[c]) * static_cast<double>(d[c] - k[c]);
+              norm += k[c] * static_cast<double>(k[c]);
+            }
+            sum += norm > 0 ? std::sqrt(err / norm) : 0.0;
+            ++n;
+          }
+        }
+      }
+    }
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.4f", n > 0 ? sum / static_cast<double>(n) : 0.0);
+    return buf;
+  }
   static std::string format_theta(float v) {
     char buf[32];
     std::snprintf(buf, sizeof buf, "%.3f", v);
@@ -231,6 +309,8 @@ class ThinKVDemoPolicy final : public DemoPolicy {
     cfg.head_dim = head_dim_;
     cfg.budget = options_.budget;
     cfg.refresh = options_.refresh;
+    cfg.refill = options_.refill;
+    cfg.regroup_min_free = options_.regroup_min_free;
     cfg.theta1 = theta1_;
     cfg.theta2 = theta2_;
     for (int l = 0; l < layers_; ++l) cfg.calibrated_layers.push_back(l);

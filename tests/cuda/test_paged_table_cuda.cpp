@@ -489,6 +489,14 @@ TEST_CASE("device CT table: argument errors name the values") {
                       Contains("max_sequences must be > 0, got 0"));
   REQUIRE_THROWS_WITH(cuda::DevicePagedTable(cfg, 1, cuda::PagedTableMemory{}),
                       Contains("must be non-null"));
+  {  // The device mirrors only refill = run (docs/thinkv.md §6): regroup is refused up front.
+    ThoughtBlockTableConfig regroup = cfg;
+    regroup.refill = RefillRule::regroup;
+    REQUIRE_THROWS_WITH(cuda::paged_table_sizes(regroup, 1),
+                        Contains("refill = regroup is a CPU-only experiment"));
+    REQUIRE_THROWS_WITH(cuda::DevicePagedTable(regroup, 1, cuda::PagedTableMemory{}),
+                        Contains("mirrors only refill = run"));
+  }
   ThoughtBlockTable cpu(cfg);
   PagedMirror dev(cfg, 1);
   const std::int32_t seq = cpu.create_sequence();

@@ -10,6 +10,7 @@
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/paged/block_codec.hpp"
+#include "kvsift/paged/refill_rule.hpp"
 
 namespace kvsift {
 
@@ -47,6 +48,11 @@ struct ThinKVConfig {
   std::vector<float> global_factors;
   // Dtype of the tables' 16-bit staging of not yet quantized tokens (§3.4): bf16 or f16.
   DType staging = DType::bf16;
+  // Refill of quantized blocks (paged/refill_rule.hpp): run (default, §3.4) or the regroup
+  // experiment (docs/thinkv.md §6), which re-quantizes a partly evicted group only when it has at
+  // least regroup_min_free (1..15) free slots.
+  RefillRule refill = RefillRule::run;
+  int regroup_min_free = 8;
 
   // Throws kvsift::Error naming the field and its value.
   void validate() const;

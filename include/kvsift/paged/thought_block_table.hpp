@@ -12,6 +12,14 @@
 //    that type (lowest block first); only when no such run exists is a new block taken. No token is
 //    ever encoded under another group's scale. f32 blocks take each token at once, in the lowest
 //    free slot.
+//  - Refill rule `regroup` (opt-in experiment, our choice, docs/thinkv.md §6 "Experiment: regroup
+//    in place"): when a group completes and no fully free run exists, the pinned run (a
+//    group-aligned run holding f >= regroup_min_free free slots and 16 - f live survivors) with the
+//    most free slots (lowest block, then lowest run, on ties) takes the f oldest staged tokens into
+//    its free slots, and the whole 16-slot group is re-quantized with fresh scales over the
+//    survivors' dequantized values and the new tokens. Survivors keep slot, position and segment;
+//    their codes change. The other staged tokens wait for the next group. The default rule `run`
+//    never does this and is bit-identical to the table without the option.
 //  - Eviction (TBE §3.3) only sets bits (or drops a token still staged). A block whose slots are
 //    all free in every KV head goes back to the pool and its storage is released.
 //  - Eviction is per (layer, KV head), so slots are allocated per KV head (our choice): one token
@@ -29,6 +37,7 @@
 #include "kvsift/core/error.hpp"
 #include "kvsift/paged/block_bytes.hpp"
 #include "kvsift/paged/block_codec.hpp"
+#include "kvsift/paged/refill_rule.hpp"
 #include "kvsift/paged/staged_group_quantizer.hpp"
 
 namespace kvsift {
@@ -48,6 +57,11 @@ struct ThoughtBlockTableConfig {
   // Dtype of the staging buffer of not yet quantized tokens (§3.4: 16-bit, the cache's own dtype;
   // bf16 by default, see staged_group_quantizer.hpp).
   DType staging = DType::bf16;
+  // Refill of quantized blocks (refill_rule.hpp): run (default) or the regroup experiment, which
+  // re-quantizes a pinned run only when it has at least regroup_min_free free slots (in [1, 15]),
+  // bounding how often survivors are re-rounded.
+  RefillRule refill = RefillRule::run;
+  std::int32_t regroup_min_free = 8;
 
   BlockFormat format_of(ThoughtType t) const {
     return t == ThoughtType::reasoning   ? reasoning
@@ -93,6 +107,13 @@ struct TableBytes {
   std::int64_t metadata = 0;
   std::int64_t staging = 0;
   std::int64_t total() const { return codes + scales + metadata + staging; }
+};
+
+// How the table has refilled quantized blocks so far (all sequences, all heads).
+struct RefillStats {
+  std::int64_t runs = 0;                   // groups written into a fully free run (or new block)
+  std::int64_t regroups = 0;               // pinned runs re-quantized (refill = regroup only)
+  std::int64_t survivors_requantized = 0;  // survivors re-rounded by those regroups
 };
 
 class ThoughtBlockTable {
@@ -176,6 +197,7 @@ class ThoughtBlockTable {
   // What the table's buffers actually hold right now (sizes of its block and staging storage), for
   // checking resident_bytes() against the allocations.
   TableBytes allocated_bytes() const;
+  const RefillStats& refill_stats() const { return refill_stats_; }
 
  private:
   struct Frame {
@@ -206,6 +228,14 @@ class ThoughtBlockTable {
   std::int32_t take_frame(std::int32_t seq, ThoughtType type);
   SlotAddress lowest_free_slot(const Sequence& s, ThoughtType type, std::int32_t head) const;
   SlotAddress lowest_free_run(const Sequence& s, ThoughtType type, std::int32_t head) const;
+  // refill = regroup: the run with the most free slots among those with f in
+  // [regroup_min_free, 15], lowest block then run on ties; {} if none. free_slots receives f.
+  SlotAddress best_pinned_run(const Sequence& s, ThoughtType type, std::int32_t head,
+                              int& free_slots) const;
+  // Writes the f oldest staged tokens of (type, head) into the free slots of the pinned run at
+  // `a` and re-quantizes the whole group with fresh scales (survivors' dequantized rows and the
+  // new tokens, in slot order).
+  void regroup_run(Sequence& s, ThoughtType type, std::int32_t head, SlotAddress a, int free_slots);
   std::int32_t segment_of(const Sequence& s, std::int32_t position) const;
   // The staged token at `position` in `head`: its type and index, or false.
   bool find_staged(const Sequence& s, std::int32_t head, std::int32_t position, ThoughtType& type,
@@ -218,6 +248,7 @@ class ThoughtBlockTable {
   std::vector<Frame> frames_;              // [num_blocks]
   std::vector<std::int32_t> free_frames_;  // pool, popped from the back (lowest id on top)
   std::vector<Sequence> sequences_;
+  RefillStats refill_stats_;
 };
 
 }  // namespace kvsift

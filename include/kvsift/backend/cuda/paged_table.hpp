@@ -174,7 +174,8 @@ class DevicePagedTable {
  public:
   // Host bookkeeping for a table built with `cfg` (the CPU ThoughtBlockTable's config) serving
   // sequence ids [0, max_sequences). Checks that every pointer of `memory` is non-null and that
-  // cfg.staging is PagedStaging's dtype.
+  // cfg.staging is PagedStaging's dtype. Refuses cfg.refill = regroup (kvsift::Error): the device
+  // mirrors only the default refill rule (docs/thinkv.md §6).
   DevicePagedTable(const ThoughtBlockTableConfig& cfg, std::int32_t max_sequences,
                    const PagedTableMemory& memory, const PagedPoolFrames& pools = {});
 
