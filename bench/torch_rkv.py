@@ -672,7 +672,7 @@ def main(argv):
     for keys in args.keys:
         for budget in args.budgets:
             for b in args.batches:
-                try:  # one failing configuration must not cost the others (one GPU session)
+                try:  # one failing configuration must not cost the others (a GPU run is costly)
                     rows.append(bench_config(lib, b, budget, keys, args, bandwidth, peak, gen))
                 except (RuntimeError, KvsiftError) as err:
                     errors.append("- %s keys, batch %d, budget %d: error: %s" % (keys, b, budget,
