@@ -5,15 +5,10 @@ namespace kvsift {
 
 namespace {
 constexpr const char* kWho = "KiviPolicy";
-template <class Config>
-Config validated(Config c) {
-  c.validate();
-  return c;
-}
 }  // namespace
 
 KiviPolicy::KiviPolicy(const KiviPolicyConfig& cfg)
-    : cfg_(validated(cfg)), ledger_(cfg_.num_layers, kWho) {
+    : cfg_(quantizer_detail::validated(cfg)), ledger_(cfg_.num_layers, kWho) {
   for (int l = 0; l < cfg_.num_layers; ++l)
     layers_.emplace_back(cfg_.kivi, static_cast<int>(cfg_.batch), cfg_.kv_heads, cfg_.head_dim);
   pads_.assign(static_cast<std::size_t>(cfg_.batch), 0);

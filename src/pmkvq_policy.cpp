@@ -9,15 +9,10 @@ namespace kvsift {
 
 namespace {
 constexpr const char* kWho = "PmkvqPolicy";
-template <class Config>
-Config validated(Config c) {
-  c.validate();
-  return c;
-}
 }  // namespace
 
 PmkvqPolicy::PmkvqPolicy(const PmkvqPolicyConfig& cfg)
-    : cfg_(validated(cfg)), ledger_(cfg_.num_layers, kWho) {
+    : cfg_(quantizer_detail::validated(cfg)), ledger_(cfg_.num_layers, kWho) {
   const PmkvqConfig& p = cfg_.pmkvq;
   for (int l = 0; l < cfg_.num_layers; ++l)
     for (std::int64_t b = 0; b < cfg_.batch; ++b) {

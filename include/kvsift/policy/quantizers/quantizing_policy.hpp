@@ -37,6 +37,13 @@ class QuantizingCachePolicy : public CacheOwningPolicy {
 
 namespace quantizer_detail {
 
+// A config after its validate() (throws kvsift::Error naming the field): for member initialisers.
+template <class Config>
+Config validated(Config c) {
+  c.validate();
+  return c;
+}
+
 // A host f32 [batch, heads, n, head_dim] view (any strides) as contiguous rows in the same order,
 // each value rounded to `storage` (the dtype the method's reference stores K/V in). n < 0: any.
 // Never empty, so that .data() is a valid pointer even for n = 0.
