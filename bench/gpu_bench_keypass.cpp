@@ -5,9 +5,9 @@
 //
 // Rows, per (batch, budget), median device µs (CUDA events) after warm-up:
 //   copy      cudaMemcpyAsync device-to-device of the keys' bytes (read + write);
-//   pass      the one pass of cuda/key_pass.cu: norms, bf16 unit keys, key sums (reads the keys,
-//             writes the bf16 copy: the same bytes as the copy);
-//   pass-ro   the same pass without the bf16 copy (the fp32 search's case: reads only);
+//   pass      the one pass of cuda/key_pass.cu: norms, fp16 unit keys, key sums (reads the keys,
+//             writes the fp16 copy: the same bytes as the copy);
+//   pass-ro   the same pass without the fp16 copy (the fp32 search's case: reads only);
 //   +logits   the pass with the window logits folded in (32 query heads, window 8: the R-KV
 //             default), as the scoring runs it; vs logits-old, the separate tensor-core logits
 //             kernel it saves (window importance with and without its logits kernel, the

@@ -1,7 +1,7 @@
 // The one pass over the keys of R-KV's key redundancy (docs/algorithms.md §1.2 steps 1, 4 and 6):
 // everything that needs only one key row at a time, produced while each row is read once.
 //   denom    ||K_i|| + 1e-8 per row, 0 for a pad (the UnitKeys contract of rkv_kernels.cuh);
-//   unit16   the bf16 (RNE) unit key k̂_i = K_i · (1 / denom) the tensor-core search reads,
+//   unit16   the fp16 (RNE) unit key k̂_i = K_i · (1 / denom) the tensor-core search reads,
 //            zero-padded to tc_row_pitch(head_dim) channels, zero rows for pads;
 //   partial  sums of k̂_i over chunks of kKeySumRows rows, per (sequence, head) — the first
 //            stage of sum_i k̂_i, which column_means_kernel finishes by adding the chunks in
@@ -17,9 +17,9 @@
 //
 // Why it is fast: the scalar kernels it replaces read 2-byte channels one warp per row with one
 // row in flight per warp (latency bound, ~10x the copy time). Here a group of G lanes reads a row
-// as 16-byte vectors, each thread issues the loads of up to 8 rows before using any, and the bf16
+// as 16-byte vectors, each thread issues the loads of up to 8 rows before using any, and the fp16
 // copy leaves as 16-byte stores: the pass moves its bytes at close to device-copy speed.
-#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <cmath>
 #include <cstdint>
@@ -140,8 +140,8 @@ __global__ void __launch_bounds__(kBlockThreads)
                     std::int64_t stride_s,  // elements between slots
                     const std::uint8_t* __restrict__ valid,  // [batch, capacity] or nullptr
                     std::int64_t capacity, int length, int head_dim,
-                    float* __restrict__ denom,           // [sequences, kv_heads, length]
-                    __nv_bfloat16* __restrict__ unit16,  // [.., length, pitch16] or nullptr
+                    float* __restrict__ denom,    // [sequences, kv_heads, length]
+                    __half* __restrict__ unit16,  // [.., length, pitch16] or nullptr
                     int pitch16,
                     float* __restrict__ partial,  // [sequences, kv_heads, chunks, head_dim]
                     WindowLogitArgs la) {
@@ -216,7 +216,7 @@ __global__ void __launch_bounds__(kBlockThreads)
       for (int k = 0; k < kVecChannels; ++k) sq = fmaf(x[k], x[k], sq);
       sq = group_sum<G>(sq);  // every lane of the group: the same bits
       const float den = sqrtf(sq) + 1e-8f;
-      // x·(1/den): within 1 ulp of the reference's x/den, for the sums (tolerance) and the bf16
+      // x·(1/den): within 1 ulp of the reference's x/den, for the sums (tolerance) and the fp16
       // copy (its bound in key_redundancy_tc.cu allows for it); the exact re-checks divide.
       const float inv = __frcp_rn(den);
       float v[kVecChannels];
@@ -231,10 +231,10 @@ __global__ void __launch_bounds__(kBlockThreads)
       if (unit16 != nullptr && c < pitch_vectors) {  // lanes past head_dim write the zero padding
         uint4 out = make_uint4(0, 0, 0, 0);          // (explicitly: 0 · inv is NaN when a key is)
         if (c < vectors) {
-          __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
+          __half2* o = reinterpret_cast<__half2*>(&out);
 #pragma unroll
           for (int k = 0; k < kVecChannels / 2; ++k)
-            o[k] = __floats2bfloat162_rn(v[2 * k], v[2 * k + 1]);
+            o[k] = __floats2half2_rn(v[2 * k], v[2 * k + 1]);
         }
         *reinterpret_cast<uint4*>(unit16 + r * pitch16 + c * kVecChannels) = out;
       }
@@ -260,8 +260,8 @@ __global__ void __launch_bounds__(kBlockThreads)
 // The pass for lane groups of G, with the window logits when `la.logits` is set (the caller
 // checked mma_logits_supported; G <= 16 and 16-bit storage follow from it).
 template <class T, int G>
-void launch_pass(const StepView& step, int length, float* denom, __nv_bfloat16* unit16,
-                 float* partial, const WindowLogitArgs& la, cudaStream_t stream) {
+void launch_pass(const StepView& step, int length, float* denom, __half* unit16, float* partial,
+                 const WindowLogitArgs& la, cudaStream_t stream) {
   const KVCacheView& kv = step.first();
   const int head_dim = static_cast<int>(kv.head_dim());
   const dim3 grid(static_cast<unsigned>(key_sum_chunks(length)),
@@ -311,7 +311,7 @@ bool launch_key_pass(const StepView& step, int length, float* denom, void* unit1
       la.logits = window_logits;
     }
   }
-  auto* u16 = static_cast<__nv_bfloat16*>(unit16);
+  auto* u16 = static_cast<__half*>(unit16);
   const int g = vec_group_lanes(static_cast<int>(kv.head_dim()));
   KVSIFT_DISPATCH_DTYPE(kv.dtype(), T, [&] {
     switch (g) {

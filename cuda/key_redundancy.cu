@@ -4,7 +4,7 @@
 // The kernels:
 //   1. The one pass over the keys (key_pass.cu, launch_key_pass): per row the divisor
 //      ||K_i|| + 1e-8 (0 for pads, steps 1 and 6; the exact readers divide by it, see UnitKeys),
-//      the bf16 unit key the tensor-core search reads, and the chunk sums of step 3 below, all
+//      the fp16 unit key the tensor-core search reads, and the chunk sums of step 3 below, all
 //      from one read of each row with 16-byte accesses. When the layout does not allow them
 //      (head_dim not a multiple of 8 or above 256, unaligned strides), the scalar kernels of this
 //      file do the same (launch_key_rows_scalar): normalize_keys_kernel, or, for head_dim <= 256,
@@ -24,7 +24,7 @@
 //   5. redundancy_softmax_kernel: R = softmax(rbar) over all S (step 5), one block per (b, h).
 // Steps 3–4 are spread over many blocks: at batch 1 one block per (b, h) would leave the GPU
 // idle and be bound by memory latency.
-#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <cstdint>
 #include <cub/block/block_reduce.cuh>
@@ -68,16 +68,16 @@ __device__ __forceinline__ float warp_sum(float x) {
 }
 
 // One warp per (b, h, i): the norm's divisor ||K|| + 1e-8 (0 for a pad), with the CPU reference's
-// arithmetic, and the bf16 copy of the unit key.
+// arithmetic, and the fp16 copy of the unit key.
 template <class T>
 __global__ void __launch_bounds__(kBlockThreads)
     normalize_keys_kernel(StepBases keys,  // per layer [batch, kv_heads, capacity, head_dim]
                           KeyStrides ks,
                           const std::uint8_t* __restrict__ valid,  // [batch, capacity] or nullptr
                           std::int64_t capacity, int kv_heads, int length, int head_dim,
-                          std::int64_t rows,                   // sequences * kv_heads * length
-                          float* __restrict__ denom,           // [sequences, kv_heads, length]
-                          __nv_bfloat16* __restrict__ unit16,  // [.., length, pitch16] or null
+                          std::int64_t rows,            // sequences * kv_heads * length
+                          float* __restrict__ denom,    // [sequences, kv_heads, length]
+                          __half* __restrict__ unit16,  // [.., length, pitch16] or null
                           int pitch16) {
   const std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   if (r >= rows) return;  // whole warps leave; no block barrier follows
@@ -87,9 +87,9 @@ __global__ void __launch_bounds__(kBlockThreads)
   const int z = static_cast<int>(bh / kv_heads), h = static_cast<int>(bh % kv_heads);
   const int b = z % keys.batch;  // the padding mask is per sequence, shared by the layers
   const T* k = keys.seq<const T>(z) + h * ks.h + i * ks.s;
-  __nv_bfloat16* out16 = unit16 != nullptr ? unit16 + r * pitch16 : nullptr;
+  __half* out16 = unit16 != nullptr ? unit16 + r * pitch16 : nullptr;
   if (out16 != nullptr)  // the padding channels, and whole pad rows, are zero
-    for (int d = lane; d < pitch16; d += 32) out16[d] = __float2bfloat16_rn(0.0f);
+    for (int d = lane; d < pitch16; d += 32) out16[d] = __float2half_rn(0.0f);
   if (valid != nullptr && valid[b * capacity + i] == 0) {
     if (lane == 0) denom[r] = 0.0f;  // a pad: a zero key
     return;
@@ -102,9 +102,9 @@ __global__ void __launch_bounds__(kBlockThreads)
   for (int off = 16; off > 0; off /= 2) sq += __shfl_xor_sync(0xffffffffu, sq, off);
   const float den = sqrtf(sq) + 1e-8f;  // the butterfly leaves the same sum in every lane
   if (lane == 0) denom[r] = den;
-  const float inv = __frcp_rn(den);  // x·(1/den) is within 1 ulp of x/den: the bf16 copy's bound
+  const float inv = __frcp_rn(den);  // x·(1/den) is within 1 ulp of x/den: the fp16 copy's bound
   if (out16 != nullptr)              // (key_redundancy_tc.cu) allows for it
-    for (int d = lane; d < head_dim; d += 32) out16[d] = __float2bfloat16_rn(to_float(k[d]) * inv);
+    for (int d = lane; d < head_dim; d += 32) out16[d] = __float2half_rn(to_float(k[d]) * inv);
 }
 
 // normalize_keys_kernel and unit_key_partial_sums_kernel in one pass, for head_dim <= 256 (every
@@ -118,8 +118,8 @@ __global__ void __launch_bounds__(kBlockThreads)
                              KeyStrides ks,
                              const std::uint8_t* __restrict__ valid,  // [batch, capacity] or null
                              std::int64_t capacity, int length, int head_dim,
-                             float* __restrict__ denom,           // [sequences, kv_heads, length]
-                             __nv_bfloat16* __restrict__ unit16,  // [.., length, pitch16] or null
+                             float* __restrict__ denom,    // [sequences, kv_heads, length]
+                             __half* __restrict__ unit16,  // [.., length, pitch16] or null
                              int pitch16,
                              float* __restrict__ partial) {  // [sequences, kv_heads, chunks, D]
   constexpr int kPerLane = kFusedMaxDim / 32;
@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(kBlockThreads)
   for (int m = 0; m < kPerLane; ++m) acc[m] = 0.0f;
   for (int i = first + warp; i < last; i += kWarps) {
     const std::int64_t r = bh * length + i;
-    __nv_bfloat16* out16 = unit16 != nullptr ? unit16 + r * pitch16 : nullptr;
+    __half* out16 = unit16 != nullptr ? unit16 + r * pitch16 : nullptr;
     const bool pad = valid != nullptr && valid[b * capacity + i] == 0;
     float x[kPerLane];
     float sq = 0.0f;
@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(kBlockThreads)
     for (int off = 16; off > 0; off /= 2) sq += __shfl_xor_sync(0xffffffffu, sq, off);
     const float den = sqrtf(sq) + 1e-8f;
     if (lane == 0) denom[r] = pad ? 0.0f : den;
-    // x·(1/den): within 1 ulp of the reference's x/den, for the sums (tolerance) and the bf16
+    // x·(1/den): within 1 ulp of the reference's x/den, for the sums (tolerance) and the fp16
     // copy (its bound in key_redundancy_tc.cu allows for it); the exact re-checks divide.
     const float inv = __frcp_rn(den);
 #pragma unroll
@@ -156,7 +156,7 @@ __global__ void __launch_bounds__(kBlockThreads)
       const int d = lane + 32 * m;
       const float v = pad ? 0.0f : x[m] * inv;  // pads: zero keys (§1.2 step 6)
       if (d < head_dim) acc[m] += v;
-      if (out16 != nullptr && d < pitch16) out16[d] = __float2bfloat16_rn(d < head_dim ? v : 0.0f);
+      if (out16 != nullptr && d < pitch16) out16[d] = __float2half_rn(d < head_dim ? v : 0.0f);
     }
   }
 #pragma unroll
@@ -500,7 +500,7 @@ void launch_key_rows_scalar(const StepView& step, int length, float* denom, void
   const UnitKeys unit = unit_keys_of(step, length, denom);
   const dim3 grid(static_cast<unsigned>(key_sum_chunks(length)), static_cast<unsigned>(kv_heads),
                   static_cast<unsigned>(batch));
-  auto* u16 = static_cast<__nv_bfloat16*>(unit16);
+  auto* u16 = static_cast<__half*>(unit16);
   KVSIFT_DISPATCH_DTYPE(kv.dtype(), T, [&] {
     if (head_dim <= kFusedMaxDim) {  // normalisation and key sums in one kernel
       normalize_and_sum_kernel<T><<<grid, kBlockThreads, 0, stream>>>(
@@ -564,7 +564,7 @@ bool launch_key_redundancy(const StepView& step, int length, float threshold, bo
   const UnitKeys unit = unit_keys_of(step, length, denom);
   KVSIFT_CUDA_CHECK(
       cudaMemsetAsync(spared, 0, static_cast<std::size_t>(rows) * sizeof(*spared), stream));
-  // Norms, the bf16 copy and the key sums: the one pass of key_pass.cu when the layout allows
+  // Norms, the fp16 copy and the key sums: the one pass of key_pass.cu when the layout allows
   // its 16-byte accesses (the common case), the scalar kernels otherwise.
   bool logits_written = false;
   if (!launch_key_pass(step, length, denom, unit16, partial, stream, window_logits,

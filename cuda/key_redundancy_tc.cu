@@ -3,7 +3,7 @@
 //   r_i = max{ j != i : C[i,j] > threshold }
 // as last_match_kernel in key_redundancy.cu, bit for bit, and spares the same fp32 cosines.
 //
-// How: 256×64 tiles of the cosine matrix are computed with mma.sync m16n8k16 on bf16 copies of
+// How: 256×64 tiles of the cosine matrix are computed with mma.sync m16n8k16 on fp16 copies of
 // the unit keys (written once by the normalisation, fp32 accumulate), from the sequence end
 // backwards, and a block of 256 rows stops
 // once each of its rows has its answer. C is symmetric, so in the worst case (no row matches) each
@@ -16,26 +16,35 @@
 // comparison is final. The spared cosine C[i, r_i] (and, faithful, C[i, 0]) is always recomputed
 // that way, so the fixed-point column sums are identical too.
 //
+// Why fp16 and not bf16: a unit key's channels lie in [−1, 1], where fp16's 11 significant bits
+// lose nothing to range, so the rounding term of m is 2^-10 instead of bf16's 2^-7 — a margin
+// ~7.6× narrower, and ~7.6× fewer exact re-checks on keys whose cosines crowd the threshold (real
+// keys share a head direction). The tensor cores run both types at the same rate.
+//
 // The bound m (tc_cosine_margin below). Let u, v be the fp32 unit keys (||u||, ||v|| <= 1 + 2^-10:
 // the normalisation's own rounding is ~D·2^-25 relative for D <= 4096), A = Σ_d |u_d v_d| <= N²
 // with N² = 1.002, and c32 the fp32 path's value.
-//   1. bf16 rounding (unit roundoff 2^-8) of x·(1/den), itself within 2^-22 relative of the fp32
-//      u_d = x/den (two roundings): ū_d = u_d(1 + α_d) + η_d, |α_d| <= 2^-8 + 2^-21, |η_d| <=
-//      2^-134 (bf16 subnormals), so |ū·v̄ − u·v| <= (2^-7 + 2^-16 + 2^-19)·A + O(D·2^-133).
-//   2. tensor-core accumulation: products of two bf16 are exact in fp32; however the hardware
+//   1. fp16 rounding (unit roundoff 2^-11) of x·(1/den), itself within 2^-22 relative of the fp32
+//      u_d = x/den (two roundings): ū_d = u_d(1 + α_d) + η_d, |α_d| <= 2^-11 + 2^-21, and below
+//      fp16's normal range (|u_d| < 2^-14) an absolute |η_d| <= 2^-25. Per channel
+//      |ū_d v̄_d − u_d v_d| <= (2α + α²)|u_d v_d| + η(1 + α)(|u_d| + |v_d|) + η², so
+//      |ū·v̄ − u·v| <= (2^-10 + 2^-20 + 2^-21)·A + D·2^-23 (|u_d|, |v_d| <= N: generous).
+//   2. tensor-core accumulation: products of two fp16 are exact in fp32; however the hardware
 //      orders, aligns and truncates the D additions, each term is hit by at most two roundings of
-//      at most 2^-23 relative to a partial sum bounded by P = Σ|ū_d v̄_d| <= (1 + 2^-8)²·A, so the
-//      error is <= 2·D·2^-23·P = D·2^-22·P (Higham's recursive-summation bound with RZ's 2^-23
-//      and every term counted twice: deliberately generous).
+//      at most 2^-23 relative to a partial sum bounded by P = Σ|ū_d v̄_d| <= (1 + 2^-11)²·A (+ the
+//      η terms, covered by the 1.01 below), so the error is <= 2·D·2^-23·P = D·2^-22·P (Higham's
+//      recursive-summation bound with RZ's 2^-23 and every term counted twice: deliberately
+//      generous).
 //   3. the fp32 path itself: |c32 − u·v| <= D·2^-24·A·(1 + D·2^-24) (fma chain, one rounding per
 //      step).
-// m = N²·[(2^-7 + 2^-16 + 2^-19) + D·2^-22·(1 + 2^-8)² + D·2^-24·1.01] + 2^-100, then t ± m is
-// rounded outwards to float. D = 128: m ≈ 0.00787, so random keys (cosines ~ N(0, 1/D)) are almost
-// never rechecked; NaN cosines fail both comparisons, as they fail c32 > t.
+// m = N²·[(2^-10 + 2^-20 + 2^-21) + D·2^-22·(1 + 2^-11)²·1.01 + D·2^-24·1.01] + D·2^-23 + 2^-100,
+// then t ± m is rounded outwards to float. D = 128: m ≈ 0.001034 (bf16 copies needed 0.00788), so
+// random keys (cosines ~ N(0, 1/D)) are almost never rechecked; NaN cosines fail both comparisons,
+// as they fail c32 > t.
 //
-// Scope: head_dim <= 128 and a multiple of 4 (the bf16 rows are zero-padded to a multiple of 16);
+// Scope: head_dim <= 128 and a multiple of 4 (the fp16 rows are zero-padded to a multiple of 16);
 // other head_dims use the fp32 path (tc_search_supported()).
-#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <cmath>
 #include <cstdint>
@@ -53,27 +62,27 @@ constexpr int kTcWarpRows = 32;              // rows per warp: two m16 tiles
 constexpr int kTcRowTile = 8 * kTcWarpRows;  // 256 rows per block: one per thread
 constexpr int kTcColTile = 64;               // columns per tile: eight n8 tiles per warp
 constexpr int kTcTilesPerRowTile = kTcRowTile / kTcColTile;  // 4
-constexpr int kTcMaxDim = 128;                               // head_dim of the staged bf16 rows
+constexpr int kTcMaxDim = 128;                               // head_dim of the staged fp16 rows
 constexpr int kTcKSteps = kTcMaxDim / 16;
-constexpr int kTcStride = kTcMaxDim + 8;  // bf16 per staged row: 272 B, ldmatrix conflict-free
+constexpr int kTcStride = kTcMaxDim + 8;  // fp16 per staged row: 272 B, ldmatrix conflict-free
 static_assert(kTcRowTile == kTcThreads, "one thread per row for the tile bookkeeping");
 
 // Shared memory of one block (dynamic: 105 KiB, two blocks per SM): the block's rows once, the
 // column tiles double-buffered (the next one arrives by cp.async during the current multiply).
 struct TcShared {
-  __nv_bfloat16 rows[kTcRowTile][kTcStride];
-  __nv_bfloat16 cols[2][kTcColTile][kTcStride];
+  __half rows[kTcRowTile][kTcStride];
+  __half cols[2][kTcColTile][kTcStride];
   int match[kTcRowTile];      // final r_i of the tile's rows; -1 while still searching
   int cand[kTcRowTile];       // best match known so far of a row still searching
   int tile_best[kTcRowTile];  // last match inside the current column tile, -1: none
   int col_best[kTcColTile];   // phase 1: last matching row of each column, -1: none
 };
 
-// Rows [first, first + kRows) of the bf16 unit keys (`chunks` 16-byte chunks per row) into `dst`
+// Rows [first, first + kRows) of the fp16 unit keys (`chunks` 16-byte chunks per row) into `dst`
 // asynchronously; rows at or past `length` are zero-filled.
 template <int kRows>
-__device__ __forceinline__ void stage_rows_async(__nv_bfloat16 (*dst)[kTcStride],
-                                                 const __nv_bfloat16* __restrict__ base, int first,
+__device__ __forceinline__ void stage_rows_async(__half (*dst)[kTcStride],
+                                                 const __half* __restrict__ base, int first,
                                                  int length, int chunks) {
   for (int e = threadIdx.x; e < kRows * chunks; e += kTcThreads) {
     const int r = e / chunks, c = e % chunks, i = first + r;
@@ -129,8 +138,8 @@ __device__ __forceinline__ int next_column_tile(int jt, bool upper, int own_firs
 // cp.async while this one is multiplied.
 template <class T>
 __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
-    UnitKeys unit,                             // the unit keys in fp32, for the exact re-checks
-    const __nv_bfloat16* __restrict__ unit16,  // [.., length, 16·k_steps]
+    UnitKeys unit,                      // the unit keys in fp32, for the exact re-checks
+    const __half* __restrict__ unit16,  // [.., length, 16·k_steps]
     int length, int head_dim, float threshold, float below, float above, bool faithful, bool upper,
     int* __restrict__ best,                     // [sequences, kv_heads, length], −1 at start
     int* __restrict__ reached,                  // [sequences, kv_heads, gridDim.x]
@@ -147,7 +156,7 @@ __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
   const int g = lane / 4, t = lane % 4;  // mma fragment coordinates
   const std::int64_t bh = static_cast<std::int64_t>(b) * kv_heads + h;
   const int ksteps = (head_dim + 15) / 16, chunks = 2 * ksteps;
-  const __nv_bfloat16* u16 = unit16 + bh * length * chunks * 8;
+  const __half* u16 = unit16 + bh * length * chunks * 8;
   int* bbase = best + bh * length;
   const int* rbase = reached + bh * gridDim.x;
   const UnitHead<T> uh = unit_head<T>(unit, bh);  // fp32 rows for the exact re-checks
@@ -215,7 +224,8 @@ __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
         for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
           for (int nt = 0; nt < 8; ++nt)
-            mma_16816(acc[mt][nt], af[mt], bf[nt / 2][(nt % 2) * 2], bf[nt / 2][(nt % 2) * 2 + 1]);
+            mma_16816<Half16::f16>(acc[mt][nt], af[mt], bf[nt / 2][(nt % 2) * 2],
+                                   bf[nt / 2][(nt % 2) * 2 + 1]);
       }
     }
     // Nothing in the warp's 32×64 tile above t − m (random keys: almost every tile) decides or
@@ -370,11 +380,12 @@ bool tc_search_supported(int head_dim) {
 double tc_cosine_margin(int head_dim) {
   const double n2 = 1.002;  // (1 + 2^-10)² bounds ||u||·||v|| of fp32-normalised keys
   const double d = head_dim;
-  const double rounding = std::ldexp(1.0, -7) + std::ldexp(1.0, -16) + std::ldexp(1.0, -19);
-  const double tc_sum =
-      d * std::ldexp(1.0, -22) * (1.0 + std::ldexp(1.0, -8)) * (1.0 + std::ldexp(1.0, -8));
+  const double rounding = std::ldexp(1.0, -10) + std::ldexp(1.0, -20) + std::ldexp(1.0, -21);
+  const double subnormals = d * std::ldexp(1.0, -23);  // fp16 channels below 2^-14
+  const double grow = (1.0 + std::ldexp(1.0, -11)) * (1.0 + std::ldexp(1.0, -11));
+  const double tc_sum = d * std::ldexp(1.0, -22) * grow * 1.01;
   const double fp32_sum = d * std::ldexp(1.0, -24) * 1.01;
-  return n2 * (rounding + tc_sum + fp32_sum) + std::ldexp(1.0, -100);
+  return n2 * (rounding + tc_sum + fp32_sum) + subnormals + std::ldexp(1.0, -100);
 }
 
 int tc_row_pitch(int head_dim) { return (head_dim + 15) / 16 * 16; }
@@ -400,8 +411,8 @@ void launch_last_match_tc(const UnitKeys& unit, DType dtype, const void* unit16,
         last_match_tc_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes));
     for (bool upper : {true, false}) {
       last_match_tc_kernel<T><<<grid, kTcThreads, kSharedBytes, stream>>>(
-          unit, static_cast<const __nv_bfloat16*>(unit16), length, head_dim, threshold, below,
-          above, faithful, upper, match, reached, spared);
+          unit, static_cast<const __half*>(unit16), length, head_dim, threshold, below, above,
+          faithful, upper, match, reached, spared);
       KVSIFT_CUDA_CHECK(cudaGetLastError());
     }
   });

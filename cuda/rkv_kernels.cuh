@@ -131,7 +131,7 @@ bool mma_logits_supported(const StepView& step, int group, int window);
 // Key redundancy R over all `length` tokens (docs/algorithms.md §1.2 steps 1–5, before the slice)
 // of every sequence z = layer · batch + b of the step.
 //   denom       [z, kv_heads, length] scratch: each row's ||K|| + 1e-8 (0: pad), see UnitKeys
-//   unit16      [z, kv_heads, length, tc_row_pitch(head_dim)] scratch: bf16 k̂ for the
+//   unit16      [z, kv_heads, length, tc_row_pitch(head_dim)] scratch: fp16 k̂ for the
 //               tensor-core search; nullptr when it does not run (then the fp32 search does)
 //   tc_reached  [z, kv_heads, tc_row_tiles(length)] scratch of the tensor-core search, or nullptr
 //   spared      [z, kv_heads, length] scratch: fixed-point sums of spared cosines per column
@@ -145,11 +145,11 @@ bool launch_key_redundancy(const StepView& step, int length, float threshold, bo
                            float* window_logits = nullptr);
 
 // The one pass over the keys (cuda/key_pass.cu): for every row of every sequence of the step its
-// divisor ||K|| + 1e-8 (0: pad), the bf16 unit key when unit16 is not null, and the per-chunk sums
+// divisor ||K|| + 1e-8 (0: pad), the fp16 unit key when unit16 is not null, and the per-chunk sums
 // of the unit keys, reading each key once with 16-byte accesses. Layouts as launch_key_redundancy's
 // scratch above:
 //   denom    [z, kv_heads, length]
-//   unit16   [z, kv_heads, length, tc_row_pitch(head_dim)] bf16, or nullptr
+//   unit16   [z, kv_heads, length, tc_row_pitch(head_dim)] fp16, or nullptr
 //   partial  [z, kv_heads, key_sum_chunks(length), head_dim]
 // Returns false, having enqueued nothing, when the keys' layout does not allow 16-byte accesses
 // (head_dim not a multiple of 8 or above 256, a stride or base not 16-byte aligned, unit16 not
@@ -184,14 +184,14 @@ void launch_column_means(const StepView& step, int length, const float* denom,
 // multiples of 4; for others launch_key_redundancy uses the fp32 search.
 bool tc_search_supported(int head_dim);
 
-// Bound on |bf16 tensor-core cosine − fp32 path cosine| of two unit keys, head_dim terms (the
+// Bound on |fp16 tensor-core cosine − fp32 path cosine| of two unit keys, head_dim terms (the
 // derivation is at the top of key_redundancy_tc.cu).
 double tc_cosine_margin(int head_dim);
 
 // Row tiles of the tensor-core search: `reached` below holds one int per (b, h, row tile).
 int tc_row_tiles(int length);
 
-// Row pitch (elements) of the bf16 unit keys the tensor-core search reads: head_dim rounded up
+// Row pitch (elements) of the fp16 unit keys the tensor-core search reads: head_dim rounded up
 // to a multiple of 16, zero-padded.
 int tc_row_pitch(int head_dim);
 
@@ -199,7 +199,7 @@ int tc_row_pitch(int head_dim);
 // identical to the fp32 search; adds the spared fp32 cosines C[i, r_i] (faithful: C[i, 0] of
 // unmatched rows) to `spared` in 32.32 fixed point. Requires tc_search_supported(head_dim).
 //   unit     the unit keys (storage dtype `dtype`), read for the exact fp32 re-checks
-//   unit16   [batch, kv_heads, length, tc_row_pitch(head_dim)] bf16 (RNE) copy of the unit keys
+//   unit16   [batch, kv_heads, length, tc_row_pitch(head_dim)] fp16 (RNE) copy of the unit keys
 //   spared   [batch, kv_heads, length] accumulated into (zero it first)
 //   match    [batch, kv_heads, length] scratch, then r_i (−1: row i has no match)
 //   reached  [batch, kv_heads, tc_row_tiles(length)] scratch

@@ -163,7 +163,7 @@ struct Workspace {
   float* pre_pool;             // [batch, kv_heads, n]
   float* importance;           // [batch, kv_heads, n]
   float* denom;                // [batch, kv_heads, S]: ||K|| + 1e-8 per key (UnitKeys)
-  void* unit16;                // [batch, kv_heads, S, tc_row_pitch(head_dim)] bf16, or null
+  void* unit16;                // [batch, kv_heads, S, tc_row_pitch(head_dim)] fp16, or null
   int* tc_reached;             // [batch, kv_heads, tc_row_tiles(S)], or null
   unsigned long long* spared;  // [batch, kv_heads, S]
   float* key_sums;             // [batch, kv_heads, key_sum_chunks(S), head_dim]

@@ -53,7 +53,7 @@ inline constexpr std::int32_t kUnusedSlot = -1;
 inline constexpr std::int32_t kNanScoreSlot = -2;
 
 // Device scratch bytes rkv_score() and rkv_select() need for this cache, these queries and cfg.
-// Dominated, with the tensor-core search, by a bf16 copy of the normalised keys [batch, kv_heads,
+// Dominated, with the tensor-core search, by an fp16 copy of the normalised keys [batch, kv_heads,
 // S, head_dim rounded up to 16] (the keys' own size for 16-bit storage), plus the window logits
 // [batch, kv_heads, W, S − W] fp32 and a few fp32 values per token, S = max_b S_b.
 //   kv       device cache, keys [batch, kv_heads, capacity, head_dim]

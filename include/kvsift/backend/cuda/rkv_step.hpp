@@ -23,7 +23,7 @@ namespace kvsift::cuda {
 
 // How the step uses its workspace: [slot rows of every layer | selection scratch of one chunk].
 // A chunk holds layers · batch <= 256 sequences (all 32 layers of a model up to batch 8, one layer
-// per chunk from batch 256), which bounds the scratch (a bf16 copy of the chunk's normalised keys)
+// per chunk from batch 256), which bounds the scratch (an fp16 copy of the chunk's normalised keys)
 // to a few layers' worth at large batch.
 struct RKVStepLayout {
   int chunk = 1;                // layers selected per rkv_select_step call
