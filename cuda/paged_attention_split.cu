@@ -83,6 +83,7 @@ constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 
 // Meta word of a block, as uploaded: BlockFormat | thought type << 4.
 constexpr int kFormatNvfp4 = static_cast<int>(BlockFormat::nvfp4);
+constexpr int kFormatTernary = static_cast<int>(BlockFormat::ternary);
 
 // Four 8×8 b16 matrices from shared memory, transposed: lane l supplies the row address of matrix
 // l / 8 and receives, of each matrix M, M[2(l%4)][l/4] (low half) and M[2(l%4)+1][l/4] (high):
@@ -601,8 +602,7 @@ __global__ void __launch_bounds__(kThreads, D >= 256 ? 2 : 4) split_decode_kerne
         ~static_cast<unsigned>(word >> (start % 64)) & (n == 32 ? 0xffffffffu : 0xffffu);
     if (live == 0) continue;  // the same in every lane
     const int format = a.meta[blk] & 0xf;
-    const PagedHeadLayout& L = a.layouts.by_format[format];
-    const std::uint8_t* base = a.storage + a.frame_offsets[frame] + h * L.head_bytes;
+    const std::uint8_t* frame_base = a.storage + a.frame_offsets[frame];
 
     // L2 prefetch of this warp's next tile: its loads then hit L2 while this tile is multiplied.
     if (it + 1 < a.tiles_per_warp && u + kWarps < units) {
@@ -627,12 +627,16 @@ __global__ void __launch_bounds__(kThreads, D >= 256 ? 2 : 4) split_decode_kerne
       }
     }
 
+    // Constant layout indices (the format is one of two): no dynamic indexing into the params.
     if (format == kFormatNvfp4) {
-      split_tile<D, true>(base, L, start, n, live, qa, conv_nvfp4 * qinv * a.softmax_scale * kLog2e,
-                          conv_nvfp4 * pexp, g < G, g, t, m2, l, acc);
+      const PagedHeadLayout& L = a.layouts.by_format[kFormatNvfp4];
+      split_tile<D, true>(frame_base + h * L.head_bytes, L, start, n, live, qa,
+                          conv_nvfp4 * qinv * a.softmax_scale * kLog2e, conv_nvfp4 * pexp, g < G, g,
+                          t, m2, l, acc);
     } else {  // ternary (split_kernel_takes admits no other format)
-      split_tile<D, false>(base, L, start, n, live, qa, qinv * a.softmax_scale * kLog2e, pexp,
-                           g < G, g, t, m2, l, acc);
+      const PagedHeadLayout& L = a.layouts.by_format[kFormatTernary];
+      split_tile<D, false>(frame_base + h * L.head_bytes, L, start, n, live, qa,
+                           qinv * a.softmax_scale * kLog2e, pexp, g < G, g, t, m2, l, acc);
     }
   }
 
