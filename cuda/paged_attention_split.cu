@@ -66,7 +66,6 @@
 #include "kvsift/backend/cuda/check.hpp"
 #include "kvsift/backend/cuda/paged_table.hpp"
 #include "kvsift/backend/cuda/workspace.hpp"
-#include "kvsift/quant/e8m0.hpp"
 #include "mma.cuh"
 
 namespace kvsift::cuda {
@@ -218,14 +217,13 @@ __device__ __forceinline__ void key_fragments(const std::uint8_t* codes, std::ui
   }
 }
 
-// Softmax and P·V of a tile of the dense kernel. x2: this lane's logits in log2
-// units (−inf: dead slot) at slots nt·8 + 2t + j of MMA row g = lane / 4, tmax their maximum.
-// Updates the running max m2, sum l and accumulator acc (C fragments of P·V: rows g and g + 8
-// hold P_hi·V and P_lo·V). vfac scales P into the units of sV's values (see the file comment).
+// Softmax and P·V of a tile of the dense kernel (bf16). x2: this lane's logits in log2 units
+// (−inf: dead slot) at slots nt·8 + 2t + j of MMA row g = lane / 4, tmax their maximum. Updates
+// the running max m2, sum l and accumulator acc (C fragments of P·V: rows g and g + 8 hold
+// P_hi·V and P_lo·V).
 template <int D>
-__device__ __forceinline__ void softmax_pv_tile(const float (&x2)[4][2], float tmax, int n, bool bf,
-                                                float vfac,
-                                                const __half* sV,  // [32][D + 8]
+__device__ __forceinline__ void softmax_pv_tile(const float (&x2)[4][2], float tmax, int n,
+                                                const __nv_bfloat16* sV,  // [32][D + 8]
                                                 bool real_head, int lane, float& m2, float& l,
                                                 float (&acc)[D / 8][4]) {
   constexpr int kVPitch = D + 8;
@@ -260,24 +258,14 @@ __device__ __forceinline__ void softmax_pv_tile(const float (&x2)[4][2], float t
   for (int ks = 0; ks < 2; ++ks) {
     if (ks * 16 >= n) break;
     std::uint32_t pa[4];
-    if (bf) {
-      split16<true>(p[2 * ks][0] * vfac, p[2 * ks][1] * vfac, pa[0], pa[1]);
-      split16<true>(p[2 * ks + 1][0] * vfac, p[2 * ks + 1][1] * vfac, pa[2], pa[3]);
-    } else {
-      split16<false>(p[2 * ks][0] * vfac, p[2 * ks][1] * vfac, pa[0], pa[1]);
-      split16<false>(p[2 * ks + 1][0] * vfac, p[2 * ks + 1][1] * vfac, pa[2], pa[3]);
-    }
+    split16<true>(p[2 * ks][0], p[2 * ks][1], pa[0], pa[1]);
+    split16<true>(p[2 * ks + 1][0], p[2 * ks + 1][1], pa[2], pa[3]);
 #pragma unroll
     for (int cp = 0; cp < D / 16; ++cp) {
       std::uint32_t bv[4];
       ldmatrix_x4_trans(bv, sV + (ks * 16 + lrow) * kVPitch + cp * 16 + lcol);
-      if (bf) {
-        detail::mma_16816<detail::Half16::bf16>(acc[2 * cp], pa, bv[0], bv[1]);
-        detail::mma_16816<detail::Half16::bf16>(acc[2 * cp + 1], pa, bv[2], bv[3]);
-      } else {
-        detail::mma_16816<detail::Half16::f16>(acc[2 * cp], pa, bv[0], bv[1]);
-        detail::mma_16816<detail::Half16::f16>(acc[2 * cp + 1], pa, bv[2], bv[3]);
-      }
+      detail::mma_16816<detail::Half16::bf16>(acc[2 * cp], pa, bv[0], bv[1]);
+      detail::mma_16816<detail::Half16::bf16>(acc[2 * cp + 1], pa, bv[2], bv[3]);
     }
   }
 }
@@ -748,8 +736,7 @@ __global__ void __launch_bounds__(kThreads, 2) dense_split_kernel(DenseArgs a) {
         tmax = fmaxf(tmax, x);
       }
     }
-    softmax_pv_tile<D>(x2, tmax, n, true, 1.0f, reinterpret_cast<const __half*>(sV), g < G, lane,
-                       m2, l, acc);
+    softmax_pv_tile<D>(x2, tmax, n, sV, g < G, lane, m2, l, acc);
     __syncwarp();
   }
   write_partial<D>(a.part_acc, a.part_ml,
