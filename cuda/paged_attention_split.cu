@@ -456,12 +456,14 @@ __device__ __forceinline__ void split_tile(const std::uint8_t* base, const Paged
   psum += __shfl_xor_sync(0xffffffffu, psum, 2);
   l = l * r + psum;
   m2 = m_new;
+  if (__any_sync(0xffffffffu, r != 1.0f)) {  // once the maxima settle, most tiles skip this
 #pragma unroll
-  for (int j = 0; j < D / 8; ++j) {
-    acc[j][0] *= r;
-    acc[j][1] *= r;
-    acc[j][2] *= r;
-    acc[j][3] *= r;
+    for (int j = 0; j < D / 8; ++j) {
+      acc[j][0] *= r;
+      acc[j][1] *= r;
+      acc[j][2] *= r;
+      acc[j][3] *= r;
+    }
   }
 
   // 3. O += P·V per group: A = P (k-order ρ: a0/a1 = slots 4t, 4t + 1, a2/a3 = 4t + 2, 4t + 3;
