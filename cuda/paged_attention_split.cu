@@ -4,31 +4,55 @@
 // Grid (splits, KV heads, batch), 4 warps per CTA, and no block-wide barrier after the setup:
 // each warp is its own split. Warp w of CTA split s walks the 32-slot tiles s·4·T + w + 4·i,
 // i < T (T = tiles per warp, interleaved so the CTA's four warps read neighbouring blocks).
-// Per tile the warp
-//   1. issues all loads of the tile's codes and scales at once (registers),
-//   2. decodes them into 16-bit values in its own shared-memory tiles: keys channel-major
-//      (sK [head_dim][40]), values slot-major (sV [32][head_dim + 8]),
-//   3. computes S = Q·Kᵀ for the whole GQA group with mma.m16n8k16 (rows 0-7: the query heads'
-//      high halves, rows 8-15: their low halves, so the query is represented to ~2^-22),
-//   4. runs the online softmax per query head in registers (4 lanes per head),
-//   5. accumulates O += P·V with P again split into high and low halves.
-// Finally it writes one partial (max, sum, acc) per query head; merge_partials_kernel combines
-// them. Reading each KV tile once for all G query heads is what makes GQA cheap.
+// Per tile (one or two 16-slot groups sg of one block, one format) the warp
+//   1. computes S = Q·Kᵀ for the whole GQA group with mma.m16n8k16 (rows 0-7: the query heads'
+//      high halves, rows 8-15: their low halves, so the query is represented to ~2^-22), the
+//      B fragments built in registers straight from the key codes in global memory,
+//   2. runs the online softmax per query head in registers (4 lanes per head),
+//   3. accumulates O += P·V with P again split into high and low halves, the B fragments built
+//      in registers straight from the value codes.
+// No K/V byte goes through shared memory (only the query fragments live there), so a CTA needs
+// ~8 KB of shared memory and ≤ 128 registers per thread (head_dim ≤ 128): 4+ CTAs per SM.
+// Finally each warp writes one partial (max, sum, acc) per query head; merge_partials_kernel
+// combines them. Reading each KV tile once for all G query heads is what makes GQA cheap.
+//
+// Fragment mapping (PTX ISA, mma.m16n8k16 .f16: lane = 4g + t; A a0 = A[g][2t, 2t+1],
+// a1 = A[g+8][2t, 2t+1], a2 = A[g][2t+8, 2t+9], a3 = A[g+8][2t+8, 2t+9]; B b0 = B[2t, 2t+1][g],
+// b1 = B[2t+8, 2t+9][g]; C c0, c1 = row g cols 2t, 2t+1, c2, c3 = row g+8 the same). The k index
+// of a product may be permuted if A and B agree, its n index if the consumer agrees:
+//   S = Q·Kᵀ per 16-slot group, k-chunk kc (channels kc·16 .. + 15):
+//     k-permutation π: k = 2t, 2t+1, 2t+8, 2t+9 <-> channel kc·16 + 4t + 0, 1, 2, 3, so lane
+//     (g, t) holds the four contiguous key groups (sg, kc·16 + 4t + j), j < 4;
+//     n-tile 0 column g <-> slot 2g, n-tile 1 column g <-> slot 2g + 1: lane (g, t) needs byte g
+//     (NVFP4: slots 2g low nibble, 2g + 1 high) or nibble g (ternary) of each of those groups.
+//     C: lane (g, t) ends with head g's logits at slots 4t + i, i = 2·(column − 2t) + n-tile.
+//   O = P·V per 16-slot group: k-permutation ρ: k = 2t, 2t+1, 2t+8, 2t+9 <-> slot 4t + 0, 1, 2, 3,
+//     so P's A fragment is the lane's own four logits' weights (no shuffle);
+//     n-tile j (< D/8) column n <-> channel σ(j, n) = n·D/8 + j, so lane (g, t) needs channels
+//     [g·D/8, (g+1)·D/8) of slots 4t .. 4t+3: D/8 contiguous codes of each of its four slots,
+//     and across the warp every value code of the group is loaded exactly once.
+//     C: lane (g, t), n-tile j: c0 + c2 = head g at channel σ(j, 2t) = (D/4)·t + j, c1 + c3 at
+//     σ(j, 2t+1) = (D/4)·t + D/8 + j: the lane writes channels [(D/4)·t, (D/4)·(t+1)).
 //
 // Exactness of the 16-bit operands (why the MMAs lose nothing on the K/V side):
 //   - NVFP4: code (E2M1, 2 significant bits) × block scale (E4M3, 4 bits) has ≤ 6 significant
 //     bits and is a multiple of 2^-10, so code · scale · 2^-14 is an exact fp16 number (normal or
-//     subnormal). The bit trick below produces code · 2^-14 directly; the factor 2^14 / g (g the
-//     NVFP4 global factor) is applied to the fp32 logits and folded into P.
-//   - ternary: ±1 × E4M3 α is exact in fp16.
-//   - FP8: E4M3 code × 2^k (E8M0) is exact in bf16 (same exponent range as fp32), so FP8 tiles
-//     use bf16 MMAs; the query and P have bf16 high/low halves too.
+//     subnormal). The bit trick (e2m1_pair) produces code · 2^-14 exactly; the E4M3 scale is
+//     exact in fp16, and the one __hmul2 by it is exact by the bound above. The factor 2^14 / g
+//     (g the NVFP4 global factor) is applied to the fp32 logits and folded into P.
+//   - ternary: c ∈ {−1, 0, 1} is produced exactly (ternary_pair), and c × E4M3 α is exact.
+//   - the query and P are the only rounded operands: each is split into an fp16 high half and the
+//     fp16 rounding of the remainder (split16, ~22 significant bits together); the products and
+//     sums are fp32 in the tensor cores. Logits, softmax and the partials are fp32.
+//   - FP8 and f32 blocks do not reach this kernel (split_kernel_takes): the batch falls back to
+//     the tiled kernel.
 //   - staged tokens (16-bit keys and values waiting for their 16-token group, §3.4) never enter
 //     the MMAs: bf16 staging is not exact in the fp16 MMA path. staged_partial_kernel computes
 //     their logits and P·V in fp32 on CUDA cores (at most 3 · 16 tokens per KV head) and writes
 //     one more partial per (sequence, KV head), which the merge folds in with the others.
-// Evicted and never-written slots get weight exactly 0, and their value rows are written as zeros
-// so that stale codes (possibly NaN) never meet a zero weight in the MMA.
+// Evicted and never-written slots get weight exactly 0: their logits are replaced by −inf (a
+// stale key only reaches its own column of S), and their value codes and scales are zeroed before
+// decoding, so that stale codes (possibly a NaN scale) never meet a zero weight in the MMA.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -42,7 +66,6 @@
 #include "kvsift/backend/cuda/check.hpp"
 #include "kvsift/backend/cuda/paged_table.hpp"
 #include "kvsift/backend/cuda/workspace.hpp"
-#include "kvsift/quant/e8m0.hpp"
 #include "mma.cuh"
 
 namespace kvsift::cuda {
@@ -54,14 +77,12 @@ using detail::PagedLayouts;
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kTileSlots = 32;
-constexpr int kMaxGroup = 8;                         // query heads per KV head (MMA rows 0-7)
-constexpr int kKPitch = 40;                          // sK row pitch in halves (conflict-free)
-constexpr std::size_t kMaxSharedBytes = 227 * 1024;  // Hopper's per-block opt-in limit
+constexpr int kMaxGroup = 8;  // query heads per KV head (MMA rows 0-7)
 constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 
 // Meta word of a block, as uploaded: BlockFormat | thought type << 4.
 constexpr int kFormatNvfp4 = static_cast<int>(BlockFormat::nvfp4);
-constexpr int kFormatFp8 = static_cast<int>(BlockFormat::fp8);
+constexpr int kFormatTernary = static_cast<int>(BlockFormat::ternary);
 
 // Four 8×8 b16 matrices from shared memory, transposed: lane l supplies the row address of matrix
 // l / 8 and receives, of each matrix M, M[2(l%4)][l/4] (low half) and M[2(l%4)+1][l/4] (high):
@@ -103,104 +124,106 @@ __device__ __forceinline__ void split16(float x0, float x1, std::uint32_t& hi, s
   }
 }
 
-// --- group decoders: 16 codes of one group -> 8 words of packed 16-bit values, element 2i in the
-// low half of out[i] (natural order). ---------------------------------------------------------
+// --- register-direct fragment builders (mapping: see the file comment) --------------------------
 
-// NVFP4: E2M1 nibbles (element 2i in the low nibble of byte i) -> fp16 code · scale · 2^-14.
-// Nibble s|e1 e0|m moved to bits 15..12 of a half becomes, with the e/m bits shifted right by 3,
-// the fp16 number 2^(e−15)(1 + m/2) (e > 0) or m · 2^-15 (e = 0): the E2M1 value times 2^-14.
-__device__ __forceinline__ void decode_nvfp4(uint2 codes, std::uint8_t scale_code,
-                                             std::uint32_t (&out)[8]) {
-  const __half2 s = __half2half2(__half(__nv_cvt_fp8_to_halfraw(scale_code, __NV_E4M3)));
-  const std::uint32_t words[2] = {codes.x, codes.y};
-#pragma unroll
-  for (int w = 0; w < 2; ++w) {
-    std::uint32_t h[4];  // h[k]: elements (k, k + 4) of this word's 8
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const std::uint32_t q = words[w] << (12 - 4 * k);
-      const std::uint32_t bits = (q & 0x80008000u) | ((q & 0x70007000u) >> 3);
-      h[k] = h2_bits(__hmul2(bits_h2(bits), s));  // exact: see the file comment
-    }
-    out[4 * w + 0] = __byte_perm(h[0], h[1], 0x5410);  // (0, 1)
-    out[4 * w + 1] = __byte_perm(h[2], h[3], 0x5410);  // (2, 3)
-    out[4 * w + 2] = __byte_perm(h[0], h[1], 0x7632);  // (4, 5)
-    out[4 * w + 3] = __byte_perm(h[2], h[3], 0x7632);  // (6, 7)
-  }
+// Nibbles k and k + 4 of x (E2M1 codes) as the fp16 pair (code_k, code_k+4) · 2^-14, code_k in
+// the low half. Nibble s|e1 e0|m moved to bits 15..12 of a half becomes, with the e/m bits shifted
+// right by 3, the fp16 number 2^(e−15)(1 + m/2) (e > 0) or m · 2^-15 (e = 0): the E2M1 value
+// times 2^-14.
+__device__ __forceinline__ __half2 e2m1_pair(std::uint32_t x, int k) {
+  const std::uint32_t q = x << (12 - 4 * k);
+  return bits_h2((q & 0x80008000u) | ((q & 0x70007000u) >> 3));
 }
 
-// Ternary: 2-bit two's complement codes (element i at bits 2i) -> fp16 ±α. Flipping each code's
-// high bit gives c + 2 in [1, 3]; or-ed into the mantissa of 1024.0 it is 1024 + c + 2 exactly,
-// and subtracting 1026 leaves c. (The invalid code 10 would decode as −2α here and as 0 on the
-// CPU; no encoder writes it, and never-written slots are masked.)
-__device__ __forceinline__ void decode_ternary(std::uint32_t codes, std::uint8_t scale_code,
-                                               std::uint32_t (&out)[8]) {
-  const __half2 s = __half2half2(__half(__nv_cvt_fp8_to_halfraw(scale_code, __NV_E4M3)));
-  const __half2 bias = __float2half2_rn(1026.0f);
-  const std::uint32_t x = codes ^ 0xaaaaaaaau;
-  std::uint32_t h[8];  // h[k]: elements (k, k + 8)
-#pragma unroll
-  for (int k = 0; k < 8; ++k) {
-    const std::uint32_t bits = ((x >> (2 * k)) & 0x00030003u) | 0x64006400u;
-    h[k] = h2_bits(__hmul2(__hsub2(bits_h2(bits), bias), s));
-  }
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    out[j] = __byte_perm(h[2 * j], h[2 * j + 1], 0x5410);      // (2j, 2j + 1)
-    out[4 + j] = __byte_perm(h[2 * j], h[2 * j + 1], 0x7632);  // (8 + 2j, 9 + 2j)
-  }
+// 2-bit fields k and k + 8 of flipped = codes ^ 0xaaaaaaaa (ternary, two's complement) as the
+// exact fp16 pair (c_k, c_k+8). Flipping each code's high bit gives c + 2 in [1, 3]; or-ed into
+// the mantissa of 1024.0 it is 1024 + c + 2 exactly, and subtracting 1026 leaves c. (The invalid
+// code 10 would decode as −2 here and as 0 on the CPU; no encoder writes it, and never-written
+// slots are masked.) A zero code word decodes to zeros.
+__device__ __forceinline__ __half2 ternary_pair(std::uint32_t flipped, int k) {
+  const std::uint32_t bits = ((flipped >> (2 * k)) & 0x00030003u) | 0x64006400u;
+  return __hsub2(bits_h2(bits), __float2half2_rn(1026.0f));
 }
 
-// FP8: E4M3 codes (one byte each) times the E8M0 power of two -> bf16, exact.
-__device__ __forceinline__ void decode_fp8(uint4 codes, std::uint8_t scale_code,
-                                           std::uint32_t (&out)[8]) {
-  const float s = e8m0_to_float(scale_code);
-  const std::uint32_t words[4] = {codes.x, codes.y, codes.z, codes.w};
-#pragma unroll
-  for (int w = 0; w < 4; ++w) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(
-          static_cast<__nv_fp8x2_storage_t>((words[w] >> (16 * half)) & 0xffffu), __NV_E4M3);
-      const float2 f = __half22float2(__half2(raw));
-      out[2 * w + half] = b2_bits(__floats2bfloat162_rn(f.x * s, f.y * s));
-    }
-  }
+// The two E4M3 bytes in the low 16 bits of x as fp16 (byte 0 in the low half): exact.
+__device__ __forceinline__ __half2 e4m3x2(std::uint32_t x) {
+  return __half2(
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(x & 0xffffu), __NV_E4M3));
 }
 
-__device__ __forceinline__ uint4 load_group(const std::uint8_t* p, int format) {
-  uint4 r = make_uint4(0, 0, 0, 0);
-  if (format == kFormatFp8) {
-    r = __ldg(reinterpret_cast<const uint4*>(p));
-  } else if (format == kFormatNvfp4) {
+__device__ __forceinline__ std::uint32_t ldg_u32(const std::uint8_t* p) {
+  return __ldg(reinterpret_cast<const unsigned*>(p));
+}
+
+// kBytes (2, 4, 8 or 16, aligned to that) bytes at p as little-endian words, w[0] first.
+template <int kBytes>
+__device__ __forceinline__ void ldg_words(const std::uint8_t* p,
+                                          std::uint32_t (&w)[(kBytes + 3) / 4]) {
+  if constexpr (kBytes == 2) {
+    w[0] = __ldg(reinterpret_cast<const unsigned short*>(p));
+  } else if constexpr (kBytes == 4) {
+    w[0] = ldg_u32(p);
+  } else if constexpr (kBytes == 8) {
     const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
-    r.x = v.x;
-    r.y = v.y;
+    w[0] = v.x;
+    w[1] = v.y;
   } else {
-    r.x = __ldg(reinterpret_cast<const unsigned*>(p));
-  }
-  return r;
-}
-
-__device__ __forceinline__ void decode_group(uint4 codes, std::uint8_t scale, int format,
-                                             std::uint32_t (&out)[8]) {
-  if (format == kFormatFp8) {
-    decode_fp8(codes, scale, out);
-  } else if (format == kFormatNvfp4) {
-    decode_nvfp4(make_uint2(codes.x, codes.y), scale, out);
-  } else {
-    decode_ternary(codes.x, scale, out);
+    static_assert(kBytes == 16, "value codes per lane and slot");
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+    w[0] = v.x;
+    w[1] = v.y;
+    w[2] = v.z;
+    w[3] = v.w;
   }
 }
 
-// Steps 4-5 of a tile, shared by the paged and the dense kernel. x2: this lane's logits in log2
-// units (−inf: dead slot) at slots nt·8 + 2t + j of MMA row g = lane / 4, tmax their maximum.
-// Updates the running max m2, sum l and accumulator acc (C fragments of P·V: rows g and g + 8
-// hold P_hi·V and P_lo·V). vfac scales P into the units of sV's values (see the file comment).
+// B fragments of S = Q·Kᵀ for one k-chunk of one 16-slot group: lane (g, t) reads the key groups
+// of channels c0 + j, j < 4 (c0 = kc·16 + 4t), whose codes start at `codes` and whose 4 scale
+// bytes (contiguous, channel c0 + j in byte j) are `scales`. Out: kb[0], kb[2] = b0, b1 of n-tile
+// 0 (slot 2g), kb[1], kb[3] = b0, b1 of n-tile 1 (slot 2g + 1); b0 = (channel c0, c0 + 1), b1 =
+// (c0 + 2, c0 + 3), the lower channel in the low half (π in the file comment).
+template <bool kNvfp4>
+__device__ __forceinline__ void key_fragments(const std::uint8_t* codes, std::uint32_t scales,
+                                              int g, std::uint32_t (&kb)[4]) {
+  // x: one word whose pair fields (k, k + 4) for NVFP4 nibbles / (k, k + 8) for ternary 2-bit
+  // fields are, for k = 0, 1, 2, 3: (ch0, ch1) at slot 2g, (ch0, ch1) at 2g + 1, (ch2, ch3) at 2g,
+  // (ch2, ch3) at 2g + 1, i.e. bytes [ch0, ch2, ch1, ch3] of the slot pair (2g, 2g + 1).
+  std::uint32_t x;
+  if constexpr (kNvfp4) {
+    // Group (8 bytes) of channel c0 + j at codes + 8j; byte g (slot 2g low nibble, 2g + 1 high)
+    // lies in its word g / 4, at byte g % 4. The 8 lanes of one t read the same 32 bytes.
+    const std::uint8_t* p = codes + 4 * (g >> 2);
+    const std::uint32_t w0 = ldg_u32(p), w1 = ldg_u32(p + 8), w2 = ldg_u32(p + 16),
+                        w3 = ldg_u32(p + 24);
+    const unsigned sel = (g & 3) | (((g & 3) + 4) << 4);  // [a.byte(g%4), b.byte(g%4)]
+    x = __byte_perm(__byte_perm(w0, w2, sel), __byte_perm(w1, w3, sel), 0x5410);
+  } else {
+    // Group (4 bytes, slot i at bits 2i) of channel c0 + j is word j of these 16 bytes; slots
+    // 2g, 2g + 1 are nibble g: byte g / 2, nibble g % 2.
+    const uint4 w = __ldg(reinterpret_cast<const uint4*>(codes));
+    const unsigned sel = (g >> 1) | (((g >> 1) + 4) << 4);
+    const std::uint32_t z =  // bytes [ch0, ch2, ch1, ch3] holding the wanted nibbles
+        __byte_perm(__byte_perm(w.x, w.z, sel), __byte_perm(w.y, w.w, sel), 0x5410);
+    const std::uint32_t zm = (z >> (4 * (g & 1))) & 0x0f0f0f0fu;
+    // bits 0-3: ch0 (fields 0, 1), 4-7: ch2 (fields 2, 3), 16-19: ch1 (8, 9), 20-23: ch3 (10, 11);
+    // bits 8-15 and 24-31 hold leftovers that no field k, k + 8 (k < 4) reads.
+    x = (zm | (zm >> 4)) ^ 0xaaaaaaaau;
+  }
+  const __half2 s01 = e4m3x2(scales), s23 = e4m3x2(scales >> 16);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const __half2 h = kNvfp4 ? e2m1_pair(x, k) : ternary_pair(x, k);
+    kb[k] = h2_bits(__hmul2(h, k < 2 ? s01 : s23));  // exact: see the file comment
+  }
+}
+
+// Softmax and P·V of a tile of the dense kernel (bf16). x2: this lane's logits in log2 units
+// (−inf: dead slot) at slots nt·8 + 2t + j of MMA row g = lane / 4, tmax their maximum. Updates
+// the running max m2, sum l and accumulator acc (C fragments of P·V: rows g and g + 8 hold
+// P_hi·V and P_lo·V).
 template <int D>
-__device__ __forceinline__ void softmax_pv_tile(const float (&x2)[4][2], float tmax, int n, bool bf,
-                                                float vfac,
-                                                const __half* sV,  // [32][D + 8]
+__device__ __forceinline__ void softmax_pv_tile(const float (&x2)[4][2], float tmax, int n,
+                                                const __nv_bfloat16* sV,  // [32][D + 8]
                                                 bool real_head, int lane, float& m2, float& l,
                                                 float (&acc)[D / 8][4]) {
   constexpr int kVPitch = D + 8;
@@ -235,24 +258,14 @@ __device__ __forceinline__ void softmax_pv_tile(const float (&x2)[4][2], float t
   for (int ks = 0; ks < 2; ++ks) {
     if (ks * 16 >= n) break;
     std::uint32_t pa[4];
-    if (bf) {
-      split16<true>(p[2 * ks][0] * vfac, p[2 * ks][1] * vfac, pa[0], pa[1]);
-      split16<true>(p[2 * ks + 1][0] * vfac, p[2 * ks + 1][1] * vfac, pa[2], pa[3]);
-    } else {
-      split16<false>(p[2 * ks][0] * vfac, p[2 * ks][1] * vfac, pa[0], pa[1]);
-      split16<false>(p[2 * ks + 1][0] * vfac, p[2 * ks + 1][1] * vfac, pa[2], pa[3]);
-    }
+    split16<true>(p[2 * ks][0], p[2 * ks][1], pa[0], pa[1]);
+    split16<true>(p[2 * ks + 1][0], p[2 * ks + 1][1], pa[2], pa[3]);
 #pragma unroll
     for (int cp = 0; cp < D / 16; ++cp) {
       std::uint32_t bv[4];
       ldmatrix_x4_trans(bv, sV + (ks * 16 + lrow) * kVPitch + cp * 16 + lcol);
-      if (bf) {
-        detail::mma_16816<detail::Half16::bf16>(acc[2 * cp], pa, bv[0], bv[1]);
-        detail::mma_16816<detail::Half16::bf16>(acc[2 * cp + 1], pa, bv[2], bv[3]);
-      } else {
-        detail::mma_16816<detail::Half16::f16>(acc[2 * cp], pa, bv[0], bv[1]);
-        detail::mma_16816<detail::Half16::f16>(acc[2 * cp + 1], pa, bv[2], bv[3]);
-      }
+      detail::mma_16816<detail::Half16::bf16>(acc[2 * cp], pa, bv[0], bv[1]);
+      detail::mma_16816<detail::Half16::bf16>(acc[2 * cp + 1], pa, bv[2], bv[3]);
     }
   }
 }
@@ -281,8 +294,10 @@ __device__ __forceinline__ void write_partial(float* part_acc, float* part_ml, s
 
 // The query of one KV head's group as MMA A fragments (rows g: high halves, g + 8: low halves,
 // per head scaled by a power of two sQs[g] so that the 16-bit halves neither overflow nor lose
-// bits to subnormals), fp16 at sQa[0 .. D/16·32), bf16 after. All threads of the CTA call this.
-template <int D>
+// bits to subnormals) at sQa[kc·32 + lane]: bf16 in the natural k order (kBf16, the dense kernel)
+// or fp16 in the k order π of the file comment (the paged kernel). All threads of the CTA call
+// this.
+template <int D, bool kBf16>
 __device__ void setup_query(const float* q,  // [G, D]
                             int G, float* sQf, float* sQs, uint4* sQa) {
   constexpr int kChunks = D / 16;
@@ -305,22 +320,23 @@ __device__ void setup_query(const float* q,  // [G, D]
   __syncthreads();
   for (int idx = threadIdx.x; idx < kChunks * 32; idx += kThreads) {
     const int kc = idx / 32, l = idx % 32, g = l / 4, t = l % 4;
-    float x[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // channels kc·16 + 2t + {0, 1, 8, 9}
+    // k = 2t, 2t + 1, 2t + 8, 2t + 9 of chunk kc: channels kc·16 + 2t + {0, 1, 8, 9} (natural,
+    // the dense kernel's ldmatrix B fragments) or kc·16 + 4t + {0, 1, 2, 3} (π, the paged kernel's
+    // register-built B fragments).
+    const int c0 = kc * 16 + (kBf16 ? 2 * t : 4 * t), c2 = kBf16 ? c0 + 8 : c0 + 2;
+    float x[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     if (g < G) {
       const float s = sQs[g];
-      const float* qg = sQf + g * D + kc * 16 + 2 * t;
-      x[0] = qg[0] * s;
-      x[1] = qg[1] * s;
-      x[2] = qg[8] * s;
-      x[3] = qg[9] * s;
+      const float* qg = sQf + g * D;
+      x[0] = qg[c0] * s;
+      x[1] = qg[c0 + 1] * s;
+      x[2] = qg[c2] * s;
+      x[3] = qg[c2 + 1] * s;
     }
-    uint4 f16, bf16;
-    split16<false>(x[0], x[1], f16.x, f16.y);  // a0: row g (hi), a1: row g + 8 (lo)
-    split16<false>(x[2], x[3], f16.z, f16.w);  // a2, a3: the same, columns + 8
-    split16<true>(x[0], x[1], bf16.x, bf16.y);
-    split16<true>(x[2], x[3], bf16.z, bf16.w);
-    sQa[kc * 32 + l] = f16;
-    sQa[(kChunks + kc) * 32 + l] = bf16;
+    uint4 f;
+    split16<kBf16>(x[0], x[1], f.x, f.y);  // a0: row g (hi), a1: row g + 8 (lo)
+    split16<kBf16>(x[2], x[3], f.z, f.w);  // a2, a3: the same, columns + 8
+    sQa[kc * 32 + l] = f;
   }
   __syncthreads();
 }
@@ -357,36 +373,194 @@ struct StagedArgs {
 
 template <int D>
 constexpr std::size_t split_shared_bytes(int group) {
-  return static_cast<std::size_t>(2 * (D / 16) * 32) * 16 +         // sQa: 2 types
-         static_cast<std::size_t>(group) * D * 4 + kMaxGroup * 4 +  // sQf, sQs
-         static_cast<std::size_t>(kWarps) *                         //
-             (static_cast<std::size_t>(D) * kKPitch * 2 +           // sK
-              static_cast<std::size_t>(kTileSlots) * (D + 8) * 2);  // sV
+  return static_cast<std::size_t>((D / 16) * 32) * 16 +            // sQa
+         static_cast<std::size_t>(group) * D * 4 + kMaxGroup * 4;  // sQf, sQs
+}
+
+// Head dims the register-direct kernel takes: lane g's value codes of a slot (D/8 channels) are
+// whole 2-, 4-, 8- or 16-byte loads in both formats. 16 and 32 take the tiled kernel.
+bool split_head_dim_supported(std::int64_t d) { return d == 64 || d == 128 || d == 256; }
+
+// One tile (n = 16 or 32 slots from slot `start` of the block at `base`, format NVFP4 or ternary)
+// of one warp: S, online softmax, O += P·V, every operand built in registers (file comment).
+// qa: this lane's query A fragments, [D/16] at stride 32. live: bit s = slot start + s is live.
+// kfac: logit scale (log2 units), vfac: P scale (see the file comment).
+template <int D, bool kNvfp4>
+__device__ __forceinline__ void split_tile(const std::uint8_t* base, const PagedHeadLayout& L,
+                                           int start, int n, unsigned live, const uint4* qa,
+                                           float kfac, float vfac, bool real_head, int g, int t,
+                                           float& m2, float& l, float (&acc)[D / 8][4]) {
+  constexpr int kChunks = D / 16;
+  constexpr int kCodeBytes = kNvfp4 ? 8 : 4;            // per group
+  constexpr int kVBytes = kNvfp4 ? D / 16 : D / 32;     // lane's codes of one slot
+  constexpr int kVWords = (kVBytes + 3) / 4;            //
+  constexpr int kVScales = D >= 256 ? 2 : 1;            // lane's value groups of one slot
+  constexpr int kPairWords = kNvfp4 ? D / 32 : D / 64;  // slot-pair words per B column set
+  constexpr int kTilesPerWord = kNvfp4 ? 4 : 8;         // n-tiles per slot-pair word
+  static_assert(kPairWords * kTilesPerWord == D / 8, "n-tiles");
+  const int ngroups = n / 16;
+  unsigned glive[2];  // live bits of group sg's 16 slots
+  glive[0] = live & 0xffffu;
+  glive[1] = live >> 16;
+
+  // 1. S = Q·Kᵀ: s[sg][nt] is the C fragment of n-tile nt (slots 2·col + nt) of group sg.
+  float s[2][2][4];
+#pragma unroll
+  for (int sg = 0; sg < 2; ++sg)
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) s[sg][nt][0] = s[sg][nt][1] = s[sg][nt][2] = s[sg][nt][3] = 0.0f;
+  const int sg0 = start / 16;
+  const std::uint8_t* kcodes = base + (static_cast<std::int64_t>(sg0) * D + 4 * t) * kCodeBytes;
+  const std::uint8_t* kscales = base + L.key_scales + static_cast<std::int64_t>(sg0) * D + 4 * t;
+#pragma unroll
+  for (int kc = 0; kc < kChunks; ++kc) {
+    const uint4 av = qa[kc * 32];
+    const std::uint32_t afr[4] = {av.x, av.y, av.z, av.w};
+#pragma unroll
+    for (int sg = 0; sg < 2; ++sg) {
+      if (sg >= ngroups || glive[sg] == 0) continue;  // warp-uniform
+      std::uint32_t kb[4];
+      key_fragments<kNvfp4>(kcodes + (sg * D + kc * 16) * kCodeBytes,
+                            ldg_u32(kscales + sg * D + kc * 16), g, kb);
+      detail::mma_16816<detail::Half16::f16>(s[sg][0], afr, kb[0], kb[2]);
+      detail::mma_16816<detail::Half16::f16>(s[sg][1], afr, kb[1], kb[3]);
+    }
+  }
+
+  // 2. Logits (log2 units) of head g at slots 16·sg + 4t + i: n-tile i % 2, column 2t + i / 2.
+  float x2[2][4], tmax = -INFINITY;
+#pragma unroll
+  for (int sg = 0; sg < 2; ++sg) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float x = (s[sg][i & 1][i >> 1] + s[sg][i & 1][2 + (i >> 1)]) * kfac;
+      x2[sg][i] = ((glive[sg] >> (4 * t + i)) & 1u) ? x : -INFINITY;
+      tmax = fmaxf(tmax, x2[sg][i]);
+    }
+  }
+  tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
+  tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 2));
+  const float m_new = fmaxf(m2, tmax);  // finite: the tile has a live slot
+  const float r = exp2f(m2 - m_new);    // 0 on the first live tile (m2 = −inf)
+  float psum = 0.0f, p[2][4];
+#pragma unroll
+  for (int sg = 0; sg < 2; ++sg) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float e = x2[sg][i] == -INFINITY ? 0.0f : exp2f(x2[sg][i] - m_new);
+      p[sg][i] = real_head ? e : 0.0f;
+      psum += p[sg][i];
+    }
+  }
+  psum += __shfl_xor_sync(0xffffffffu, psum, 1);
+  psum += __shfl_xor_sync(0xffffffffu, psum, 2);
+  l = l * r + psum;
+  m2 = m_new;
+  if (__any_sync(0xffffffffu, r != 1.0f)) {  // once the maxima settle, most tiles skip this
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+      acc[j][0] *= r;
+      acc[j][1] *= r;
+      acc[j][2] *= r;
+      acc[j][3] *= r;
+    }
+  }
+
+  // 3. O += P·V per group: A = P (k-order ρ: a0/a1 = slots 4t, 4t + 1, a2/a3 = 4t + 2, 4t + 3;
+  // rows g: high halves, g + 8: low halves), B column n of n-tile j = channel n·D/8 + j.
+  const std::uint8_t* vcodes = base + L.value_codes + g * kVBytes;
+  const std::uint8_t* vscales = base + L.value_scales + (g * D) / 128;
+#pragma unroll
+  for (int sg = 0; sg < 2; ++sg) {
+    if (sg >= ngroups || glive[sg] == 0) continue;  // warp-uniform
+    std::uint32_t pa[4];
+    split16<false>(p[sg][0] * vfac, p[sg][1] * vfac, pa[0], pa[1]);
+    split16<false>(p[sg][2] * vfac, p[sg][3] * vfac, pa[2], pa[3]);
+    // Codes of channels [g·D/8, (g + 1)·D/8) of slot s: bytes s·8·kVBytes + g·kVBytes of the
+    // value codes (a slot's D/16 groups are contiguous, channel order within); their scale(s):
+    // value group s·D/16 + g·D/128 (and the next one for D = 256).
+    std::uint32_t vc[4][kVWords], vs[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int slot = start + 16 * sg + 4 * t + i;
+      ldg_words<kVBytes>(vcodes + static_cast<std::int64_t>(slot) * 8 * kVBytes, vc[i]);
+      const std::uint8_t* sp = vscales + slot * (D / 16);
+      vs[i] = kVScales == 2 ? __ldg(reinterpret_cast<const unsigned short*>(sp)) : __ldg(sp);
+      if (!((glive[sg] >> (4 * t + i)) & 1u)) {  // dead slot: stale codes never enter
+#pragma unroll
+        for (int w = 0; w < kVWords; ++w) vc[i][w] = 0;
+        vs[i] = 0;
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < kPairWords; ++m) {
+      // Pair words of slots (4t, 4t + 1) -> b0 and (4t + 2, 4t + 3) -> b1: bytes [A.b0, A.b1,
+      // B.b0, B.b1] (or b2, b3) of the code word, so that pair field k holds (A, B) at lane code
+      // index m·kTilesPerWord + k, i.e. the channel of n-tile j = m·kTilesPerWord + k.
+      const unsigned sel = (m & 1) ? 0x7632u : 0x5410u;
+      std::uint32_t x0 = __byte_perm(vc[0][m / 2], vc[1][m / 2], sel);
+      std::uint32_t x1 = __byte_perm(vc[2][m / 2], vc[3][m / 2], sel);
+      if (!kNvfp4) {
+        x0 ^= 0xaaaaaaaau;
+        x1 ^= 0xaaaaaaaau;
+      }
+      const int q = (m * kTilesPerWord) / 16;  // which of the lane's value groups
+      const unsigned ssel = q | ((q + 4) << 4);
+      const __half2 s0 = e4m3x2(__byte_perm(vs[0], vs[1], ssel));
+      const __half2 s1 = e4m3x2(__byte_perm(vs[2], vs[3], ssel));
+#pragma unroll
+      for (int k = 0; k < kTilesPerWord; ++k) {
+        const __half2 h0 = kNvfp4 ? e2m1_pair(x0, k) : ternary_pair(x0, k);
+        const __half2 h1 = kNvfp4 ? e2m1_pair(x1, k) : ternary_pair(x1, k);
+        detail::mma_16816<detail::Half16::f16>(acc[m * kTilesPerWord + k], pa,
+                                               h2_bits(__hmul2(h0, s0)), h2_bits(__hmul2(h1, s1)));
+      }
+    }
+  }
+}
+
+// One warp's partial of the paged kernel: lane (g, t) holds head g at channels
+// [(D/4)·t, (D/4)·(t + 1)): acc[j][0] + acc[j][2] at (D/4)·t + j, acc[j][1] + acc[j][3] at
+// (D/4)·t + D/8 + j (file comment). Rows [row0, row0 + G) of part_acc [.., D], part_ml [.., 2].
+template <int D>
+__device__ __forceinline__ void write_split_partial(float* part_acc, float* part_ml,
+                                                    std::int64_t row0, int g, int G, int t,
+                                                    float inv, float m2, float l,
+                                                    const float (&acc)[D / 8][4]) {
+  if (g >= G) return;
+  const std::int64_t row = row0 + g;
+  if (l > 0.0f) {
+    float* dst = part_acc + row * D + (D / 4) * t;
+#pragma unroll
+    for (int j = 0; j < D / 8; j += 4) {
+      *reinterpret_cast<float4*>(dst + j) =
+          make_float4((acc[j][0] + acc[j][2]) * inv, (acc[j + 1][0] + acc[j + 1][2]) * inv,
+                      (acc[j + 2][0] + acc[j + 2][2]) * inv, (acc[j + 3][0] + acc[j + 3][2]) * inv);
+      *reinterpret_cast<float4*>(dst + D / 8 + j) =
+          make_float4((acc[j][1] + acc[j][3]) * inv, (acc[j + 1][1] + acc[j + 1][3]) * inv,
+                      (acc[j + 2][1] + acc[j + 2][3]) * inv, (acc[j + 3][1] + acc[j + 3][3]) * inv);
+    }
+  }
+  if (t == 0) {
+    part_ml[row * 2] = l > 0.0f ? m2 * kLn2 : -INFINITY;
+    part_ml[row * 2 + 1] = l;
+  }
 }
 
 template <int D>
-__global__ void __launch_bounds__(kThreads, 2) split_decode_kernel(SplitArgs a) {
-  static_assert(D % 16 == 0 && D >= 16 && D <= 256, "head_dim");
-  constexpr int kChunks = D / 16;             // 16-channel MMA k-steps of Q·Kᵀ
-  constexpr int kAccTiles = D / 8;            // 8-channel n-tiles of P·V
-  constexpr int kGroupsPerLane = 2 * D / 32;  // key (and value) groups of a full tile per lane
-  constexpr int kBatchGroups = kGroupsPerLane < 8 ? kGroupsPerLane : 8;  // loads in flight
-  constexpr int kVPitch = D + 8;
-
+__global__ void __launch_bounds__(kThreads, D >= 256 ? 2 : 4) split_decode_kernel(SplitArgs a) {
+  static_assert(D == 64 || D == 128 || D == 256, "head_dim (split_head_dim_supported)");
+  constexpr int kChunks = D / 16;  // 16-channel MMA k-steps of Q·Kᵀ
   extern __shared__ __align__(16) std::uint8_t smem[];
-  uint4* sQa = reinterpret_cast<uint4*>(smem);  // [2 (f16, bf16)][kChunks][32 lanes] A fragments
-  float* sQf = reinterpret_cast<float*>(sQa + 2 * kChunks * 32);  // [G, D] the query, fp32
-  float* sQs = sQf + a.group * D;                                 // [kMaxGroup] 2^e per head
-  __half* sKall = reinterpret_cast<__half*>(sQs + kMaxGroup);
+  uint4* sQa = reinterpret_cast<uint4*>(smem);  // [kChunks][32 lanes] fp16 A fragments (π)
+  float* sQf = reinterpret_cast<float*>(sQa + kChunks * 32);  // [G, D] the query, fp32
+  float* sQs = sQf + a.group * D;                             // [kMaxGroup] 2^e per head
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  __half* sK = sKall + static_cast<std::size_t>(warp) * (D * kKPitch + kTileSlots * kVPitch);
-  __half* sV = sK + D * kKPitch;  // [32 slots][kVPitch]
-
   const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z, G = a.group;
   const int H = a.kv_heads;
   const float* q = a.query + (static_cast<std::int64_t>(b) * H + h) * G * D;
 
-  setup_query<D>(q, G, sQf, sQs, sQa);
+  setup_query<D, false>(q, G, sQf, sQs, sQa);
 
   // --- this warp's run of tiles -----------------------------------------------------------------
   const int g = lane / 4, t = lane % 4;  // MMA row (query head) and column pair of this lane
@@ -398,11 +572,12 @@ __global__ void __launch_bounds__(kThreads, 2) split_decode_kernel(SplitArgs a) 
   frexpf(fmaxf(conv_nvfp4, 1.0f), &pe);
   const float pexp = ldexpf(1.0f, 15 - pe);  // P' = p · conv · pexp < 2^15 for every format
   const float qinv = g < G ? 1.0f / sQs[g] : 0.0f;
+  const uint4* qa = sQa + lane;
 
   float m2 = -INFINITY, l = 0.0f;  // running max (log2 units) and sum of this lane's head
-  float acc[kAccTiles][4];
+  float acc[D / 8][4];
 #pragma unroll
-  for (int i = 0; i < kAccTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+  for (int i = 0; i < D / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
 
   const int u_first = split * kWarps * a.tiles_per_warp + warp;
   for (int it = 0; it < a.tiles_per_warp; ++it) {
@@ -417,13 +592,9 @@ __global__ void __launch_bounds__(kThreads, 2) split_decode_kernel(SplitArgs a) 
         ~static_cast<unsigned>(word >> (start % 64)) & (n == 32 ? 0xffffffffu : 0xffffu);
     if (live == 0) continue;  // the same in every lane
     const int format = a.meta[blk] & 0xf;
-    const PagedHeadLayout& L = a.layouts.by_format[format];
-    const std::uint8_t* base = a.storage + a.frame_offsets[frame] + h * L.head_bytes;
-    const bool bf = format == kFormatFp8;
-    const float conv = format == kFormatNvfp4 ? conv_nvfp4 : 1.0f;
+    const std::uint8_t* frame_base = a.storage + a.frame_offsets[frame];
 
-    // 0. L2 prefetch of this warp's next tile: its loads then hit L2 while this tile is decoded
-    // and multiplied (the warp holds one tile's loads in registers at a time).
+    // L2 prefetch of this warp's next tile: its loads then hit L2 while this tile is multiplied.
     if (it + 1 < a.tiles_per_warp && u + kWarps < units) {
       const int u2 = u + kWarps;
       const int blk2 = begin + u2 / a.tiles_per_block;
@@ -446,97 +617,23 @@ __global__ void __launch_bounds__(kThreads, 2) split_decode_kernel(SplitArgs a) 
       }
     }
 
-    // 1-2. Loads, then decode into sK (channel-major) and sV (slot-major).
-    const int ngroups = (n / 16) * D;  // key groups (= value groups) of this tile
-#pragma unroll
-    for (int j0 = 0; j0 < kGroupsPerLane; j0 += kBatchGroups) {
-      uint4 kc[kBatchGroups], vc[kBatchGroups];
-      std::uint8_t ks[kBatchGroups], vs[kBatchGroups];
-#pragma unroll
-      for (int j = 0; j < kBatchGroups; ++j) {
-        const int idx = (j0 + j) * 32 + lane;
-        if (idx < ngroups) {
-          // key group (sg, c): 16 slots of channel c; value group (s, cg): 16 channels of slot s
-          const std::int64_t kg = static_cast<std::int64_t>(start / 16) * D + idx;
-          const std::int64_t vg = static_cast<std::int64_t>(start) * (D / 16) + idx;
-          kc[j] = load_group(base + kg * L.code_bytes, format);
-          ks[j] = __ldg(base + L.key_scales + kg);
-          vc[j] = load_group(base + L.value_codes + vg * L.code_bytes, format);
-          vs[j] = __ldg(base + L.value_scales + vg);
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < kBatchGroups; ++j) {
-        const int idx = (j0 + j) * 32 + lane;
-        if (idx < ngroups) {
-          std::uint32_t w[8];
-          const int sg = idx / D, c = idx % D;
-          decode_group(kc[j], ks[j], format, w);  // every group in a block is a whole one
-          uint4* dk = reinterpret_cast<uint4*>(sK + c * kKPitch + sg * 16);
-          dk[0] = make_uint4(w[0], w[1], w[2], w[3]);
-          dk[1] = make_uint4(w[4], w[5], w[6], w[7]);
-          const int s = idx / (D / 16), cg = idx % (D / 16);
-          if ((live >> s) & 1u) {
-            decode_group(vc[j], vs[j], format, w);
-          } else {
-#pragma unroll
-            for (int i = 0; i < 8; ++i) w[i] = 0;  // dead slot: stale codes never enter
-          }
-          uint4* dv = reinterpret_cast<uint4*>(sV + s * kVPitch + cg * 16);
-          dv[0] = make_uint4(w[0], w[1], w[2], w[3]);
-          dv[1] = make_uint4(w[4], w[5], w[6], w[7]);
-        }
-      }
+    // Constant layout indices (the format is one of two): no dynamic indexing into the params.
+    if (format == kFormatNvfp4) {
+      const PagedHeadLayout& L = a.layouts.by_format[kFormatNvfp4];
+      split_tile<D, true>(frame_base + h * L.head_bytes, L, start, n, live, qa,
+                          conv_nvfp4 * qinv * a.softmax_scale * kLog2e, conv_nvfp4 * pexp, g < G, g,
+                          t, m2, l, acc);
+    } else {  // ternary (split_kernel_takes admits no other format)
+      const PagedHeadLayout& L = a.layouts.by_format[kFormatTernary];
+      split_tile<D, false>(frame_base + h * L.head_bytes, L, start, n, live, qa,
+                           qinv * a.softmax_scale * kLog2e, pexp, g < G, g, t, m2, l, acc);
     }
-    __syncwarp();
-
-    // 3. S = Q·Kᵀ: n-tile nt covers slots nt·8 .. nt·8 + 7.
-    float sacc[4][4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) sacc[i][0] = sacc[i][1] = sacc[i][2] = sacc[i][3] = 0.0f;
-    const uint4* qa = sQa + (bf ? kChunks * 32 : 0) + lane;
-    const int lrow = (lane & 7) + 8 * ((lane >> 3) & 1), lcol = 8 * (lane >> 4);
-#pragma unroll
-    for (int kc2 = 0; kc2 < kChunks; ++kc2) {
-      const uint4 av = qa[kc2 * 32];
-      const std::uint32_t afr[4] = {av.x, av.y, av.z, av.w};
-#pragma unroll
-      for (int np = 0; np < 2; ++np) {
-        if (np * 16 >= n) break;
-        std::uint32_t bk[4];
-        ldmatrix_x4_trans(bk, sK + (kc2 * 16 + lrow) * kKPitch + np * 16 + lcol);
-        if (bf) {
-          detail::mma_16816<detail::Half16::bf16>(sacc[2 * np], afr, bk[0], bk[1]);
-          detail::mma_16816<detail::Half16::bf16>(sacc[2 * np + 1], afr, bk[2], bk[3]);
-        } else {
-          detail::mma_16816<detail::Half16::f16>(sacc[2 * np], afr, bk[0], bk[1]);
-          detail::mma_16816<detail::Half16::f16>(sacc[2 * np + 1], afr, bk[2], bk[3]);
-        }
-      }
-    }
-
-    // 4. Logits (log2 units) of head g at slots nt·8 + 2t + j.
-    float x2[4][2];
-    const float kfac = conv * qinv * a.softmax_scale * kLog2e;
-    float tmax = -INFINITY;
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int s = nt * 8 + 2 * t + j;
-        float x = (sacc[nt][j] + sacc[nt][2 + j]) * kfac;
-        x = ((live >> s) & 1u) ? x : -INFINITY;
-        x2[nt][j] = x;
-        tmax = fmaxf(tmax, x);
-      }
-    }
-    softmax_pv_tile<D>(x2, tmax, n, bf, conv * pexp, sV, g < G, lane, m2, l, acc);
-    __syncwarp();  // every lane's sK/sV reads are done before the next tile overwrites them
   }
 
-  write_partial<D>(a.part_acc, a.part_ml,
-                   ((static_cast<std::int64_t>(b) * H + h) * a.parts + split * kWarps + warp) * G,
-                   g, G, t, 1.0f / pexp, m2, l, acc);
+  write_split_partial<D>(
+      a.part_acc, a.part_ml,
+      ((static_cast<std::int64_t>(b) * H + h) * a.parts + split * kWarps + warp) * G, g, G, t,
+      1.0f / pexp, m2, l, acc);
 }
 
 // --- the dense baseline: the same split-sequence design over a contiguous bf16 cache -----------
@@ -554,9 +651,9 @@ struct DenseArgs {
 
 template <int D>
 constexpr std::size_t dense_shared_bytes(int group) {
-  return static_cast<std::size_t>(2 * (D / 16) * 32) * 16 +
-         static_cast<std::size_t>(group) * D * 4 + kMaxGroup * 4 +
-         static_cast<std::size_t>(kWarps) * 2 * kTileSlots * (D + 8) * 2;
+  return static_cast<std::size_t>((D / 16) * 32) * 16 +                    // sQa (bf16)
+         static_cast<std::size_t>(group) * D * 4 + kMaxGroup * 4 +         // sQf, sQs
+         static_cast<std::size_t>(kWarps) * 2 * kTileSlots * (D + 8) * 2;  // sK, sV
 }
 
 // Grid (splits, KV heads, batch), 4 warps: per 32-token tile, cp.async copies the K and V rows
@@ -566,15 +663,15 @@ template <int D>
 __global__ void __launch_bounds__(kThreads, 2) dense_split_kernel(DenseArgs a) {
   constexpr int kChunks = D / 16, kPitch = D + 8, kRowChunks = D / 8;
   extern __shared__ __align__(16) std::uint8_t smem[];
-  uint4* sQa = reinterpret_cast<uint4*>(smem);
-  float* sQf = reinterpret_cast<float*>(sQa + 2 * kChunks * 32);
+  uint4* sQa = reinterpret_cast<uint4*>(smem);  // [kChunks][32 lanes] bf16 A fragments
+  float* sQf = reinterpret_cast<float*>(sQa + kChunks * 32);
   float* sQs = sQf + a.group * D;
   __nv_bfloat16* sAll = reinterpret_cast<__nv_bfloat16*>(sQs + kMaxGroup);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   __nv_bfloat16* sK = sAll + static_cast<std::size_t>(warp) * 2 * kTileSlots * kPitch;
   __nv_bfloat16* sV = sK + kTileSlots * kPitch;
   const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z, G = a.group, H = a.kv_heads;
-  setup_query<D>(a.query + (static_cast<std::int64_t>(b) * H + h) * G * D, G, sQf, sQs, sQa);
+  setup_query<D, true>(a.query + (static_cast<std::int64_t>(b) * H + h) * G * D, G, sQf, sQs, sQa);
 
   const int g = lane / 4, t = lane % 4;
   const float qinv = g < G ? 1.0f / sQs[g] : 0.0f;
@@ -613,7 +710,7 @@ __global__ void __launch_bounds__(kThreads, 2) dense_split_kernel(DenseArgs a) {
     float sacc[4][4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) sacc[i][0] = sacc[i][1] = sacc[i][2] = sacc[i][3] = 0.0f;
-    const uint4* qa = sQa + kChunks * 32 + lane;  // bf16 fragments
+    const uint4* qa = sQa + lane;  // bf16 fragments
     const int j = lane >> 3, r = lane & 7;
 #pragma unroll
     for (int kc = 0; kc < kChunks; ++kc) {
@@ -641,8 +738,7 @@ __global__ void __launch_bounds__(kThreads, 2) dense_split_kernel(DenseArgs a) {
         tmax = fmaxf(tmax, x);
       }
     }
-    softmax_pv_tile<D>(x2, tmax, n, true, 1.0f, reinterpret_cast<const __half*>(sV), g < G, lane,
-                       m2, l, acc);
+    softmax_pv_tile<D>(x2, tmax, n, sV, g < G, lane, m2, l, acc);
     __syncwarp();
   }
   write_partial<D>(a.part_acc, a.part_ml,
@@ -756,42 +852,16 @@ SplitPlan plan_split(const DevicePagedTable& table, const PagedBatch& batch,
   return p;
 }
 
+// Head dims of the dense baseline kernel.
 bool head_dim_supported(std::int64_t d) {
   return d == 16 || d == 32 || d == 64 || d == 128 || d == 256;
-}
-
-std::size_t shared_bytes_for(std::int64_t head_dim, int group) {
-  switch (head_dim) {
-    case 16:
-      return split_shared_bytes<16>(group);
-    case 32:
-      return split_shared_bytes<32>(group);
-    case 64:
-      return split_shared_bytes<64>(group);
-    case 128:
-      return split_shared_bytes<128>(group);
-    default:
-      return split_shared_bytes<256>(group);
-  }
 }
 
 template <int D>
 void launch_split(const SplitArgs& args, const SplitPlan& plan, int kv_heads, int batch,
                   cudaStream_t stream) {
+  // At most 16 KB + 32 B (D = 256, group 8): under the 48 KB default, no attribute needed.
   const std::size_t smem = split_shared_bytes<D>(args.group);
-  // Once per instantiation, device and size: the attribute call costs host time that would
-  // otherwise show up between the events of a microsecond-scale launch.
-  static thread_local int device_done = -1;
-  static thread_local std::size_t smem_done = 0;
-  int device = 0;
-  KVSIFT_CUDA_CHECK(cudaGetDevice(&device));
-  if (device != device_done || smem > smem_done) {
-    KVSIFT_CUDA_CHECK(cudaFuncSetAttribute(split_decode_kernel<D>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(smem)));
-    device_done = device;
-    smem_done = smem;
-  }
   const dim3 grid(static_cast<unsigned>(plan.splits), static_cast<unsigned>(kv_heads),
                   static_cast<unsigned>(batch));
   split_decode_kernel<D><<<grid, kThreads, smem, stream>>>(args);
@@ -907,8 +977,7 @@ bool paged_split_kernel_applies(const DevicePagedTable& table, const PagedBatch&
   const ThoughtBlockTableConfig& tc = table.config();
   const std::int64_t group = q_heads / tc.kv_heads;
   return !batch.has_f32_blocks && group >= 1 && group <= kMaxGroup &&
-         head_dim_supported(tc.head_dim) &&
-         shared_bytes_for(tc.head_dim, static_cast<int>(group)) <= kMaxSharedBytes;
+         split_head_dim_supported(tc.head_dim);
 }
 
 std::size_t paged_decode_attention_batch_workspace_bytes(const DevicePagedTable& table,
@@ -976,13 +1045,7 @@ void paged_decode_attention_batch(const DevicePagedTable& table, const PagedBatc
   args.query = query;
   args.part_acc = part_acc;
   args.part_ml = part_ml;
-  switch (head_dim) {
-    case 16:
-      launch_split<16>(args, plan, tc.kv_heads, batch.batch, stream);
-      break;
-    case 32:
-      launch_split<32>(args, plan, tc.kv_heads, batch.batch, stream);
-      break;
+  switch (head_dim) {  // split_head_dim_supported
     case 64:
       launch_split<64>(args, plan, tc.kv_heads, batch.batch, stream);
       break;

@@ -6,10 +6,13 @@
 //   - mixed NVFP4 / ternary blocks with NVFP4 global factors: the CPU reference
 //     paged_decode_attention, per sequence (FP8 blocks take the tiled kernel, checked as a
 //     fallback).
-// Covered: a batch of 3 sequences of different lengths, GQA groups 4 and 8, head_dim 128 and 64,
-// blocks of 32 and 48 slots (a 16-slot tile), staged (not yet quantized) tokens, random
-// evictions, a run of 8 blocks with every slot evicted in one head (whole splits without a live
-// slot), one sequence with no live token in a head, and splits forced from few to many.
+// Covered: a batch of 3 sequences of different lengths, GQA groups 1, 2, 4 and 8, head_dim 64,
+// 128 and 256 (every head_dim the register-direct kernel takes), blocks of 32 and 48 slots (a
+// 16-slot tile), staged (not yet quantized) tokens, random evictions, a run of 8 blocks with every
+// slot evicted in one head (whole splits without a live slot), a head with at most one live slot
+// per 16-slot group (whole dead groups inside live tiles), one sequence with no live token in a
+// head, and splits forced from few to many. head_dim 32 and the other shapes the kernel does not
+// take are checked on the tiled fallback.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -270,9 +273,57 @@ TEST_CASE("split paged attention: NVFP4 and ternary blocks with global factors")
   }
 }
 
+TEST_CASE("split paged attention: head_dim 128 and 256, GQA groups 1, 2, 8, sparse tiles") {
+  // NVFP4 (with global factors) and ternary blocks of 48 slots: tiles of 32 and 16 slots. In head
+  // 1 of sequence 0 only slot 3 of each 16-slot group may stay live, so tiles hold one or two live
+  // slots and some 16-slot groups of a live tile are entirely dead (skipped by the kernel).
+  const int head_dim = GENERATE(128, 256);
+  const std::int64_t group = GENERATE(1, 2, 8);
+  ThoughtBlockTableConfig cfg = make_config(2, head_dim, 48, BlockFormat::nvfp4,
+                                            BlockFormat::ternary, BlockFormat::nvfp4, 64);
+  cfg.global_factors = {300.0f, 0.7f};
+  const std::int64_t q_heads = 2 * group;
+  std::mt19937 rng(static_cast<std::uint32_t>(head_dim + group));
+  ThoughtBlockTable cpu(cfg);
+  Mirror dev(cfg, 2);
+  const std::vector<std::int32_t> seqs = fill(cpu, dev, {620, 290}, rng);
+  std::vector<SlotAddress> sparse;
+  for (const ResidentToken& t : cpu.resident_tokens(seqs[0], 1)) {
+    if (t.address.block >= 0 && t.address.slot % 16 != 3) sparse.push_back(t.address);
+  }
+  test::evict_both(cpu, dev, seqs[0], 1, sparse);
+  std::int64_t live_blocked = 0;
+  for (const ResidentToken& t : cpu.resident_tokens(seqs[0], 1)) {
+    live_blocked += t.address.block >= 0;
+  }
+  REQUIRE(live_blocked > 0);
+  std::normal_distribution<float> normal;
+  const std::size_t per_seq = static_cast<std::size_t>(q_heads) * head_dim;
+  std::vector<float> query(seqs.size() * per_seq);
+  for (float& x : query) x = normal(rng);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+  for (int tiles : {1, 3}) {
+    cuda::DecodeAttentionConfig ac;
+    ac.min_tiles_per_warp = tiles;
+    INFO("head_dim " << head_dim << " group " << group << " min_tiles_per_warp " << tiles);
+    const std::vector<float> got = run_batch(dev, seqs, query, q_heads, scale, ac);
+    for (std::size_t i = 0; i < seqs.size(); ++i) {
+      INFO("batch item " << i);
+      const std::size_t off = i * per_seq;
+      std::vector<float> ref(per_seq);
+      paged_decode_attention(cpu, seqs[i], query.data() + off, q_heads, head_dim, scale,
+                             ref.data());
+      require_close(got, ref, off, 1e-4f, "split kernel vs CPU paged attention");
+      require_close(got, dequantized_dense_oracle(cpu, seqs[i], query.data() + off, q_heads, scale),
+                    off, 1e-4f, "split kernel vs dense oracle");
+    }
+  }
+}
+
 TEST_CASE("split paged attention: shapes it does not take run the tiled kernel") {
-  // f32 blocks, FP8 blocks, and a GQA group of 16: the batch entry point falls back per sequence.
-  const BlockFormat first = GENERATE(BlockFormat::f32, BlockFormat::fp8);
+  // f32 blocks, FP8 blocks, a GQA group of 16, and head_dim 32 (the register-direct kernel takes
+  // 64, 128 and 256): the batch entry point falls back per sequence.
+  const BlockFormat first = GENERATE(BlockFormat::f32, BlockFormat::fp8, BlockFormat::ternary);
   ThoughtBlockTableConfig cfg =
       make_config(1, 32, 32, first, BlockFormat::nvfp4, BlockFormat::ternary, 64);
   std::mt19937 rng(3);

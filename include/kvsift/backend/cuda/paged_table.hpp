@@ -286,7 +286,7 @@ class DevicePagedTable {
 //   query  device [q_heads, head_dim] f32; out device [q_heads, head_dim] f32
 // head_dim must be <= 256 here. Requires no pending append on `table`.
 // Runs the split-sequence tensor-core kernel (paged_decode_attention_batch) when it applies
-// (GQA group <= 8, head_dim 16/32/64/128/256, no f32 or FP8 block), the tiled kernel otherwise.
+// (GQA group <= 8, head_dim 64/128/256, no f32 or FP8 block), the tiled kernel otherwise.
 std::size_t paged_decode_attention_workspace_bytes(const DevicePagedTable& table, std::int32_t seq,
                                                    std::int64_t q_heads,
                                                    const DecodeAttentionConfig& cfg = {});
@@ -338,12 +338,13 @@ bool paged_split_kernel_applies(const DevicePagedTable& table, const PagedBatch&
 
 // Flash-decoding over the paged table: the grid is (splits, KV heads, batch) with 4 warps per
 // CTA; every warp walks its own run of 32-slot tiles (interleaved with its CTA's other warps),
-// dequantizes each tile's codes into fp16/bf16 in registers and then its own shared-memory tile
-// (no dequantized copy in global memory), computes the logits of all query heads of the GQA
-// group at once with tensor-core MMAs (the KV head's tile is read once for the whole group),
-// folds them into its online softmax and writes one partial (max, sum, acc); a second kernel
-// merges the partials. The staged tokens (16-bit K and V) never enter the MMAs (bf16 is not exact
-// in the fp16 path): one more kernel computes their partial in fp32 on CUDA cores.
+// decodes each tile's NVFP4 / ternary codes straight from global memory into the fp16 operand
+// fragments of its tensor-core MMAs (no dequantized copy anywhere, not even in shared memory),
+// computes the logits of all query heads of the GQA group at once (the KV head's tile is read
+// once for the whole group), folds them into its online softmax and writes one partial (max,
+// sum, acc); a second kernel merges the partials. The staged tokens (16-bit K and V) never enter
+// the MMAs (bf16 is not exact in the fp16 path): one more kernel computes their partial in fp32 on
+// CUDA cores.
 //   query  device [batch, q_heads, head_dim] f32; out device [batch, q_heads, head_dim] f32
 std::size_t paged_decode_attention_batch_workspace_bytes(const DevicePagedTable& table,
                                                          const PagedBatch& batch,
