@@ -217,49 +217,61 @@ __device__ __forceinline__ void key_fragments(const std::uint8_t* codes, std::ui
   }
 }
 
-// Softmax and P·V of a tile of the dense kernel (bf16). x2: this lane's logits in log2 units
-// (−inf: dead slot) at slots nt·8 + 2t + j of MMA row g = lane / 4, tmax their maximum. Updates
-// the running max m2, sum l and accumulator acc (C fragments of P·V: rows g and g + 8 hold
-// P_hi·V and P_lo·V).
+// The online-softmax update of one tile, both kernels: x holds this lane's 8 logits of MMA row
+// g = lane / 4 in log2 units (−inf: dead slot), tmax their maximum; the 4 lanes of a quad hold
+// one head's tile. Writes the weights p (0 for dead slots and padding heads), updates the running
+// max m2 and sum l, and rescales the accumulator acc unless no lane's max moved (r = 1 exactly:
+// skipping is exact, and once the maxima settle most tiles skip it).
 template <int D>
-__device__ __forceinline__ void softmax_pv_tile(const float (&x2)[4][2], float tmax, int n,
-                                                const __nv_bfloat16* sV,  // [32][D + 8]
-                                                bool real_head, int lane, float& m2, float& l,
-                                                float (&acc)[D / 8][4]) {
-  constexpr int kVPitch = D + 8;
+__device__ __forceinline__ void online_softmax_tile(const float (&x)[8], float tmax, bool real_head,
+                                                    float& m2, float& l, float (&p)[8],
+                                                    float (&acc)[D / 8][4]) {
   tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
   tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 2));
   const float m_new = fmaxf(m2, tmax);  // finite: the tile has a live slot
   const float r = exp2f(m2 - m_new);    // 0 on the first live tile (m2 = −inf)
-  float psum = 0.0f, p[4][2];
+  float psum = 0.0f;
 #pragma unroll
-  for (int nt = 0; nt < 4; ++nt) {
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const float e = x2[nt][j] == -INFINITY ? 0.0f : exp2f(x2[nt][j] - m_new);
-      p[nt][j] = real_head ? e : 0.0f;
-      psum += p[nt][j];
-    }
+  for (int i = 0; i < 8; ++i) {
+    const float e = x[i] == -INFINITY ? 0.0f : exp2f(x[i] - m_new);
+    p[i] = real_head ? e : 0.0f;
+    psum += p[i];
   }
   psum += __shfl_xor_sync(0xffffffffu, psum, 1);
   psum += __shfl_xor_sync(0xffffffffu, psum, 2);
   l = l * r + psum;
   m2 = m_new;
+  if (__any_sync(0xffffffffu, r != 1.0f)) {
 #pragma unroll
-  for (int i = 0; i < D / 8; ++i) {
-    acc[i][0] *= r;
-    acc[i][1] *= r;
-    acc[i][2] *= r;
-    acc[i][3] *= r;
+    for (int j = 0; j < D / 8; ++j) {
+      acc[j][0] *= r;
+      acc[j][1] *= r;
+      acc[j][2] *= r;
+      acc[j][3] *= r;
+    }
   }
+}
+
+// Softmax and P·V of a tile of the dense kernel (bf16). x: this lane's logits in log2 units
+// (−inf: dead slot), x[2·nt + j] at slot nt·8 + 2t + j of MMA row g = lane / 4, tmax their
+// maximum. Updates the running max m2, sum l and accumulator acc (C fragments of P·V: rows g and
+// g + 8 hold P_hi·V and P_lo·V).
+template <int D>
+__device__ __forceinline__ void softmax_pv_tile(const float (&x)[8], float tmax, int n,
+                                                const __nv_bfloat16* sV,  // [32][D + 8]
+                                                bool real_head, int lane, float& m2, float& l,
+                                                float (&acc)[D / 8][4]) {
+  constexpr int kVPitch = D + 8;
+  float p[8];
+  online_softmax_tile<D>(x, tmax, real_head, m2, l, p, acc);
   // O += P·V: A = P (rows g: high halves, g + 8: low halves), k-step ks = slots ks·16 .. + 15.
   const int lrow = (lane & 7) + 8 * ((lane >> 3) & 1), lcol = 8 * (lane >> 4);
 #pragma unroll
   for (int ks = 0; ks < 2; ++ks) {
     if (ks * 16 >= n) break;
     std::uint32_t pa[4];
-    split16<true>(p[2 * ks][0], p[2 * ks][1], pa[0], pa[1]);
-    split16<true>(p[2 * ks + 1][0], p[2 * ks + 1][1], pa[2], pa[3]);
+    split16<true>(p[4 * ks], p[4 * ks + 1], pa[0], pa[1]);
+    split16<true>(p[4 * ks + 2], p[4 * ks + 3], pa[2], pa[3]);
 #pragma unroll
     for (int cp = 0; cp < D / 16; ++cp) {
       std::uint32_t bv[4];
@@ -427,44 +439,20 @@ __device__ __forceinline__ void split_tile(const std::uint8_t* base, const Paged
     }
   }
 
-  // 2. Logits (log2 units) of head g at slots 16·sg + 4t + i: n-tile i % 2, column 2t + i / 2.
-  float x2[2][4], tmax = -INFINITY;
+  // 2. Logits (log2 units) of head g at slots 16·sg + 4t + i: n-tile i % 2, column 2t + i / 2;
+  // x[4·sg + i].
+  float x[8], tmax = -INFINITY;
 #pragma unroll
   for (int sg = 0; sg < 2; ++sg) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const float x = (s[sg][i & 1][i >> 1] + s[sg][i & 1][2 + (i >> 1)]) * kfac;
-      x2[sg][i] = ((glive[sg] >> (4 * t + i)) & 1u) ? x : -INFINITY;
-      tmax = fmaxf(tmax, x2[sg][i]);
+      const float v = (s[sg][i & 1][i >> 1] + s[sg][i & 1][2 + (i >> 1)]) * kfac;
+      x[4 * sg + i] = ((glive[sg] >> (4 * t + i)) & 1u) ? v : -INFINITY;
+      tmax = fmaxf(tmax, x[4 * sg + i]);
     }
   }
-  tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
-  tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 2));
-  const float m_new = fmaxf(m2, tmax);  // finite: the tile has a live slot
-  const float r = exp2f(m2 - m_new);    // 0 on the first live tile (m2 = −inf)
-  float psum = 0.0f, p[2][4];
-#pragma unroll
-  for (int sg = 0; sg < 2; ++sg) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float e = x2[sg][i] == -INFINITY ? 0.0f : exp2f(x2[sg][i] - m_new);
-      p[sg][i] = real_head ? e : 0.0f;
-      psum += p[sg][i];
-    }
-  }
-  psum += __shfl_xor_sync(0xffffffffu, psum, 1);
-  psum += __shfl_xor_sync(0xffffffffu, psum, 2);
-  l = l * r + psum;
-  m2 = m_new;
-  if (__any_sync(0xffffffffu, r != 1.0f)) {  // once the maxima settle, most tiles skip this
-#pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-      acc[j][0] *= r;
-      acc[j][1] *= r;
-      acc[j][2] *= r;
-      acc[j][3] *= r;
-    }
-  }
+  float p[8];
+  online_softmax_tile<D>(x, tmax, real_head, m2, l, p, acc);
 
   // 3. O += P·V per group: A = P (k-order ρ: a0/a1 = slots 4t, 4t + 1, a2/a3 = 4t + 2, 4t + 3;
   // rows g: high halves, g + 8: low halves), B column n of n-tile j = channel n·D/8 + j.
@@ -474,8 +462,8 @@ __device__ __forceinline__ void split_tile(const std::uint8_t* base, const Paged
   for (int sg = 0; sg < 2; ++sg) {
     if (sg >= ngroups || glive[sg] == 0) continue;  // warp-uniform
     std::uint32_t pa[4];
-    split16<false>(p[sg][0] * vfac, p[sg][1] * vfac, pa[0], pa[1]);
-    split16<false>(p[sg][2] * vfac, p[sg][3] * vfac, pa[2], pa[3]);
+    split16<false>(p[4 * sg] * vfac, p[4 * sg + 1] * vfac, pa[0], pa[1]);
+    split16<false>(p[4 * sg + 2] * vfac, p[4 * sg + 3] * vfac, pa[2], pa[3]);
     // Codes of channels [g·D/8, (g + 1)·D/8) of slot s: bytes s·8·kVBytes + g·kVBytes of the
     // value codes (a slot's D/16 groups are contiguous, channel order within); their scale(s):
     // value group s·D/16 + g·D/128 (and the next one for D = 256).
@@ -727,14 +715,14 @@ __global__ void __launch_bounds__(kThreads, 2) dense_split_kernel(DenseArgs a) {
     }
     const unsigned live = n == 32 ? 0xffffffffu : ((1u << n) - 1u);
     const float kfac = qinv * a.softmax_scale * kLog2e;
-    float x2[4][2], tmax = -INFINITY;
+    float x2[8], tmax = -INFINITY;
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
       for (int jj = 0; jj < 2; ++jj) {
         const int s = nt * 8 + 2 * t + jj;
         const float x = ((live >> s) & 1u) ? (sacc[nt][jj] + sacc[nt][2 + jj]) * kfac : -INFINITY;
-        x2[nt][jj] = x;
+        x2[2 * nt + jj] = x;
         tmax = fmaxf(tmax, x);
       }
     }
