@@ -66,6 +66,9 @@ void ThoughtBlockTableConfig::validate() const {
   KVSIFT_CHECK(regroup_min_free >= 1 && regroup_min_free < kQuantGroupSize,
                "ThoughtBlockTableConfig: regroup_min_free must be in [1, ", kQuantGroupSize - 1,
                "], got ", regroup_min_free);
+  KVSIFT_CHECK(holds_data || refill == RefillRule::run,
+               "ThoughtBlockTableConfig: holds_data = false requires refill = run (regroup "
+               "re-quantizes survivors from their stored values)");
 }
 
 ThoughtBlockTable::ThoughtBlockTable(ThoughtBlockTableConfig config) : config_(std::move(config)) {
@@ -96,6 +99,7 @@ std::int32_t ThoughtBlockTable::create_sequence() {
     q.execution = config_.execution;
     q.transition = config_.transition;
     q.global_factors = config_.global_factors;
+    q.holds_data = config_.holds_data;
     s.staging.emplace(std::move(q));
   }
   return static_cast<std::int32_t>(id);
@@ -131,6 +135,11 @@ const ThoughtBlockTable::Sequence& ThoughtBlockTable::sequence(std::int32_t seq,
 
 ThoughtBlockTable::Sequence& ThoughtBlockTable::sequence(std::int32_t seq, const char* fn) {
   return const_cast<Sequence&>(static_cast<const ThoughtBlockTable*>(this)->sequence(seq, fn));
+}
+
+void ThoughtBlockTable::check_holds_data(const char* fn) const {
+  KVSIFT_CHECK(config_.holds_data, "ThoughtBlockTable::", fn,
+               ": this table keeps metadata only (holds_data = false); its K/V are on the device");
 }
 
 void ThoughtBlockTable::check_head(std::int32_t head, const char* fn) const {
@@ -203,7 +212,7 @@ std::int32_t ThoughtBlockTable::take_frame(std::int32_t seq, ThoughtType type) {
   f.type = type;
   f.format = config_.format_of(type);
   f.owner = seq;
-  f.data.assign(static_cast<std::size_t>(H * layout(f.format).bytes()), 0);
+  if (config_.holds_data) f.data.assign(static_cast<std::size_t>(H * layout(f.format).bytes()), 0);
   // Every slot starts free: a never-written slot counts as evicted.
   std::vector<std::uint64_t> head_mask(static_cast<std::size_t>(mask_words_), 0);
   for (std::int32_t slot = 0; slot < S; ++slot)
@@ -334,11 +343,12 @@ std::int32_t ThoughtBlockTable::append(std::int32_t seq, const float* key, const
                "ThoughtBlockTable::append: token is [kv_heads=", kv_heads, ", head_dim=", head_dim,
                "], table expects [kv_heads=", config_.kv_heads, ", head_dim=", config_.head_dim,
                "]");
-  KVSIFT_CHECK(key != nullptr && value != nullptr,
+  const bool data = config_.holds_data;
+  KVSIFT_CHECK(!data || (key != nullptr && value != nullptr),
                "ThoughtBlockTable::append: key and value must not be null");
   KVSIFT_CHECK(!s.segment_starts.empty(), "ThoughtBlockTable::append: sequence ", seq,
                " has no open segment (call open_segment first)");
-  const std::int64_t n = kv_heads * head_dim;
+  const std::int64_t n = data ? kv_heads * head_dim : 0;
   for (std::int64_t i = 0; i < n; ++i) {
     KVSIFT_CHECK(std::isfinite(key[i]) && std::isfinite(value[i]),
                  "ThoughtBlockTable::append: kv head ", i / head_dim, " channel ", i % head_dim,
@@ -381,8 +391,8 @@ std::int32_t ThoughtBlockTable::append(std::int32_t seq, const float* key, const
   }
   QuantizedGroup group;
   for (std::int32_t h = 0; h < config_.kv_heads; ++h) {
-    const float* k = key + h * head_dim;
-    const float* v = value + h * head_dim;
+    const float* k = data ? key + h * head_dim : nullptr;
+    const float* v = data ? value + h * head_dim : nullptr;
     if (is_quantized(format)) {
       s.staging->stage(type, h, position, k, v);
       if (!writes[static_cast<std::size_t>(h)]) {
@@ -400,12 +410,14 @@ std::int32_t ThoughtBlockTable::append(std::int32_t seq, const float* key, const
     const SlotAddress a = chosen[static_cast<std::size_t>(h)];
     Frame& f = frames_[static_cast<std::size_t>(s.blocks[static_cast<std::size_t>(a.block)])];
     const BlockHeadLayout L = layout(f.format);
-    std::uint8_t* base = f.data.data() + h * L.bytes();
+    std::uint8_t* base = data ? f.data.data() + h * L.bytes() : nullptr;
     std::uint64_t* mask = &f.free[static_cast<std::size_t>(h) * mask_words_];
     std::int32_t* slot_position = &f.position[static_cast<std::size_t>(h) * config_.block_size];
     if (!is_quantized(format)) {
-      write_value_row(L, base, a.slot, v, 1.0f);
-      write_key_row_f32(L, base, a.slot, k);
+      if (data) {
+        write_value_row(L, base, a.slot, v, 1.0f);
+        write_key_row_f32(L, base, a.slot, k);
+      }
       slot_position[a.slot] = position;
       mask[a.slot / 64] &= ~(std::uint64_t{1} << (a.slot % 64));
       if (where != nullptr) where[h] = a;
@@ -415,8 +427,11 @@ std::int32_t ThoughtBlockTable::append(std::int32_t seq, const float* key, const
     // write it into the run (§3.4 refill with fresh scales).
     s.staging->take_group(type, h, group);
     ++refill_stats_.runs;
-    write_token_group(L, base, a.slot / kQuantGroupSize, group.key_codes.data(),
-                      group.key_scales.data(), group.value_codes.data(), group.value_scales.data());
+    if (data) {
+      write_token_group(L, base, a.slot / kQuantGroupSize, group.key_codes.data(),
+                        group.key_scales.data(), group.value_codes.data(),
+                        group.value_scales.data());
+    }
     for (int i = 0; i < kQuantGroupSize; ++i) slot_position[a.slot + i] = group.positions[i];
     mask[a.slot / 64] &= ~(std::uint64_t{0xffff} << (a.slot % 64));
     // The new token is the group's last (positions ascend).
@@ -593,6 +608,7 @@ void ThoughtBlockTable::staged_rows(std::int32_t seq, std::int32_t head, std::ve
                                     std::vector<float>& values) const {
   const Sequence& s = sequence(seq, "staged_rows");
   check_head(head, "staged_rows");
+  check_holds_data("staged_rows");
   const std::size_t D = static_cast<std::size_t>(config_.head_dim);
   keys.clear();
   values.clear();
@@ -657,6 +673,7 @@ void ThoughtBlockTable::dequantize_block(std::int32_t seq, std::int32_t block, s
                                          float* keys, float* values) const {
   const Sequence& s = sequence(seq, "dequantize_block");
   check_head(head, "dequantize_block");
+  check_holds_data("dequantize_block");
   const Frame& f = frame(s, seq, block, "dequantize_block");
   const BlockHeadLayout L = layout(f.format);
   dequantize_block_head(L, f.data.data() + head * L.bytes(), config_.global_factor(head), keys,
@@ -667,6 +684,7 @@ void ThoughtBlockTable::read_token(std::int32_t seq, std::int32_t head, SlotAddr
                                    float* value) const {
   KVSIFT_CHECK(is_live(seq, head, a), "ThoughtBlockTable::read_token: slot ", a.slot, " of block ",
                a.block, " in kv head ", head, " of sequence ", seq, " is not live");
+  check_holds_data("read_token");
   if (a.block == kStagedBlock) {  // still waiting for its group: read at 16 bits
     const Sequence& s = sequence(seq, "read_token");
     ThoughtType type{};
@@ -686,6 +704,7 @@ void ThoughtBlockTable::read_token(std::int32_t seq, std::int32_t head, SlotAddr
 const std::vector<std::uint8_t>& ThoughtBlockTable::block_storage(std::int32_t seq,
                                                                   std::int32_t block) const {
   const Sequence& s = sequence(seq, "block_storage");
+  check_holds_data("block_storage");
   return frame(s, seq, block, "block_storage").data;
 }
 
@@ -723,7 +742,7 @@ TableBytes ThoughtBlockTable::allocated_bytes() const {
   TableBytes out;
   bool any_nvfp4 = false;
   for (const Frame& f : frames_) {
-    if (f.data.empty()) continue;  // a pool frame holds no storage
+    if (f.data.empty() && f.free.empty()) continue;  // a pool frame holds no storage
     const BlockHeadLayout L = layout(f.format);
     const std::int64_t heads = static_cast<std::int64_t>(f.data.size()) / L.bytes();
     out.codes += heads * L.codes_bytes();

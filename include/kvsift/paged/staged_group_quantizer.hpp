@@ -41,6 +41,9 @@ struct StagedGroupQuantizerConfig {
   BlockFormat execution = BlockFormat::nvfp4;
   BlockFormat transition = BlockFormat::ternary;
   std::vector<float> global_factors;  // NVFP4 g per KV head: empty = 1
+  // false: positions and counts only, no rows (a device table holds the data and seals the
+  // groups; cuda::DeviceThinKV). take_group() then hands out positions only.
+  bool holds_data = true;
 
   BlockFormat format_of(ThoughtType t) const {
     return t == ThoughtType::reasoning   ? reasoning
@@ -110,8 +113,10 @@ class StagedGroupQuantizer {
     config_.validate();
     const std::size_t streams = static_cast<std::size_t>(kStagedThoughtTypes * config_.kv_heads);
     // Allocated once at full size: this is the buffer resident_bytes() reports (block_bytes.hpp).
-    keys_.assign(streams * kQuantGroupSize * static_cast<std::size_t>(config_.head_dim), 0);
-    values_.assign(keys_.size(), 0);
+    if (config_.holds_data) {
+      keys_.assign(streams * kQuantGroupSize * static_cast<std::size_t>(config_.head_dim), 0);
+      values_.assign(keys_.size(), 0);
+    }
     positions_.assign(streams * kQuantGroupSize, -1);
     count_.assign(streams, 0);
   }
@@ -119,7 +124,8 @@ class StagedGroupQuantizer {
   const StagedGroupQuantizerConfig& config() const { return config_; }
 
   // Stages one token of one KV head; returns true when (type, head) then holds a whole group.
-  // key, value: [head_dim], finite. Positions must grow within a stream.
+  // key, value: [head_dim], finite (ignored, and may be null, without holds_data). Positions must
+  // grow within a stream.
   bool stage(ThoughtType type, std::int32_t head, std::int32_t position, const float* key,
              const float* value) {
     const std::size_t s = stream(type, head, "stage");
@@ -129,16 +135,20 @@ class StagedGroupQuantizer {
     KVSIFT_CHECK(count_[s] == 0 || positions_[s * kQuantGroupSize + count_[s] - 1] < position,
                  "StagedGroupQuantizer::stage: position ", position, " does not follow ",
                  positions_[s * kQuantGroupSize + count_[s] - 1]);
-    const std::int64_t D = config_.head_dim;
-    for (std::int64_t d = 0; d < D; ++d) {
-      KVSIFT_CHECK(std::isfinite(key[d]) && std::isfinite(value[d]),
-                   "StagedGroupQuantizer::stage: kv head ", head, " channel ", d,
-                   " is not finite (key ", key[d], ", value ", value[d], ")");
-    }
-    const std::size_t row = (s * kQuantGroupSize + count_[s]) * static_cast<std::size_t>(D);
-    for (std::int64_t d = 0; d < D; ++d) {
-      keys_[row + d] = to_bits(key[d]);
-      values_[row + d] = to_bits(value[d]);
+    if (config_.holds_data) {
+      const std::int64_t D = config_.head_dim;
+      KVSIFT_CHECK(key != nullptr && value != nullptr,
+                   "StagedGroupQuantizer::stage: key and value must not be null");
+      for (std::int64_t d = 0; d < D; ++d) {
+        KVSIFT_CHECK(std::isfinite(key[d]) && std::isfinite(value[d]),
+                     "StagedGroupQuantizer::stage: kv head ", head, " channel ", d,
+                     " is not finite (key ", key[d], ", value ", value[d], ")");
+      }
+      const std::size_t row = (s * kQuantGroupSize + count_[s]) * static_cast<std::size_t>(D);
+      for (std::int64_t d = 0; d < D; ++d) {
+        keys_[row + d] = to_bits(key[d]);
+        values_[row + d] = to_bits(value[d]);
+      }
     }
     positions_[s * kQuantGroupSize + count_[s]] = position;
     return ++count_[s] == kQuantGroupSize;
@@ -153,6 +163,7 @@ class StagedGroupQuantizer {
   }
   void staged_token(ThoughtType type, std::int32_t head, int i, float* key,  // [head_dim]
                     float* value) const {                                    // [head_dim]
+    check_holds_data("staged_token");
     const std::size_t row =
         entry(type, head, i, "staged_token") * static_cast<std::size_t>(config_.head_dim);
     for (std::int64_t d = 0; d < config_.head_dim; ++d) {
@@ -175,6 +186,7 @@ class StagedGroupQuantizer {
     const std::size_t D = static_cast<std::size_t>(config_.head_dim);
     for (std::size_t j = e; j < last; ++j) {  // keep position order
       positions_[j] = positions_[j + 1];
+      if (!config_.holds_data) continue;
       std::copy_n(&keys_[(j + 1) * D], D, &keys_[j * D]);
       std::copy_n(&values_[(j + 1) * D], D, &values_[j * D]);
     }
@@ -188,6 +200,7 @@ class StagedGroupQuantizer {
   // keys, values: [n, head_dim]; positions: [n], ascending.
   void take_oldest(ThoughtType type, std::int32_t head, int n, float* keys, float* values,
                    std::int32_t* positions) {
+    check_holds_data("take_oldest");
     const std::size_t s = stream(type, head, "take_oldest");
     KVSIFT_CHECK(n >= 1 && n <= count_[s], "StagedGroupQuantizer::take_oldest: n = ", n,
                  " outside [1, ", count_[s], "] (", thought_type_name(type), " stream of kv head ",
@@ -208,20 +221,26 @@ class StagedGroupQuantizer {
     count_[s] = left;
   }
 
-  // Quantizes the whole staged group of (type, head) with fresh scales and empties the stream.
+  // Quantizes the whole staged group of (type, head) with fresh scales and empties the stream
+  // (without holds_data: only out.format and out.positions are set; the codes are left empty).
   void take_group(ThoughtType type, std::int32_t head, QuantizedGroup& out) {
     const std::size_t s = stream(type, head, "take_group");
     KVSIFT_CHECK(
         count_[s] == kQuantGroupSize, "StagedGroupQuantizer::take_group: ", thought_type_name(type),
         " stream of kv head ", head, " holds ", count_[s], " of ", kQuantGroupSize, " tokens");
-    const std::size_t D = static_cast<std::size_t>(config_.head_dim);
-    std::vector<float> k(kQuantGroupSize * D), v(k.size());
-    for (std::size_t i = 0; i < k.size(); ++i) {
-      k[i] = from_bits(keys_[s * kQuantGroupSize * D + i]);
-      v[i] = from_bits(values_[s * kQuantGroupSize * D + i]);
+    if (config_.holds_data) {
+      const std::size_t D = static_cast<std::size_t>(config_.head_dim);
+      std::vector<float> k(kQuantGroupSize * D), v(k.size());
+      for (std::size_t i = 0; i < k.size(); ++i) {
+        k[i] = from_bits(keys_[s * kQuantGroupSize * D + i]);
+        v[i] = from_bits(values_[s * kQuantGroupSize * D + i]);
+      }
+      quantize_token_group(config_.format_of(type), k.data(), v.data(), config_.head_dim,
+                           config_.head_dim, config_.global_factor(head), out);
+    } else {
+      out = QuantizedGroup{};
+      out.format = config_.format_of(type);
     }
-    quantize_token_group(config_.format_of(type), k.data(), v.data(), config_.head_dim,
-                         config_.head_dim, config_.global_factor(head), out);
     std::copy_n(&positions_[s * kQuantGroupSize], kQuantGroupSize, out.positions);
     std::fill_n(&positions_[s * kQuantGroupSize], kQuantGroupSize, -1);
     count_[s] = 0;
@@ -236,6 +255,11 @@ class StagedGroupQuantizer {
   float round(float x) const { return from_bits(to_bits(x)); }
 
  private:
+  void check_holds_data(const char* fn) const {
+    KVSIFT_CHECK(config_.holds_data, "StagedGroupQuantizer::", fn,
+                 ": this buffer keeps positions only (holds_data = false); its rows are on the "
+                 "device");
+  }
   std::uint16_t to_bits(float x) const {
     return config_.staging == DType::f16 ? float_to_f16_bits(x) : float_to_bf16_bits(x);
   }

@@ -62,6 +62,11 @@ struct ThoughtBlockTableConfig {
   // bounding how often survivors are re-rounded.
   RefillRule refill = RefillRule::run;
   std::int32_t regroup_min_free = 8;
+  // false: a metadata-only table — it places every token, keeps masks, positions, segments and
+  // the pool exactly as with data, but stores no K/V byte (appends take null keys and values;
+  // the reads of data refuse). A device table mirrors it and holds the data (cuda::DeviceThinKV).
+  // Requires refill = run (regroup re-reads survivors' values).
+  bool holds_data = true;
 
   BlockFormat format_of(ThoughtType t) const {
     return t == ThoughtType::reasoning   ? reasoning
@@ -224,6 +229,7 @@ class ThoughtBlockTable {
   Sequence& sequence(std::int32_t seq, const char* fn);
   const Frame& frame(const Sequence& s, std::int32_t seq, std::int32_t block, const char* fn) const;
   void check_head(std::int32_t head, const char* fn) const;
+  void check_holds_data(const char* fn) const;
   void check_address(const Sequence& s, std::int32_t seq, SlotAddress a, const char* fn) const;
   std::int32_t take_frame(std::int32_t seq, ThoughtType type);
   SlotAddress lowest_free_slot(const Sequence& s, ThoughtType type, std::int32_t head) const;
