@@ -687,6 +687,44 @@ std::int64_t DevicePagedTable::block_offset(std::int32_t seq, std::int32_t block
   return offsets_[static_cast<std::size_t>(frame_of(seq, block))];
 }
 
+PagedKeySource DevicePagedTable::key_source(std::int32_t seq, std::int32_t head,
+                                            SlotAddress a) const {
+  check_seq(seq, "key_source");
+  KVSIFT_CHECK(head >= 0 && head < cfg_.kv_heads, "DevicePagedTable::key_source: kv head ", head,
+               " outside [0, ", cfg_.kv_heads, ")");
+  KVSIFT_CHECK(pending_tokens_ == 0, "DevicePagedTable::key_source: ", pending_tokens_,
+               " recorded tokens are not written yet (call append() first)");
+  PagedKeySource src;
+  src.head = head;
+  if (a.block == kStagedBlock) {
+    for (int t = 0; t < kPagedThoughtTypes; ++t) {
+      const std::int64_t s = stream_index(seq, t, head);
+      for (int r = 0; r < kQuantGroupSize; ++r) {
+        if (staged_positions_[static_cast<std::size_t>(s) * kQuantGroupSize + r] == a.slot) {
+          src.base = (s * kQuantGroupSize + r) * cfg_.head_dim;
+          return src;
+        }
+      }
+    }
+    KVSIFT_CHECK(false, "DevicePagedTable::key_source: position ", a.slot,
+                 " is not staged in kv head ", head, " of sequence ", seq);
+  }
+  const SeqState& st = seqs_[static_cast<std::size_t>(seq)];
+  KVSIFT_CHECK(a.block >= 0 && a.block < static_cast<std::int32_t>(st.pages.size()) &&
+                   a.slot >= 0 && a.slot < cfg_.block_size,
+               "DevicePagedTable::key_source: block ", a.block, " slot ", a.slot, " of sequence ",
+               seq, " outside [0, ", st.pages.size(), ") x [0, block_size = ", cfg_.block_size,
+               ")");
+  const BlockRef& ref = st.pages[static_cast<std::size_t>(a.block)];
+  KVSIFT_CHECK(!bit_free(host_mask(ref.frame, head), a.slot), "DevicePagedTable::key_source: slot ",
+               a.slot, " of block ", a.block, " in kv head ", head, " of sequence ", seq,
+               " is not live");
+  src.base = offsets_[static_cast<std::size_t>(ref.frame)] + head * head_bytes(ref.format);
+  src.format = static_cast<std::int32_t>(ref.format);
+  src.slot = a.slot;
+  return src;
+}
+
 int DevicePagedTable::staged_count(std::int32_t seq, ThoughtType type, std::int32_t head) const {
   check_seq(seq, "staged_count");
   KVSIFT_CHECK(head >= 0 && head < cfg_.kv_heads, "DevicePagedTable::staged_count: kv head ", head,

@@ -910,6 +910,24 @@ std::size_t paged_batch_bytes(const DevicePagedTable& table, const std::int32_t*
          align_up(n * 4);
 }
 
+PagedBatch describe_paged_batch(const DevicePagedTable& table, const std::int32_t* seqs,
+                                std::int32_t batch) {
+  KVSIFT_CHECK(batch >= 1 && batch <= 65535 && seqs != nullptr,
+               "cuda::describe_paged_batch: batch (", batch,
+               ") must be in [1, 65535] with a non-null sequence list");
+  PagedBatch out;
+  out.batch = batch;
+  for (std::int32_t i = 0; i < batch; ++i) {
+    const std::int32_t s = seqs[i], nb = table.num_blocks(s);
+    out.host_seq_ids.push_back(s);
+    out.max_blocks = std::max(out.max_blocks, nb);
+    out.total_blocks += nb;
+    for (std::int32_t k = 0; k < nb; ++k)
+      out.has_f32_blocks = out.has_f32_blocks || !split_kernel_takes(table.format_of_block(s, k));
+  }
+  return out;
+}
+
 PagedBatch upload_paged_batch(const DevicePagedTable& table, const std::int32_t* seqs,
                               std::int32_t batch, void* workspace, std::size_t workspace_bytes,
                               cudaStream_t stream) {
@@ -919,24 +937,17 @@ PagedBatch upload_paged_batch(const DevicePagedTable& table, const std::int32_t*
                " bytes is too small (", need, " needed)");
   KVSIFT_CHECK(table.pending_tokens() == 0, fn, ": ", table.pending_tokens(),
                " recorded tokens are not written yet (call append() first)");
-  KVSIFT_CHECK(batch <= 65535, fn, ": batch (", batch, ") must be <= 65535");
-  PagedBatch out;
-  out.batch = batch;
+  PagedBatch out = describe_paged_batch(table, seqs, batch);
   std::vector<std::int32_t> frames, meta, begin(static_cast<std::size_t>(batch) + 1, 0);
   for (std::int32_t i = 0; i < batch; ++i) {
     const std::int32_t s = seqs[i], nb = table.num_blocks(s);
-    out.host_seq_ids.push_back(s);
-    out.max_blocks = std::max(out.max_blocks, nb);
     for (std::int32_t k = 0; k < nb; ++k) {
       frames.push_back(table.frame_of(s, k));
-      const BlockFormat f = table.format_of_block(s, k);
-      out.has_f32_blocks = out.has_f32_blocks || !split_kernel_takes(f);
-      meta.push_back(static_cast<std::int32_t>(f) |
+      meta.push_back(static_cast<std::int32_t>(table.format_of_block(s, k)) |
                      (static_cast<std::int32_t>(table.type_of_block(s, k)) << 4));
     }
     begin[static_cast<std::size_t>(i) + 1] = static_cast<std::int32_t>(frames.size());
   }
-  out.total_blocks = static_cast<std::int64_t>(frames.size());
   WorkspaceCarver carver(workspace, workspace_bytes, fn);
   const std::size_t nb = std::max<std::size_t>(frames.size(), 1);
   std::int32_t* d_frames = carver.take<std::int32_t>(nb);

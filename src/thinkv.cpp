@@ -101,14 +101,13 @@ ThoughtBlockTableConfig ThinKVConfig::table_config(int layer) const {
 // --- pipeline --------------------------------------------------------------------------------
 
 namespace {
-ThoughtClassifierConfig validated_classifier_config(const ThinKVConfig& config) {
+const ThinKVConfig& validated(const ThinKVConfig& config) {
   config.validate();
-  return config.classifier_config();
+  return config;
 }
 }  // namespace
 
-ThinKV::ThinKV(ThinKVConfig config)
-    : config_(std::move(config)), classifier_(validated_classifier_config(config_)) {
+ThinKV::ThinKV(ThinKVConfig config) : config_(std::move(config)), schedule_(validated(config_)) {
   kmeans_.max_iterations = config_.kmeans_iterations;
   tables_.reserve(static_cast<std::size_t>(config_.num_layers));
   for (int l = 0; l < config_.num_layers; ++l) {
@@ -117,8 +116,6 @@ ThinKV::ThinKV(ThinKVConfig config)
     // The prompt is segment 0. It is stored at R precision and ranks as R (segment_evictor.hpp).
     tables_.back().open_segment(seq_, ThoughtType::reasoning);
   }
-  appended_.assign(static_cast<std::size_t>(config_.num_layers), false);
-  opened_ = appended_;
 }
 
 void ThinKV::check_layer(int layer, const char* fn) const {
@@ -133,8 +130,8 @@ const ThoughtBlockTable& ThinKV::table(int layer) const {
 
 void ThinKV::prefill(int layer, const float* keys, const float* values, std::int64_t n) {
   check_layer(layer, "prefill");
-  KVSIFT_CHECK(!evictor_.has_value(), "ThinKV::prefill: layer ", layer, ": decoding has started (",
-               steps_, " steps); the prompt must come first");
+  KVSIFT_CHECK(!schedule_.started(), "ThinKV::prefill: layer ", layer, ": decoding has started (",
+               schedule_.steps(), " steps); the prompt must come first");
   KVSIFT_CHECK(n >= 0, "ThinKV::prefill: n must be >= 0, got ", n);
   KVSIFT_CHECK(n == 0 || (keys != nullptr && values != nullptr),
                "ThinKV::prefill: keys and values must not be null");
@@ -154,52 +151,51 @@ void ThinKV::start_decode() {
                  tables_[static_cast<std::size_t>(l)].length(seq_), " tokens but layer 0 has ",
                  prompt, "; prefill every layer with the same prompt");
   }
-  evictor_.emplace(config_.evictor_config(), prompt);
+  schedule_.start(prompt);
 }
 
 void ThinKV::append(int layer, const float* key, const float* value) {
   check_layer(layer, "append");
-  KVSIFT_CHECK(!appended_[static_cast<std::size_t>(layer)], "ThinKV::append: layer ", layer,
-               " already has its token for step ", steps_, "; call end_step() first");
+  const bool opens = schedule_.opens_segment(layer);
   KVSIFT_CHECK(key != nullptr && value != nullptr,
                "ThinKV::append: key and value must not be null");
-  if (!evictor_.has_value()) start_decode();
+  if (!schedule_.started()) start_decode();
   ThoughtBlockTable& t = tables_[static_cast<std::size_t>(layer)];
   // The SegmentEvictor opens a segment every `refresh` decode tokens (segment_length = τ); the
   // table must open the same segment, with the same label, before the token is written.
   // If the append below throws (pool exhausted) nothing is written, and a retry in the same step
   // must not open the segment a second time.
-  if (steps_ % config_.refresh == 0 && !opened_[static_cast<std::size_t>(layer)]) {
-    t.open_segment(seq_, classifier_.label());
-    opened_[static_cast<std::size_t>(layer)] = true;
+  if (opens) {
+    t.open_segment(seq_, schedule_.label());
+    schedule_.segment_opened(layer);
   }
   t.append(seq_, key, value, config_.kv_heads, config_.head_dim);
-  appended_[static_cast<std::size_t>(layer)] = true;
+  schedule_.appended(layer);
 }
 
 bool ThinKV::needs_sparsity(int layer) const {
   check_layer(layer, "needs_sparsity");
-  return classifier_.uses_layer(layer);
+  return schedule_.classifier().uses_layer(layer);
 }
 
 bool ThinKV::observe_sparsity(int layer, float sparsity) {
   check_layer(layer, "observe_sparsity");
-  return classifier_.observe_layer(layer, sparsity);
+  return schedule_.classifier().observe_layer(layer, sparsity);
 }
 
 bool ThinKV::observe_attention(int layer, const float* probs, std::int64_t n) {
   check_layer(layer, "observe_attention");
-  if (!classifier_.uses_layer(layer)) return false;
+  if (!schedule_.classifier().uses_layer(layer)) return false;
   KVSIFT_CHECK(probs != nullptr && n > 0, "ThinKV::observe_attention: layer ", layer,
                ": probs must hold [q_heads, n] with n > 0, got n = ", n);
   double total = 0.0;
   for (int q = 0; q < config_.q_heads; ++q) total += sparsity_from_probabilities(probs + q * n, n);
-  return classifier_.observe_layer(layer, static_cast<float>(total / config_.q_heads));
+  return schedule_.classifier().observe_layer(layer, static_cast<float>(total / config_.q_heads));
 }
 
 bool ThinKV::observe_query(int layer, const float* query) {
   check_layer(layer, "observe_query");
-  if (!classifier_.uses_layer(layer)) return false;
+  if (!schedule_.classifier().uses_layer(layer)) return false;
   KVSIFT_CHECK(query != nullptr, "ThinKV::observe_query: query must not be null");
   const ThoughtBlockTable& t = tables_[static_cast<std::size_t>(layer)];
   const std::int64_t D = config_.head_dim, group = config_.q_heads / config_.kv_heads;
@@ -226,27 +222,17 @@ bool ThinKV::observe_query(int layer, const float* query) {
                                     static_cast<std::int64_t>(tokens.size()));
     }
   }
-  return classifier_.observe_layer(layer, static_cast<float>(total / config_.q_heads));
+  return schedule_.classifier().observe_layer(layer, static_cast<float>(total / config_.q_heads));
 }
 
 EvictionStep ThinKV::end_step() {
-  for (int l = 0; l < config_.num_layers; ++l) {
-    KVSIFT_CHECK(appended_[static_cast<std::size_t>(l)], "ThinKV::end_step: layer ", l,
-                 " has no token for step ", steps_, " (append every layer once per step)");
-  }
-  // Throws, changing nothing, when an L* layer was not observed.
-  const ThoughtType step_label = classifier_.end_step();
-  EvictionStep step = evictor_->append_token(step_label);
+  EvictionStep step = schedule_.end_step();
   // The tables opened their segment in append(); both sides must agree on the segment count.
-  KVSIFT_CHECK(
-      static_cast<std::int32_t>(evictor_->segments().size()) == tables_[0].num_segments(seq_),
-      "ThinKV::end_step: internal error: TBE has ", evictor_->segments().size(),
-      " segments but the block table has ", tables_[0].num_segments(seq_));
+  const std::size_t segments = schedule_.evictor().segments().size();
+  KVSIFT_CHECK(static_cast<std::int32_t>(segments) == tables_[0].num_segments(seq_),
+               "ThinKV::end_step: internal error: TBE has ", segments,
+               " segments but the block table has ", tables_[0].num_segments(seq_));
   for (const SegmentChange& c : step.changes) apply_change(c);
-  counter_.record_step(step, config_.num_layers);
-  appended_.assign(appended_.size(), false);
-  opened_.assign(opened_.size(), false);
-  ++steps_;
   return step;
 }
 
@@ -283,7 +269,7 @@ void ThinKV::attention(int layer, const float* query, float* out) const {
 std::int32_t ThinKV::length() const { return tables_[0].length(seq_); }
 
 std::vector<Segment> ThinKV::segments() const {
-  if (evictor_.has_value()) return evictor_->segments();
+  if (schedule_.started()) return schedule_.evictor().segments();
   Segment prompt;
   prompt.is_prompt = true;
   prompt.length = prompt.kept = length();
@@ -291,7 +277,7 @@ std::vector<Segment> ThinKV::segments() const {
 }
 
 std::int32_t ThinKV::resident_tokens() const {
-  return evictor_.has_value() ? evictor_->cache_length() : length();
+  return schedule_.started() ? schedule_.evictor().cache_length() : length();
 }
 
 TableBytes ThinKV::resident_bytes() const {

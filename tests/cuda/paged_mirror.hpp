@@ -79,28 +79,64 @@ struct PagedMirror {
   }
 };
 
-// Every block of `seq`: device bytes == block_storage(), device masks == free_mask(), device
-// slot positions == the CPU's for every live slot; the staged rows (keys and values, 16-bit) of
-// every head equal the CPU's staged_rows() as a multiset (device rows are unordered).
-inline void require_same_table(const ThoughtBlockTable& cpu, PagedMirror& dev, std::int32_t seq) {
-  const std::vector<std::uint8_t> pool = dev.storage.download();
-  const std::vector<std::uint64_t> masks = dev.masks.download();
-  const std::vector<std::int32_t> positions = dev.positions.download();
-  REQUIRE(dev.table.num_blocks(seq) == cpu.num_blocks(seq));
+// What a device table holds, downloaded.
+struct DeviceTableSnapshot {
+  std::vector<std::uint8_t> pool;
+  std::vector<std::uint64_t> masks;
+  std::vector<std::int32_t> positions;
+  std::vector<cuda::PagedStaging> staged_keys, staged_values;
+  std::vector<std::uint32_t> staged_masks;
+};
+
+template <class T>
+std::vector<T> download_array(const T* device, std::int64_t bytes) {
+  std::vector<T> out(static_cast<std::size_t>(bytes) / sizeof(T));
+  KVSIFT_CUDA_CHECK(cudaMemcpy(out.data(), device, out.size() * sizeof(T), cudaMemcpyDeviceToHost));
+  return out;
+}
+
+inline DeviceTableSnapshot snapshot(const cuda::DevicePagedTable& table) {
+  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+  const cuda::PagedTableMemory& m = table.memory();
+  const cuda::PagedTableSizes& s = table.sizes();
+  return DeviceTableSnapshot{download_array(m.storage, s.storage_bytes),
+                             download_array(m.free_masks, s.mask_bytes),
+                             download_array(m.positions, s.position_bytes),
+                             download_array(m.staged_keys, s.staging_bytes),
+                             download_array(m.staged_values, s.staging_bytes),
+                             download_array(m.staged_masks, s.staged_mask_bytes)};
+}
+
+// Sequence `cpu_seq` of the CPU table against sequence `dev_seq` of the device table: every
+// block's device bytes == block_storage(), device masks == free_mask(), device slot positions ==
+// the CPU's for every live slot; the staged rows (keys and values, 16-bit) of every head equal
+// the CPU's staged_rows() as a multiset (device rows are unordered). `same_frames`: the device
+// table follows this very CPU table (frame ids equal), not another table with the same history.
+inline void require_same_sequence(const ThoughtBlockTable& cpu, std::int32_t cpu_seq,
+                                  const cuda::DevicePagedTable& table,
+                                  const DeviceTableSnapshot& dev, std::int32_t dev_seq,
+                                  bool same_frames) {
+  const std::vector<std::uint8_t>& pool = dev.pool;
+  const std::vector<std::uint64_t>& masks = dev.masks;
+  const std::vector<std::int32_t>& positions = dev.positions;
+  const std::int32_t seq = cpu_seq;
+  REQUIRE(table.num_blocks(dev_seq) == cpu.num_blocks(seq));
   const std::int32_t H = cpu.config().kv_heads, W = cpu.mask_words(), S = cpu.config().block_size;
   const std::int64_t D = cpu.config().head_dim;
+  const cuda::PagedTableSizes& sizes = table.sizes();
   for (std::int32_t b = 0; b < cpu.num_blocks(seq); ++b) {
     const BlockInfo info = cpu.block_info(seq, b);
-    REQUIRE(dev.table.frame_of(seq, b) == info.frame);
-    REQUIRE(dev.table.format_of_block(seq, b) == info.format);
-    REQUIRE(dev.table.type_of_block(seq, b) == info.type);
+    const std::int32_t frame = table.frame_of(dev_seq, b);
+    if (same_frames) REQUIRE(frame == info.frame);
+    REQUIRE(table.format_of_block(dev_seq, b) == info.format);
+    REQUIRE(table.type_of_block(dev_seq, b) == info.type);
     const std::vector<std::uint8_t>& want = cpu.block_storage(seq, b);
-    const std::int64_t offset = dev.table.block_offset(seq, b);
+    const std::int64_t offset = table.block_offset(dev_seq, b);
     const int f = static_cast<int>(info.format);
     // The frame lies inside its format's pool, which is sized by block_bytes.hpp.
-    REQUIRE(offset >= dev.sizes.pool_offset[f]);
+    REQUIRE(offset >= sizes.pool_offset[f]);
     REQUIRE(offset + static_cast<std::int64_t>(want.size()) <=
-            dev.sizes.pool_offset[f] + dev.sizes.pool_frames[f] * dev.sizes.frame_bytes[f]);
+            sizes.pool_offset[f] + sizes.pool_frames[f] * sizes.frame_bytes[f]);
     const std::uint8_t* got = pool.data() + offset;
     std::size_t first_diff = want.size();
     for (std::size_t i = 0; i < want.size(); ++i) {
@@ -120,17 +156,17 @@ inline void require_same_table(const ThoughtBlockTable& cpu, PagedMirror& dev, s
       const std::uint64_t* cm = cpu.free_mask(seq, b, h);
       for (std::int32_t w = 0; w < W; ++w) {
         INFO("head " << h << " mask word " << w);
-        REQUIRE(masks[(static_cast<std::size_t>(info.frame) * H + h) * W + w] == cm[w]);
+        REQUIRE(masks[(static_cast<std::size_t>(frame) * H + h) * W + w] == cm[w]);
       }
     }
   }
-  const std::vector<cuda::PagedStaging> sk = dev.staged_keys.download();
-  const std::vector<cuda::PagedStaging> sv = dev.staged_values.download();
-  const std::vector<std::uint32_t> sm = dev.staged_masks.download();
+  const std::vector<cuda::PagedStaging>& sk = dev.staged_keys;
+  const std::vector<cuda::PagedStaging>& sv = dev.staged_values;
+  const std::vector<std::uint32_t>& sm = dev.staged_masks;
   for (std::int32_t h = 0; h < H; ++h) {
     for (const ResidentToken& t : cpu.resident_tokens(seq, h)) {
       if (t.address.block < 0) continue;
-      const std::int32_t frame = cpu.block_info(seq, t.address.block).frame;
+      const std::int32_t frame = table.frame_of(dev_seq, t.address.block);
       INFO("head " << h << " block " << t.address.block << " slot " << t.address.slot);
       REQUIRE(positions[(static_cast<std::size_t>(frame) * H + h) * S + t.address.slot] ==
               t.position);
@@ -146,8 +182,8 @@ inline void require_same_table(const ThoughtBlockTable& cpu, PagedMirror& dev, s
     }
     for (int type = 0; type < cuda::kPagedThoughtTypes; ++type) {
       const std::size_t stream =
-          (static_cast<std::size_t>(seq) * cuda::kPagedThoughtTypes + type) * H + h;
-      REQUIRE(dev.table.staged_count(seq, static_cast<ThoughtType>(type), h) ==
+          (static_cast<std::size_t>(dev_seq) * cuda::kPagedThoughtTypes + type) * H + h;
+      REQUIRE(table.staged_count(dev_seq, static_cast<ThoughtType>(type), h) ==
               __builtin_popcount(sm[stream]));
       for (int r = 0; r < 16; ++r) {
         if (!((sm[stream] >> r) & 1u)) continue;
@@ -163,6 +199,11 @@ inline void require_same_table(const ThoughtBlockTable& cpu, PagedMirror& dev, s
                  << " on the CPU");
     REQUIRE(got == want);
   }
+}
+
+// The mirror against the CPU table it follows (same sequence id, same frames).
+inline void require_same_table(const ThoughtBlockTable& cpu, PagedMirror& dev, std::int32_t seq) {
+  require_same_sequence(cpu, seq, dev.table, snapshot(dev.table), seq, true);
 }
 
 // The device table's resident bytes equal the CPU table's, field by field.

@@ -170,6 +170,18 @@ struct PagedStagedMask {
 };
 }  // namespace detail
 
+// Where the key of one live token of one KV head lives on the device (for the reads of
+// paged_reads.hpp): a slot of a block, or a row of the 16-bit staging buffer.
+inline constexpr std::int32_t kStagedKeySource = -1;
+struct PagedKeySource {
+  std::int64_t base = 0;  // block slot: byte offset of its (frame, head) in storage;
+                          // staged row: element offset of the row in staged_keys
+  std::int32_t format = kStagedKeySource;  // the block's BlockFormat, or kStagedKeySource
+  std::int32_t slot = 0;                   // slot in the block (block slots only)
+  std::int32_t head = 0;                   // KV head (its NVFP4 global factor)
+  std::int32_t pad = 0;
+};
+
 class DevicePagedTable {
  public:
   // Host bookkeeping for a table built with `cfg` (the CPU ThoughtBlockTable's config) serving
@@ -229,6 +241,9 @@ class DevicePagedTable {
   std::int64_t head_bytes(BlockFormat format) const {
     return BlockHeadLayout{format, cfg_.block_size, cfg_.head_dim}.bytes();
   }
+  // Where the key of the live token at `address` of (seq, head) lives (an address as the CPU
+  // table gives it: a block slot, or {kStagedBlock, position}). Requires no pending append.
+  PagedKeySource key_source(std::int32_t seq, std::int32_t head, SlotAddress address) const;
   // Tokens staged in (seq, type, head) on the device after the last append()/evict().
   int staged_count(std::int32_t seq, ThoughtType type, std::int32_t head) const;
   // Frames of each format's pool in use.
@@ -325,6 +340,11 @@ struct PagedBatch {
 };
 std::size_t paged_batch_bytes(const DevicePagedTable& table, const std::int32_t* seqs,  // [batch]
                               std::int32_t batch);
+// The host fields of the PagedBatch that upload_paged_batch would return (batch, max_blocks,
+// total_blocks, has_f32_blocks, host_seq_ids; no device pointers): enough to size the workspace of
+// paged_decode_attention_batch before uploading.
+PagedBatch describe_paged_batch(const DevicePagedTable& table, const std::int32_t* seqs,  // [batch]
+                                std::int32_t batch);
 // Copies the page tables of `seqs` into `workspace` (enqueued on `stream`; the host side may be
 // freed at return). Requires no pending append.
 PagedBatch upload_paged_batch(const DevicePagedTable& table, const std::int32_t* seqs,  // [batch]

@@ -36,6 +36,7 @@
 #include "kvsift/paged/block_codec.hpp"
 #include "kvsift/paged/thought_block_table.hpp"
 #include "kvsift/policy/thinkv/segment_evictor.hpp"
+#include "kvsift/policy/thinkv/thinkv_schedule.hpp"
 #include "kvsift/policy/thinkv/thought_classifier.hpp"
 
 namespace kvsift {
@@ -87,14 +88,14 @@ class ThinKV {
                  float* out) const;   // [q_heads, head_dim]
 
   // --- state -----------------------------------------------------------------------------------
-  ThoughtType label() const { return classifier_.label(); }  // type of the next decode token
-  std::int64_t steps() const { return steps_; }              // decode steps ended
+  ThoughtType label() const { return schedule_.label(); }   // type of the next decode token
+  std::int64_t steps() const { return schedule_.steps(); }  // decode steps ended
   std::int32_t length() const;  // tokens appended so far (prompt + decode), as FullKV holds them
   // Segments as TBE sees them (segment i = table segment i of every layer); the prompt only
   // before the first decode step.
   std::vector<Segment> segments() const;
   std::int32_t resident_tokens() const;  // per (layer, KV head): the same in all of them
-  const ThoughtClassifier& classifier() const { return classifier_; }
+  const ThoughtClassifier& classifier() const { return schedule_.classifier(); }
   const ThoughtBlockTable& table(int layer) const;
   std::int32_t sequence_id() const { return seq_; }  // the sequence id inside every table
 
@@ -105,8 +106,8 @@ class ThinKV {
   double resident_fraction() const;
 
   // (layer, step) pairs with some eviction (ThinKV reports ≈5%).
-  const EvictionCounter& eviction_counter() const { return counter_; }
-  double eviction_fraction() const { return counter_.fraction(); }
+  const EvictionCounter& eviction_counter() const { return schedule_.eviction_counter(); }
+  double eviction_fraction() const { return eviction_counter().fraction(); }
 
  private:
   void check_layer(int layer, const char* fn) const;
@@ -114,14 +115,9 @@ class ThinKV {
   void apply_change(const SegmentChange& change);
 
   ThinKVConfig config_;
-  ThoughtClassifier classifier_;
+  ThinKVSchedule schedule_;                // classifier, TBE, per-step bookkeeping
   std::vector<ThoughtBlockTable> tables_;  // [num_layers]
   std::int32_t seq_ = 0;
-  std::optional<SegmentEvictor> evictor_;  // created at the first decode append
-  std::vector<bool> appended_;             // [num_layers] this step's token is in
-  std::vector<bool> opened_;               // [num_layers] this step opened the layer's segment
-  std::int64_t steps_ = 0;
-  EvictionCounter counter_;
   KMeansSelectConfig kmeans_;
 };
 

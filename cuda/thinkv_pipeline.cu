@@ -1,0 +1,548 @@
+// The ThinKV pipeline on the device (include/kvsift/backend/cuda/thinkv_pipeline.hpp): host
+// metadata (schedules, metadata-only tables), device data (DevicePagedTable per layer), and the
+// device reads that the decisions need (paged_reads.hpp, kmeans_select.hpp).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "kvsift/backend/cuda/check.hpp"
+#include "kvsift/backend/cuda/kmeans_select.hpp"
+#include "kvsift/backend/cuda/paged_reads.hpp"
+#include "kvsift/backend/cuda/thinkv_pipeline.hpp"
+#include "kvsift/backend/cuda/workspace.hpp"
+
+namespace kvsift::cuda {
+namespace {
+
+// Tokens (all sequences together) written per append launch: bounds the scratch a long prompt
+// needs (its rows are transposed into [token, kv_heads, head_dim] order chunk by chunk).
+constexpr std::int64_t kChunkTokens = 2048;
+// Demoted (sequence, layer, KV head) segments selected per k-means launch.
+constexpr std::int64_t kProblemsPerChunk = 256;
+
+std::int64_t per_sequence_chunk(std::int32_t batch) {
+  return std::max<std::int64_t>(1, kChunkTokens / batch);
+}
+
+ThoughtBlockTableConfig layer_table_config(const ThinKVConfig& config, int layer,
+                                           std::int32_t batch) {
+  ThoughtBlockTableConfig c = config.table_config(layer);
+  c.num_blocks = config.pool_blocks * batch;  // the CPU pipeline's per-sequence pool, shared
+  c.holds_data = false;
+  return c;
+}
+
+void check_config(const ThinKVConfig& config, std::int32_t batch) {
+  const char* fn = "cuda::DeviceThinKV";
+  config.validate();
+  KVSIFT_CHECK(batch >= 1 && batch <= 65535, fn, ": batch (", batch, ") outside [1, 65535]");
+  KVSIFT_CHECK(config.refresh <= kKMeansMaxPoints, fn, ": refresh (", config.refresh,
+               ") must be <= ", kKMeansMaxPoints, " (a segment is one k-means problem)");
+  KVSIFT_CHECK(config.head_dim <= kKMeansMaxDim, fn, ": head_dim (", config.head_dim,
+               ") must be <= ", kKMeansMaxDim);
+  for (int k : config.schedule) {
+    KVSIFT_CHECK(k <= kKMeansMaxClusters, fn, ": schedule entry ", k, " exceeds ",
+                 kKMeansMaxClusters, " survivors (the device k-means' limit)");
+  }
+  KVSIFT_CHECK(!config.evict_prompt, fn,
+               ": evict_prompt = true is not supported on the device (the prompt segment can "
+               "exceed one k-means problem of ",
+               kKMeansMaxPoints, " tokens)");
+  KVSIFT_CHECK(config.staging == kPagedStagingDType, fn, ": staging must be ",
+               dtype_name(kPagedStagingDType), " on the device, got ", dtype_name(config.staging));
+  KVSIFT_CHECK(static_cast<std::int64_t>(config.pool_blocks) * batch <= 0x7fffffff, fn,
+               ": pool_blocks * batch overflows");
+}
+
+// Where everything lives in the caller's buffer.
+struct Layout {
+  PagedTableSizes sizes;
+  std::size_t layer_bytes = 0;     // one layer's table memory
+  std::size_t sparsity_bytes = 0;  // [L*, batch, q_heads] f32
+  std::size_t scratch_bytes = 0;
+  std::size_t total = 0;
+};
+
+std::size_t table_memory_bytes(const PagedTableSizes& s, std::int32_t kv_heads) {
+  return align_up(static_cast<std::size_t>(s.storage_bytes)) +
+         align_up(static_cast<std::size_t>(s.mask_bytes)) +
+         align_up(static_cast<std::size_t>(s.position_bytes)) +
+         align_up(static_cast<std::size_t>(s.frame_offset_bytes)) +
+         2 * align_up(static_cast<std::size_t>(s.staging_bytes)) +
+         align_up(static_cast<std::size_t>(s.staged_mask_bytes)) +
+         align_up(static_cast<std::size_t>(kv_heads) * 4);
+}
+
+PagedTableMemory carve_table(WorkspaceCarver& c, const PagedTableSizes& s, std::int32_t kv_heads) {
+  PagedTableMemory m;
+  m.storage = c.take<std::uint8_t>(static_cast<std::size_t>(s.storage_bytes));
+  m.free_masks = c.take<std::uint64_t>(static_cast<std::size_t>(s.mask_bytes / 8));
+  m.positions = c.take<std::int32_t>(static_cast<std::size_t>(s.position_bytes / 4));
+  m.frame_offsets = c.take<std::int64_t>(static_cast<std::size_t>(s.frame_offset_bytes / 8));
+  const std::size_t staged = static_cast<std::size_t>(s.staging_bytes) / sizeof(PagedStaging);
+  m.staged_keys = c.take<PagedStaging>(staged);
+  m.staged_values = c.take<PagedStaging>(staged);
+  m.staged_masks = c.take<std::uint32_t>(static_cast<std::size_t>(s.staged_mask_bytes / 4));
+  m.global_factors = c.take<float>(static_cast<std::size_t>(kv_heads));
+  return m;
+}
+
+Layout layout_of(const ThinKVConfig& config, std::int32_t batch) {
+  check_config(config, batch);
+  Layout L;
+  const ThoughtBlockTableConfig tc = layer_table_config(config, 0, batch);
+  L.sizes = paged_table_sizes(tc, batch);
+  L.layer_bytes = table_memory_bytes(L.sizes, config.kv_heads);
+  const std::size_t H = static_cast<std::size_t>(config.kv_heads);
+  const std::size_t D = static_cast<std::size_t>(config.head_dim);
+  const std::size_t B = static_cast<std::size_t>(batch);
+  L.sparsity_bytes = align_up(config.calibrated_layers.size() * B *
+                              static_cast<std::size_t>(config.q_heads) * sizeof(float));
+  // Append: the recorded plan (append_workspace_bytes' terms, each bounded per token and head)
+  // and the prompt rows transposed into token order.
+  const std::size_t T = static_cast<std::size_t>(per_sequence_chunk(batch)) * B;
+  const std::size_t append = align_up(T * sizeof(detail::PagedFreshFrame)) +
+                             align_up(T * H * sizeof(detail::PagedRowWrite)) +
+                             align_up(T * H * sizeof(detail::PagedStreamTask)) +
+                             align_up(T * H * sizeof(detail::PagedStreamOp)) +
+                             2 * align_up(T * H * D * sizeof(float));
+  // Demotions: sources, fp32 keys, k-means descriptors and survivors of one chunk of problems.
+  const std::size_t P = static_cast<std::size_t>(kProblemsPerChunk);
+  const std::size_t kmeans =
+      paged_gather_keys_workspace_bytes(static_cast<std::int64_t>(P) * kKMeansMaxPoints) +
+      align_up(P * kKMeansMaxPoints * D * sizeof(float)) +
+      align_up(kmeans_select_workspace_bytes(static_cast<std::int64_t>(P))) +
+      align_up(P * kKMeansMaxClusters * sizeof(std::int32_t)) +
+      align_up(H * kKMeansMaxPoints * 16);  // evictions of one (layer, head)
+  // Sparsity: the page tables of the batch.
+  const std::size_t blocks = static_cast<std::size_t>(tc.num_blocks);
+  const std::size_t sparsity = 2 * align_up(blocks * 4) + align_up((B + 1) * 4) + align_up(B * 4);
+  L.scratch_bytes = std::max({append, kmeans, sparsity});
+  L.total = static_cast<std::size_t>(config.num_layers) * L.layer_bytes + L.sparsity_bytes +
+            L.scratch_bytes;
+  return L;
+}
+
+template <class T>
+__global__ void prompt_rows_kernel(const T* __restrict__ src,  // [batch, H, n, D]
+                                   T* __restrict__ dst,        // [batch, chunk, H, D]
+                                   std::int64_t n, std::int64_t first, std::int64_t chunk,
+                                   std::int64_t H, std::int64_t D, std::int64_t total) {
+  for (std::int64_t e = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; e < total;
+       e += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t d = e % D, h = (e / D) % H, i = (e / (D * H)) % chunk,
+                       b = e / (D * H * chunk);
+    dst[e] = src[((b * H + h) * n + first + i) * D + d];
+  }
+}
+
+void prompt_rows(const void* src, void* dst, DType dtype, std::int64_t batch, std::int64_t n,
+                 std::int64_t first, std::int64_t chunk, std::int64_t H, std::int64_t D,
+                 cudaStream_t stream) {
+  const std::int64_t total = batch * chunk * H * D;
+  const unsigned blocks = static_cast<unsigned>(std::min<std::int64_t>((total + 255) / 256, 4096));
+  if (dtype == DType::f32) {
+    prompt_rows_kernel<<<blocks, 256, 0, stream>>>(
+        static_cast<const float*>(src), static_cast<float*>(dst), n, first, chunk, H, D, total);
+  } else {
+    prompt_rows_kernel<<<blocks, 256, 0, stream>>>(
+        static_cast<const bf16_t*>(src), static_cast<bf16_t*>(dst), n, first, chunk, H, D, total);
+  }
+  KVSIFT_CUDA_CHECK(cudaGetLastError());
+}
+
+void check_kv(const void* keys, const void* values, DType dtype, const char* fn) {
+  KVSIFT_CHECK(keys != nullptr && values != nullptr, fn, ": keys and values must not be null");
+  KVSIFT_CHECK(dtype == DType::f32 || dtype == DType::bf16, fn,
+               ": keys/values must be f32 or bf16, got ", dtype_name(dtype));
+}
+
+}  // namespace
+
+struct DeviceThinKV::Problem {
+  std::int32_t seq = 0, layer = 0, head = 0, segment = 0;
+  std::int32_t target = 0;              // tokens kept (TBE's kept_after)
+  std::vector<std::int32_t> positions;  // the segment's resident tokens, (block, slot) order
+  std::vector<PagedKeySource> sources;  // where their keys are
+  std::vector<std::int32_t> evicted;    // positions to evict, ascending (filled by k-means)
+};
+
+std::size_t DeviceThinKV::memory_bytes(const ThinKVConfig& config, std::int32_t batch) {
+  return layout_of(config, batch).total;
+}
+
+DeviceThinKV::DeviceThinKV(const ThinKVConfig& config, std::int32_t batch, void* memory,
+                           std::size_t memory_bytes, cudaStream_t stream)
+    : config_(config), batch_(batch), stream_(stream) {
+  const Layout L = layout_of(config_, batch_);
+  KVSIFT_CHECK(memory != nullptr && memory_bytes >= L.total, "cuda::DeviceThinKV: memory of ",
+               memory_bytes, " bytes at ", memory, " is too small (", L.total,
+               " needed: memory_bytes())");
+  WorkspaceCarver carver(memory, memory_bytes, "cuda::DeviceThinKV");
+  schedules_.reserve(static_cast<std::size_t>(batch_));
+  for (std::int32_t b = 0; b < batch_; ++b) schedules_.emplace_back(config_);
+  tables_.reserve(static_cast<std::size_t>(config_.num_layers));
+  devices_.reserve(static_cast<std::size_t>(config_.num_layers));
+  for (int l = 0; l < config_.num_layers; ++l) {
+    const ThoughtBlockTableConfig tc = layer_table_config(config_, l, batch_);
+    tables_.emplace_back(tc);
+    for (std::int32_t b = 0; b < batch_; ++b) {
+      tables_.back().create_sequence();  // id b
+      // The prompt is segment 0, stored at R precision (as ThinKV).
+      tables_.back().open_segment(b, ThoughtType::reasoning);
+    }
+    devices_.emplace_back(tc, batch_, carve_table(carver, L.sizes, config_.kv_heads));
+    devices_.back().initialize(stream_);
+  }
+  sparsity_ = carver.take<float>(L.sparsity_bytes / sizeof(float));
+  scratch_ = carver.take<std::uint8_t>(L.scratch_bytes);
+  scratch_bytes_ = L.scratch_bytes;
+}
+
+void DeviceThinKV::check_layer(int layer, const char* fn) const {
+  KVSIFT_CHECK(layer >= 0 && layer < config_.num_layers, "cuda::DeviceThinKV::", fn, ": layer ",
+               layer, " outside [0, num_layers = ", config_.num_layers, ")");
+}
+
+// Places `tokens_per_sequence` tokens of every sequence (sequence-major) in the host table and
+// records them on the device table. A new block per token is the most any token takes, so a pool
+// with fewer free blocks than that is refused before anything changes.
+void DeviceThinKV::record_tokens(int layer, std::int64_t tokens_per_sequence, const char* fn) {
+  ThoughtBlockTable& t = tables_[static_cast<std::size_t>(layer)];
+  DevicePagedTable& dev = devices_[static_cast<std::size_t>(layer)];
+  // A sequence takes a new block only when a 16-token group seals (or an f32 token arrives)
+  // with no free room of its type, and a block holds at least one group.
+  const std::int64_t need =
+      batch_ *
+      std::min<std::int64_t>(tokens_per_sequence, tokens_per_sequence / kQuantGroupSize + 1);
+  KVSIFT_CHECK(t.free_blocks() >= need, "cuda::DeviceThinKV::", fn, ": layer ", layer, " has ",
+               t.free_blocks(), " free blocks; writing ", tokens_per_sequence,
+               " tokens of each of ", batch_, " sequences may take up to ", need,
+               " (raise pool_blocks)");
+  std::vector<SlotAddress> where(static_cast<std::size_t>(config_.kv_heads));
+  for (std::int32_t b = 0; b < batch_; ++b) {
+    for (std::int64_t i = 0; i < tokens_per_sequence; ++i) {
+      t.append(b, nullptr, nullptr, config_.kv_heads, config_.head_dim, where.data());
+      dev.record_append(t, b, where.data());
+    }
+  }
+}
+
+void DeviceThinKV::prefill(int layer, const void* keys, const void* values, DType dtype,
+                           std::int64_t n) {
+  const char* fn = "prefill";
+  check_layer(layer, fn);
+  KVSIFT_CHECK(!schedules_[0].started(), "cuda::DeviceThinKV::prefill: layer ", layer,
+               ": decoding has started (", steps(), " steps); the prompt must come first");
+  KVSIFT_CHECK(n >= 0, "cuda::DeviceThinKV::prefill: n must be >= 0, got ", n);
+  if (n == 0) return;
+  check_kv(keys, values, dtype, "cuda::DeviceThinKV::prefill");
+  const std::int64_t H = config_.kv_heads, D = config_.head_dim;
+  const std::int64_t chunk = per_sequence_chunk(batch_);
+  // The prompt rows of a chunk in token order, at the end of the scratch; the append plan in
+  // front of them.
+  const std::size_t rows_bytes =
+      align_up(static_cast<std::size_t>(chunk * batch_ * H * D) * dtype_size(dtype));
+  for (std::int64_t first = 0; first < n; first += chunk) {
+    const std::int64_t c = std::min(chunk, n - first);
+    record_tokens(layer, c, fn);
+    std::uint8_t* k_rows = scratch_ + (scratch_bytes_ - 2 * rows_bytes);
+    std::uint8_t* v_rows = k_rows + rows_bytes;
+    prompt_rows(keys, k_rows, dtype, batch_, n, first, c, H, D, stream_);
+    prompt_rows(values, v_rows, dtype, batch_, n, first, c, H, D, stream_);
+    DevicePagedTable& dev = devices_[static_cast<std::size_t>(layer)];
+    dev.append(k_rows, v_rows, dtype, scratch_, scratch_bytes_ - 2 * rows_bytes, stream_);
+  }
+}
+
+void DeviceThinKV::append(int layer, const void* keys, const void* values, DType dtype) {
+  const char* fn = "append";
+  check_layer(layer, fn);
+  check_kv(keys, values, dtype, "cuda::DeviceThinKV::append");
+  std::vector<bool> opens(static_cast<std::size_t>(batch_));
+  for (std::int32_t b = 0; b < batch_; ++b) opens[b] = schedules_[b].opens_segment(layer);
+  if (!schedules_[0].started()) {
+    // The prompt is complete: every layer must hold the same one.
+    const std::int32_t prompt = tables_[0].length(0);
+    for (int l = 1; l < config_.num_layers; ++l) {
+      KVSIFT_CHECK(tables_[static_cast<std::size_t>(l)].length(0) == prompt,
+                   "cuda::DeviceThinKV::append: layer ", l, " has a prompt of ",
+                   tables_[static_cast<std::size_t>(l)].length(0), " tokens but layer 0 has ",
+                   prompt, "; prefill every layer with the same prompt");
+    }
+    for (ThinKVSchedule& s : schedules_) s.start(prompt);
+  }
+  ThoughtBlockTable& t = tables_[static_cast<std::size_t>(layer)];
+  for (std::int32_t b = 0; b < batch_; ++b) {
+    if (!opens[b]) continue;
+    t.open_segment(b, schedules_[b].label());
+    schedules_[b].segment_opened(layer);
+  }
+  record_tokens(layer, 1, fn);
+  devices_[static_cast<std::size_t>(layer)].append(keys, values, dtype, scratch_, scratch_bytes_,
+                                                   stream_);
+  for (ThinKVSchedule& s : schedules_) s.appended(layer);
+}
+
+bool DeviceThinKV::needs_sparsity(int layer) const {
+  check_layer(layer, "needs_sparsity");
+  return schedules_[0].classifier().uses_layer(layer);
+}
+
+bool DeviceThinKV::observe_query(int layer, const float* queries) {
+  if (!needs_sparsity(layer)) return false;
+  KVSIFT_CHECK(queries != nullptr, "cuda::DeviceThinKV::observe_query: queries must not be null");
+  KVSIFT_CHECK(std::find(observed_.begin(), observed_.end(), layer) == observed_.end(),
+               "cuda::DeviceThinKV::observe_query: layer ", layer, " is already observed in step ",
+               steps());
+  const DevicePagedTable& dev = devices_[static_cast<std::size_t>(layer)];
+  std::vector<std::int32_t> seqs(static_cast<std::size_t>(batch_));
+  for (std::int32_t b = 0; b < batch_; ++b) seqs[b] = b;
+  const PagedBatch pb =
+      upload_paged_batch(dev, seqs.data(), batch_, scratch_, scratch_bytes_, stream_);
+  float* out = sparsity_ + observed_.size() * static_cast<std::size_t>(batch_) * config_.q_heads;
+  paged_attention_sparsity(dev, pb, queries, config_.q_heads,
+                           1.0f / std::sqrt(static_cast<float>(config_.head_dim)), out, stream_);
+  observed_.push_back(layer);
+  return true;
+}
+
+std::vector<EvictionStep> DeviceThinKV::end_step() {
+  // 1. Validate before anything changes: every layer has its token, every L* layer is observed.
+  schedules_[0].check_complete();  // all sequences append together
+  for (int l : config_.calibrated_layers) {
+    KVSIFT_CHECK(std::find(observed_.begin(), observed_.end(), l) != observed_.end(),
+                 "cuda::DeviceThinKV::end_step: calibrated layer ", l, " was not observed in step ",
+                 steps(), " (observe_query)");
+  }
+  // 2. The sparsities: one wait.
+  const std::size_t per_layer = static_cast<std::size_t>(batch_) * config_.q_heads;
+  std::vector<float> sparsity(observed_.size() * per_layer);
+  if (!sparsity.empty()) {
+    KVSIFT_CUDA_CHECK(cudaMemcpyAsync(sparsity.data(), sparsity_, sparsity.size() * sizeof(float),
+                                      cudaMemcpyDeviceToHost, stream_));
+  }
+  KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  for (std::size_t i = 0; i < observed_.size(); ++i) {
+    for (std::int32_t b = 0; b < batch_; ++b) {
+      for (int q = 0; q < config_.q_heads; ++q) {
+        const float s = sparsity[i * per_layer + static_cast<std::size_t>(b) * config_.q_heads + q];
+        KVSIFT_CHECK(!std::isnan(s), "cuda::DeviceThinKV::end_step: layer ", observed_[i],
+                     " sequence ", b, " query head ", q,
+                     ": no resident key, a NaN logit or an infinite one (non-finite queries?)");
+      }
+    }
+  }
+  // 3. Label the step and run TBE per sequence (ThinKV::observe_query's mean, in double).
+  std::vector<EvictionStep> steps(static_cast<std::size_t>(batch_));
+  for (std::int32_t b = 0; b < batch_; ++b) {
+    for (std::size_t i = 0; i < observed_.size(); ++i) {
+      double total = 0.0;
+      for (int q = 0; q < config_.q_heads; ++q)
+        total += sparsity[i * per_layer + static_cast<std::size_t>(b) * config_.q_heads + q];
+      schedules_[b].classifier().observe_layer(observed_[i],
+                                               static_cast<float>(total / config_.q_heads));
+    }
+    steps[b] = schedules_[b].end_step();
+    const std::size_t segments = schedules_[b].evictor().segments().size();
+    KVSIFT_CHECK(static_cast<std::int32_t>(segments) == tables_[0].num_segments(b),
+                 "cuda::DeviceThinKV::end_step: internal error: TBE has ", segments,
+                 " segments but the block table has ", tables_[0].num_segments(b));
+  }
+  observed_.clear();
+  // 4. Demotions: every (sequence, change, layer, KV head), survivors by k-means on the device.
+  std::vector<Problem> problems;
+  for (std::int32_t b = 0; b < batch_; ++b) {
+    for (const SegmentChange& c : steps[b].changes) {
+      for (int l = 0; l < config_.num_layers; ++l) {
+        for (int h = 0; h < config_.kv_heads; ++h) {
+          Problem p;
+          p.seq = b;
+          p.layer = l;
+          p.head = h;
+          p.segment = c.segment;
+          p.target = c.kept_after;
+          for (const ResidentToken& r :
+               tables_[static_cast<std::size_t>(l)].resident_tokens(b, h, c.segment)) {
+            p.positions.push_back(r.position);
+            p.sources.push_back(devices_[static_cast<std::size_t>(l)].key_source(b, h, r.address));
+          }
+          KVSIFT_CHECK(static_cast<std::int32_t>(p.positions.size()) == c.kept_before,
+                       "cuda::DeviceThinKV::end_step: internal error: segment ", c.segment,
+                       " holds ", p.positions.size(), " tokens in layer ", l, " head ", h,
+                       ", TBE expected ", c.kept_before);
+          problems.push_back(std::move(p));
+        }
+      }
+    }
+  }
+  if (!problems.empty()) {
+    select_survivors(problems);
+    for (const Problem& p : problems) evict(p);
+  }
+  return steps;
+}
+
+// k-means on the device, kProblemsPerChunk problems per launch; each problem's evicted positions
+// (the ones k-means did not keep) on the host. Every chunk's keys are read before any eviction.
+void DeviceThinKV::select_survivors(std::vector<Problem>& problems) {
+  const std::int64_t D = config_.head_dim;
+  KMeansSelectConfig kcfg;
+  kcfg.max_iterations = config_.kmeans_iterations;
+  for (std::size_t first = 0; first < problems.size();
+       first += static_cast<std::size_t>(kProblemsPerChunk)) {
+    const std::size_t count =
+        std::min(problems.size() - first, static_cast<std::size_t>(kProblemsPerChunk));
+    std::vector<PagedKeySource> sources;
+    for (std::size_t i = 0; i < count; ++i) {
+      const Problem& p = problems[first + i];
+      KVSIFT_CHECK(p.sources.size() <= static_cast<std::size_t>(kKMeansMaxPoints),
+                   "cuda::DeviceThinKV::end_step: segment ", p.segment, " holds ", p.sources.size(),
+                   " tokens, more than one k-means problem (", kKMeansMaxPoints, ")");
+      sources.insert(sources.end(), p.sources.begin(), p.sources.end());
+      // Pad every problem to kKMeansMaxPoints rows so problem i's keys start at row i * 128.
+      sources.resize((i + 1) * kKMeansMaxPoints,
+                     p.sources.empty() ? PagedKeySource{} : p.sources.front());
+    }
+    WorkspaceCarver carver(scratch_, scratch_bytes_, "cuda::DeviceThinKV::end_step");
+    const std::size_t gather_bytes =
+        paged_gather_keys_workspace_bytes(static_cast<std::int64_t>(sources.size()));
+    void* gather_ws = carver.take<std::uint8_t>(gather_bytes);
+    float* keys = carver.take<float>(sources.size() * static_cast<std::size_t>(D));
+    const std::size_t kmeans_bytes =
+        kmeans_select_workspace_bytes(static_cast<std::int64_t>(count));
+    void* kmeans_ws = carver.take<std::uint8_t>(kmeans_bytes);
+    std::int32_t* chosen = carver.take<std::int32_t>(count * kKMeansMaxClusters);
+    // Sources name byte offsets into their own layer's pools: gather per layer run.
+    std::size_t run = 0;
+    while (run < count) {
+      std::size_t end = run;
+      const int layer = problems[first + run].layer;
+      while (end < count && problems[first + end].layer == layer) ++end;
+      paged_gather_keys(devices_[static_cast<std::size_t>(layer)],
+                        sources.data() + run * kKMeansMaxPoints,
+                        static_cast<std::int64_t>((end - run) * kKMeansMaxPoints),
+                        keys + run * kKMeansMaxPoints * static_cast<std::size_t>(D), gather_ws,
+                        gather_bytes, stream_);
+      run = end;
+    }
+    std::vector<KMeansProblem> kp(count);
+    for (std::size_t i = 0; i < count; ++i) {
+      const Problem& p = problems[first + i];
+      kp[i].points = keys + i * kKMeansMaxPoints * static_cast<std::size_t>(D);
+      kp[i].row_stride = D;
+      kp[i].n = static_cast<std::int32_t>(p.positions.size());
+      kp[i].k = p.target;
+    }
+    kmeans_select(kp, D, DType::f32, kcfg, chosen, kKMeansMaxClusters, kmeans_ws, kmeans_bytes,
+                  stream_);
+    std::vector<std::int32_t> host(count * kKMeansMaxClusters);
+    KVSIFT_CUDA_CHECK(cudaMemcpyAsync(host.data(), chosen, host.size() * sizeof(std::int32_t),
+                                      cudaMemcpyDeviceToHost, stream_));
+    KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    for (std::size_t i = 0; i < count; ++i) {
+      Problem& p = problems[first + i];
+      const std::int32_t* row = &host[i * kKMeansMaxClusters];
+      KVSIFT_CHECK(row[0] != kNonFiniteKeySlot, "cuda::DeviceThinKV::end_step: layer ", p.layer,
+                   " head ", p.head, " of sequence ", p.seq, ": segment ", p.segment,
+                   " holds a non-finite key");
+      const std::int32_t kept =
+          std::min<std::int32_t>(static_cast<std::int32_t>(p.positions.size()), p.target);
+      std::int32_t r = 0;
+      for (std::int32_t j = 0; j < static_cast<std::int32_t>(p.positions.size()); ++j) {
+        if (r < kept && row[r] == j) {
+          ++r;
+        } else {
+          p.evicted.push_back(p.positions[static_cast<std::size_t>(j)]);
+        }
+      }
+      std::sort(p.evicted.begin(), p.evicted.end());
+    }
+  }
+}
+
+// One problem's evictions on the device table (addresses of this moment: an earlier eviction may
+// have freed blocks) and then on the host table, which stay in step.
+void DeviceThinKV::evict(const Problem& p) {
+  if (p.evicted.empty()) return;
+  ThoughtBlockTable& t = tables_[static_cast<std::size_t>(p.layer)];
+  std::vector<SlotAddress> addresses;
+  for (const ResidentToken& r : t.resident_tokens(p.seq, p.head, p.segment)) {
+    if (std::binary_search(p.evicted.begin(), p.evicted.end(), r.position))
+      addresses.push_back(r.address);
+  }
+  KVSIFT_CHECK(addresses.size() == p.evicted.size(),
+               "cuda::DeviceThinKV::end_step: internal error: ", p.evicted.size(),
+               " tokens to evict but ", addresses.size(), " found");
+  devices_[static_cast<std::size_t>(p.layer)].evict(p.seq, p.head, addresses, scratch_,
+                                                    scratch_bytes_, stream_);
+  t.evict_positions(p.seq, p.head, p.evicted);
+}
+
+std::size_t DeviceThinKV::attention_workspace_bytes(int layer) const {
+  check_layer(layer, "attention_workspace_bytes");
+  const DevicePagedTable& dev = devices_[static_cast<std::size_t>(layer)];
+  std::vector<std::int32_t> seqs(static_cast<std::size_t>(batch_));
+  for (std::int32_t b = 0; b < batch_; ++b) seqs[b] = b;
+  const PagedBatch shape = describe_paged_batch(dev, seqs.data(), batch_);
+  return align_up(paged_batch_bytes(dev, seqs.data(), batch_)) +
+         paged_decode_attention_batch_workspace_bytes(dev, shape, config_.q_heads);
+}
+
+void DeviceThinKV::attention(int layer, const float* queries, float* out, void* workspace,
+                             std::size_t workspace_bytes) const {
+  const std::size_t need = attention_workspace_bytes(layer);
+  KVSIFT_CHECK(workspace != nullptr && workspace_bytes >= need,
+               "cuda::DeviceThinKV::attention: workspace of ", workspace_bytes,
+               " bytes is too small (", need, " needed)");
+  const DevicePagedTable& dev = devices_[static_cast<std::size_t>(layer)];
+  std::vector<std::int32_t> seqs(static_cast<std::size_t>(batch_));
+  for (std::int32_t b = 0; b < batch_; ++b) seqs[b] = b;
+  const std::size_t view_bytes = align_up(paged_batch_bytes(dev, seqs.data(), batch_));
+  const PagedBatch pb =
+      upload_paged_batch(dev, seqs.data(), batch_, workspace, view_bytes, stream_);
+  paged_decode_attention_batch(dev, pb, queries, config_.q_heads, config_.head_dim,
+                               1.0f / std::sqrt(static_cast<float>(config_.head_dim)), out,
+                               static_cast<std::uint8_t*>(workspace) + view_bytes,
+                               workspace_bytes - view_bytes, stream_);
+}
+
+const ThinKVSchedule& DeviceThinKV::schedule(std::int32_t seq) const {
+  KVSIFT_CHECK(seq >= 0 && seq < batch_, "cuda::DeviceThinKV::schedule: sequence ", seq,
+               " outside [0, batch = ", batch_, ")");
+  return schedules_[static_cast<std::size_t>(seq)];
+}
+
+std::int32_t DeviceThinKV::length() const { return tables_[0].length(0); }
+
+const ThoughtBlockTable& DeviceThinKV::table(int layer) const {
+  check_layer(layer, "table");
+  return tables_[static_cast<std::size_t>(layer)];
+}
+
+const DevicePagedTable& DeviceThinKV::device_table(int layer) const {
+  check_layer(layer, "device_table");
+  return devices_[static_cast<std::size_t>(layer)];
+}
+
+TableBytes DeviceThinKV::resident_bytes() const {
+  TableBytes sum;
+  for (int l = 0; l < config_.num_layers; ++l) {
+    const TableBytes b =
+        devices_[static_cast<std::size_t>(l)].resident_bytes(tables_[static_cast<std::size_t>(l)]);
+    sum.codes += b.codes;
+    sum.scales += b.scales;
+    sum.metadata += b.metadata;
+    sum.staging += b.staging;
+  }
+  return sum;
+}
+
+std::int64_t DeviceThinKV::fullkv_fp16_bytes() const {
+  return static_cast<std::int64_t>(config_.num_layers) * config_.kv_heads * length() *
+         config_.head_dim * 2 * 2 * batch_;
+}
+
+}  // namespace kvsift::cuda

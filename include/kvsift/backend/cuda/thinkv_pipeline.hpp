@@ -1,0 +1,116 @@
+// kvsift::cuda::DeviceThinKV: the whole ThinKV pipeline (docs/algorithms.md §3) for a batch of
+// sequences whose K/V never leave the device — append into the paged tables with 16-bit staging
+// and groups quantized on the device with fresh scales (§3.2, §3.4), the step's attention
+// sparsity over the resident keys as stored (§3.1), Rule 1 / Rule 2 demotions with k-means
+// survivors chosen on the device (§3.3), and gather-free decode attention (§3.4).
+//
+// Division of labour (docs/thinkv.md §9): the host keeps what is metadata — per sequence a
+// ThinKVSchedule (classifier, TBE), per layer a metadata-only ThoughtBlockTable that places every
+// token — and the device keeps every K/V byte (one DevicePagedTable per layer, all sequences
+// sharing its pools). Per step the host downloads only the L* layers' sparsities ([batch,
+// q_heads] floats each) and, when TBE demotes a segment, the k-means survivors' indices. The
+// decisions are those of the CPU pipeline (ThinKV) by construction — the same schedule, the same
+// placement rule, keys decoded with the CPU's codec, sparsities and k-means computed bit for bit
+// as on the CPU — and tests/cuda/test_thinkv_pipeline_cuda.cpp checks it: block codes
+// bit-identical, the same survivors, attention within the golden tolerance.
+//
+// Memory (the kvsift::cuda convention: the engine allocates, kvsift carves): memory_bytes()
+// says how much device memory the pipeline needs for `batch` sequences — every layer's table
+// (each with `pool_blocks · batch` blocks per format pool: the per-sequence capacity of the CPU
+// pipeline, shared) plus a bounded scratch — and the constructor takes that one buffer.
+// attention() takes its own workspace (attention_workspace_bytes), as the other decode kernels.
+//
+// All calls enqueue on the stream given at construction; end_step() waits for it once.
+// Limits (kvsift::Error at construction): refresh <= 128 tokens per segment, head_dim <= 256 and
+// retention targets <= 64 (the device k-means' limits), no prompt eviction (a prompt may exceed
+// 128 tokens), the default refill rule, staging in bf16 (cuda::PagedStaging).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "kvsift/backend/cuda/paged_table.hpp"
+#include "kvsift/config/thinkv_config.hpp"
+#include "kvsift/paged/thought_block_table.hpp"
+#include "kvsift/policy/thinkv/thinkv_schedule.hpp"
+
+namespace kvsift::cuda {
+
+class DeviceThinKV {
+ public:
+  // Device bytes the pipeline needs for `batch` sequences under `config` (validated).
+  static std::size_t memory_bytes(const ThinKVConfig& config, std::int32_t batch);
+
+  // memory: device, memory_bytes(config, batch) bytes, 256-byte aligned. Initialises the tables
+  // on `stream` (no wait).
+  DeviceThinKV(const ThinKVConfig& config, std::int32_t batch, void* memory,
+               std::size_t memory_bytes, cudaStream_t stream);
+
+  const ThinKVConfig& config() const { return config_; }
+  std::int32_t batch() const { return batch_; }
+  cudaStream_t stream() const { return stream_; }
+
+  // --- prompt ----------------------------------------------------------------------------------
+  // n prompt tokens of every sequence for one layer (segment 0, protected), before decoding.
+  //   keys, values  device [batch, kv_heads, n, head_dim], f32 or bf16, contiguous
+  void prefill(int layer, const void* keys, const void* values, DType dtype, std::int64_t n);
+
+  // --- one decode step -------------------------------------------------------------------------
+  // The step's token of every sequence for one layer, typed by each sequence's label.
+  //   keys, values  device [batch, kv_heads, head_dim] (or [batch, kv_heads, 1, head_dim]),
+  //                 f32 or bf16, contiguous
+  void append(int layer, const void* keys, const void* values, DType dtype);
+  // Whether `layer` is in L*.
+  bool needs_sparsity(int layer) const;
+  // The step's sparsity of an L* layer from its queries against the resident keys as stored
+  // (ThinKV::observe_query); call it after append(). Returns false, doing nothing, outside L*.
+  //   queries device [batch, q_heads, head_dim] f32 post-RoPE
+  bool observe_query(int layer, const float* queries);
+  // Closes the step for every sequence (every layer appended, every L* layer observed): labels,
+  // TBE, and each demotion applied to every (layer, KV head) as eviction bits on the host table
+  // and the device table. Waits for the stream once (sparsities, then survivors when TBE acts).
+  // Returns TBE's step of each sequence, [batch].
+  std::vector<EvictionStep> end_step();
+
+  // --- attention -------------------------------------------------------------------------------
+  std::size_t attention_workspace_bytes(int layer) const;
+  // Gather-free paged decode attention (cuda::paged_decode_attention_batch), softmax scale
+  // 1/sqrt(head_dim). queries, out: device [batch, q_heads, head_dim] f32
+  void attention(int layer, const float* queries, float* out, void* workspace,
+                 std::size_t workspace_bytes) const;
+
+  // --- state -----------------------------------------------------------------------------------
+  const ThinKVSchedule& schedule(std::int32_t seq) const;
+  std::int64_t steps() const { return schedules_[0].steps(); }
+  std::int32_t length() const;  // tokens appended per sequence (prompt + decode)
+  // The layer's placement (metadata only) and its device mirror (the data).
+  const ThoughtBlockTable& table(int layer) const;
+  const DevicePagedTable& device_table(int layer) const;
+  // Memory as ThinKV reports it, summed over layers (block_bytes.hpp): the device tables' bytes,
+  // and an fp16 FullKV of every sequence's tokens.
+  TableBytes resident_bytes() const;
+  std::int64_t fullkv_fp16_bytes() const;
+
+ private:
+  struct Problem;  // one demoted segment of one (sequence, layer, KV head)
+  void check_layer(int layer, const char* fn) const;
+  void record_tokens(int layer, std::int64_t tokens_per_sequence, const char* fn);
+  void select_survivors(std::vector<Problem>& problems);
+  void evict(const Problem& p);
+
+  ThinKVConfig config_;
+  std::int32_t batch_;
+  cudaStream_t stream_;
+  std::vector<ThinKVSchedule> schedules_;  // [batch]
+  std::vector<ThoughtBlockTable> tables_;  // [num_layers] metadata only
+  std::vector<DevicePagedTable> devices_;  // [num_layers]
+  float* sparsity_ = nullptr;              // device [L*, batch, q_heads] this step's sparsities
+  std::vector<int> observed_;              // L* layers observed this step, in order
+  std::uint8_t* scratch_ = nullptr;        // device, scratch_bytes_
+  std::size_t scratch_bytes_ = 0;
+};
+
+}  // namespace kvsift::cuda

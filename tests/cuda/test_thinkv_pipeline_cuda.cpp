@@ -1,0 +1,264 @@
+// The device ThinKV pipeline (kvsift::cuda::DeviceThinKV) in lockstep with the CPU pipeline (one
+// kvsift::ThinKV per sequence) on the same random prompt, tokens and queries. Query scales change
+// from one refresh interval to the next so that the classifier labels E, R and T segments, Rule 1
+// (a new T segment) and Rule 2 (over budget) both demote. After every step:
+//   - the same TBE step per sequence (segment, kept before/after) and the same step sparsity, bit
+//     for bit (the device computes it over the resident keys as stored);
+//   - every layer's device blocks equal the CPU table's block_storage() bit for bit (codes sealed
+//     on the device with fresh scales), masks, slot positions and staged rows equal;
+//   - the resident tokens (addresses, positions, segments) of every (layer, KV head) are the CPU's:
+//     the k-means survivors chosen on the device are the CPU's;
+//   - resident bytes equal the sum of the CPU pipelines';
+// and every few steps the gather-free attention equals the CPU's paged attention (1e-4).
+// Also the errors: memory too small, unsupported configs, a step closed without its L*
+// observation (nothing changes; the step can be completed afterwards).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "catch.hpp"
+#include "device_buffer.hpp"
+#include "kvsift/backend/cuda/thinkv_pipeline.hpp"
+#include "kvsift/policy/thinkv/thinkv.hpp"
+#include "paged_mirror.hpp"
+
+using namespace kvsift;
+using Catch::Matchers::Contains;
+using test::DeviceBuffer;
+
+namespace {
+
+ThinKVConfig small_config() {
+  ThinKVConfig c;
+  c.num_layers = 3;
+  c.kv_heads = 2;
+  c.q_heads = 8;
+  c.head_dim = 128;
+  c.budget = 120;
+  c.refresh = 32;
+  c.theta1 = 0.3f;
+  c.theta2 = 0.7f;
+  c.calibrated_layers = {0, 2};
+  c.schedule = {16, 8, 4};
+  c.block_size = 32;
+  c.pool_blocks = 48;
+  return c;
+}
+
+// Per refresh interval: a small query scale gives flat attention (low sparsity: E), a large one
+// peaked attention (high sparsity: T), one in between R.
+float query_scale(std::int64_t step, std::int32_t seq) {
+  static const float scales[] = {0.05f, 1.8f, 4.0f, 4.0f, 1.8f};
+  return scales[(step / 32 + seq) % 5];
+}
+
+std::vector<float> normal(std::mt19937& rng, std::size_t n, float scale = 1.0f) {
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+void require_same_tokens(const ThoughtBlockTable& cpu, const ThoughtBlockTable& dev,
+                         std::int32_t dev_seq) {
+  for (std::int32_t h = 0; h < cpu.config().kv_heads; ++h) {
+    const std::vector<ResidentToken> want = cpu.resident_tokens(0, h);
+    const std::vector<ResidentToken> got = dev.resident_tokens(dev_seq, h);
+    REQUIRE(got.size() == want.size());
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      INFO("head " << h << " token " << i);
+      REQUIRE(got[i].position == want[i].position);
+      REQUIRE(got[i].segment == want[i].segment);
+      REQUIRE(got[i].address.block == want[i].address.block);
+      REQUIRE(got[i].address.slot == want[i].address.slot);
+    }
+  }
+}
+
+void run_lockstep(const ThinKVConfig& config, std::int32_t batch, std::int64_t prompt,
+                  std::int64_t steps, DType input_dtype) {
+  const std::int64_t H = config.kv_heads, D = config.head_dim, Q = config.q_heads;
+  const std::int64_t L = config.num_layers;
+  std::mt19937 rng(1234);
+  std::vector<ThinKV> cpu;
+  cpu.reserve(static_cast<std::size_t>(batch));
+  for (std::int32_t b = 0; b < batch; ++b) cpu.emplace_back(config);
+  DeviceBuffer<std::uint8_t> memory(cuda::DeviceThinKV::memory_bytes(config, batch));
+  cuda::DeviceThinKV dev(config, batch, memory.get(), memory.size(), nullptr);
+
+  // Inputs rounded to bf16 when the device takes bf16, so both sides see the same numbers.
+  auto as_input = [&](std::vector<float> v) {
+    if (input_dtype == DType::bf16)
+      for (float& x : v) x = to_float(from_float<bf16_t>(x));
+    return v;
+  };
+  auto upload = [&](const std::vector<float>& v, DeviceBuffer<std::uint8_t>& buf) {
+    if (input_dtype == DType::f32) {
+      KVSIFT_CUDA_CHECK(cudaMemcpy(buf.get(), v.data(), v.size() * 4, cudaMemcpyHostToDevice));
+    } else {
+      std::vector<bf16_t> h(v.size());
+      for (std::size_t i = 0; i < v.size(); ++i) h[i] = from_float<bf16_t>(v[i]);
+      KVSIFT_CUDA_CHECK(cudaMemcpy(buf.get(), h.data(), h.size() * 2, cudaMemcpyHostToDevice));
+    }
+  };
+
+  // Prompt: CPU [n, H, D] per sequence, device [batch, H, n, D].
+  {
+    const std::size_t row = static_cast<std::size_t>(H * D);
+    DeviceBuffer<std::uint8_t> dk(batch * prompt * row * 4), dv(dk.size());
+    for (std::int64_t l = 0; l < L; ++l) {
+      std::vector<float> K(batch * prompt * row), V(K.size());  // device layout
+      for (std::int32_t b = 0; b < batch; ++b) {
+        const std::vector<float> k = as_input(normal(rng, prompt * row));
+        const std::vector<float> v = as_input(normal(rng, prompt * row));
+        cpu[b].prefill(static_cast<int>(l), k.data(), v.data(), prompt);
+        for (std::int64_t i = 0; i < prompt; ++i)
+          for (std::int64_t h = 0; h < H; ++h)
+            for (std::int64_t d = 0; d < D; ++d) {
+              const std::size_t dst = ((b * H + h) * prompt + i) * D + d;
+              K[dst] = k[(i * H + h) * D + d];
+              V[dst] = v[(i * H + h) * D + d];
+            }
+      }
+      upload(K, dk);
+      upload(V, dv);
+      dev.prefill(static_cast<int>(l), dk.get(), dv.get(), input_dtype, prompt);
+    }
+  }
+
+  DeviceBuffer<std::uint8_t> dk(batch * H * D * 4), dv(dk.size());
+  DeviceBuffer<float> dq(batch * Q * D), dout(batch * Q * D);
+  std::int64_t demotions = 0;
+  bool saw_transition = false;
+  for (std::int64_t step = 0; step < steps; ++step) {
+    const bool check_attention = step % 8 == 7;
+    for (std::int64_t l = 0; l < L; ++l) {
+      std::vector<float> K, V;
+      for (std::int32_t b = 0; b < batch; ++b) {
+        const std::vector<float> k = as_input(normal(rng, H * D));
+        const std::vector<float> v = as_input(normal(rng, H * D));
+        cpu[b].append(static_cast<int>(l), k.data(), v.data());
+        K.insert(K.end(), k.begin(), k.end());
+        V.insert(V.end(), v.begin(), v.end());
+      }
+      upload(K, dk);
+      upload(V, dv);
+      dev.append(static_cast<int>(l), dk.get(), dv.get(), input_dtype);
+      std::vector<float> queries;
+      for (std::int32_t b = 0; b < batch; ++b) {
+        const std::vector<float> q = normal(rng, Q * D, query_scale(step, b));
+        queries.insert(queries.end(), q.begin(), q.end());
+        if (cpu[b].needs_sparsity(static_cast<int>(l)))
+          cpu[b].observe_query(static_cast<int>(l), q.data());
+      }
+      dq.upload(queries);
+      REQUIRE(dev.observe_query(static_cast<int>(l), dq.get()) ==
+              cpu[0].needs_sparsity(static_cast<int>(l)));
+      if (check_attention) {
+        DeviceBuffer<std::uint8_t> ws(dev.attention_workspace_bytes(static_cast<int>(l)));
+        dev.attention(static_cast<int>(l), dq.get(), dout.get(), ws.get(), ws.size());
+        const std::vector<float> got = dout.download();
+        std::vector<float> want(static_cast<std::size_t>(Q * D));
+        for (std::int32_t b = 0; b < batch; ++b) {
+          cpu[b].attention(static_cast<int>(l), &queries[b * Q * D], want.data());
+          for (std::int64_t i = 0; i < Q * D; ++i) {
+            INFO("step " << step << " layer " << l << " sequence " << b << " element " << i);
+            REQUIRE(std::fabs(got[b * Q * D + i] - want[i]) <=
+                    1e-4f * std::max(1.0f, std::fabs(want[i])));
+          }
+        }
+      }
+    }
+    const std::vector<EvictionStep> got = dev.end_step();
+    REQUIRE(got.size() == static_cast<std::size_t>(batch));
+    for (std::int32_t b = 0; b < batch; ++b) {
+      const EvictionStep want = cpu[b].end_step();
+      INFO("step " << step << " sequence " << b);
+      REQUIRE(dev.schedule(b).classifier().last_step_sparsity() ==
+              cpu[b].classifier().last_step_sparsity());
+      REQUIRE(dev.schedule(b).label() == cpu[b].label());
+      REQUIRE(got[b].changes.size() == want.changes.size());
+      for (std::size_t c = 0; c < want.changes.size(); ++c) {
+        REQUIRE(got[b].changes[c].segment == want.changes[c].segment);
+        REQUIRE(got[b].changes[c].kept_before == want.changes[c].kept_before);
+        REQUIRE(got[b].changes[c].kept_after == want.changes[c].kept_after);
+      }
+      demotions += static_cast<std::int64_t>(want.changes.size());
+      saw_transition = saw_transition || cpu[b].label() == ThoughtType::transition;
+    }
+    if (step % 4 == 3 || step + 1 == steps) {
+      for (std::int64_t l = 0; l < L; ++l) {
+        const cuda::DevicePagedTable& table = dev.device_table(static_cast<int>(l));
+        const test::DeviceTableSnapshot snap = test::snapshot(table);
+        for (std::int32_t b = 0; b < batch; ++b) {
+          INFO("step " << step << " layer " << l << " sequence " << b);
+          test::require_same_sequence(cpu[b].table(static_cast<int>(l)), 0, table, snap, b, false);
+          require_same_tokens(cpu[b].table(static_cast<int>(l)), dev.table(static_cast<int>(l)), b);
+        }
+      }
+      TableBytes want;
+      for (const ThinKV& c : cpu) {
+        const TableBytes t = c.resident_bytes();
+        want.codes += t.codes;
+        want.scales += t.scales;
+        want.staging += t.staging;
+      }
+      const TableBytes have = dev.resident_bytes();
+      REQUIRE(have.codes == want.codes);
+      REQUIRE(have.scales == want.scales);
+      REQUIRE(have.staging == want.staging);
+    }
+  }
+  // The run exercised what it claims to: demotions (k-means survivors) and T segments.
+  INFO("demotions " << demotions);
+  REQUIRE(demotions >= 4);
+  REQUIRE(saw_transition);
+}
+
+}  // namespace
+
+TEST_CASE("DeviceThinKV follows the CPU pipeline step by step", "[thinkv][cuda]") {
+  SECTION("R4 E4 T2, f32 inputs, batch 3") { run_lockstep(small_config(), 3, 40, 200, DType::f32); }
+  SECTION("bf16 inputs, FP8 execution blocks (tiled attention), batch 2") {
+    ThinKVConfig c = small_config();
+    c.execution = BlockFormat::fp8;
+    run_lockstep(c, 2, 17, 130, DType::bf16);
+  }
+}
+
+TEST_CASE("DeviceThinKV refuses what it cannot do", "[thinkv][cuda]") {
+  ThinKVConfig c = small_config();
+  SECTION("memory too small") {
+    const std::size_t need = cuda::DeviceThinKV::memory_bytes(c, 2);
+    DeviceBuffer<std::uint8_t> memory(need);
+    REQUIRE_THROWS_WITH(cuda::DeviceThinKV(c, 2, memory.get(), need - 1, nullptr),
+                        Contains("is too small"));
+  }
+  SECTION("configs outside the device k-means") {
+    c.evict_prompt = true;
+    REQUIRE_THROWS_WITH(cuda::DeviceThinKV::memory_bytes(c, 1), Contains("evict_prompt"));
+    c = small_config();
+    c.refresh = 256;
+    REQUIRE_THROWS_WITH(cuda::DeviceThinKV::memory_bytes(c, 1), Contains("refresh (256)"));
+  }
+  SECTION("a step without its L* observation changes nothing") {
+    DeviceBuffer<std::uint8_t> memory(cuda::DeviceThinKV::memory_bytes(c, 1));
+    cuda::DeviceThinKV dev(c, 1, memory.get(), memory.size(), nullptr);
+    std::mt19937 rng(7);
+    DeviceBuffer<float> k(normal(rng, c.kv_heads * c.head_dim));
+    DeviceBuffer<float> v(normal(rng, c.kv_heads * c.head_dim));
+    DeviceBuffer<float> q(normal(rng, c.q_heads * c.head_dim));
+    for (int l = 0; l < c.num_layers; ++l) dev.append(l, k.get(), v.get(), DType::f32);
+    dev.observe_query(0, q.get());
+    REQUIRE_THROWS_WITH(dev.end_step(), Contains("calibrated layer 2 was not observed"));
+    REQUIRE(dev.steps() == 0);
+    REQUIRE_THROWS_WITH(dev.append(0, k.get(), v.get(), DType::f32),
+                        Contains("layer 0 already has its token for step 0"));
+    dev.observe_query(2, q.get());
+    REQUIRE(dev.end_step().size() == 1);
+    REQUIRE(dev.steps() == 1);
+    REQUIRE_THROWS_WITH(dev.append(0, k.get(), v.get(), DType::f16), Contains("f32 or bf16"));
+  }
+}
