@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -21,6 +22,7 @@
 #include "kvsift/backend/cuda/rkv_scoring.hpp"
 #include "kvsift/backend/cuda/rkv_step.hpp"
 #include "kvsift/backend/cuda/sentence_scoring.hpp"
+#include "kvsift/backend/cuda/thinkv_pipeline.hpp"
 #include "kvsift/backend/cuda/workspace.hpp"
 #include "kvsift/backend/device_backend.hpp"
 
@@ -119,6 +121,107 @@ void check_step_penalties(const StepPenalties& p, const KVCacheView& kv0, int n_
                  " must have 0 <= lo <= hi and a finite lambda");
   }
 }
+
+// ThinKVPolicy's device pipeline: engine tensors checked here (device, contiguous, the shapes
+// the config fixes), then handed to cuda::DeviceThinKV.
+class CudaThinKV final : public DeviceThinKVPipeline {
+ public:
+  CudaThinKV(const ThinKVConfig& config, std::int64_t batch, const ExecContext& ctx)
+      : impl_(config, static_cast<std::int32_t>(batch), ctx.workspace, ctx.workspace_bytes,
+              stream_of(ctx)) {}
+
+  void prefill(int layer, const TensorView& keys, const TensorView& values) override {
+    check_kv(keys, values, -1, "prefill");
+    impl_.prefill(layer, keys.data, values.data, keys.dtype, keys.shape[2]);
+  }
+  void append(int layer, const TensorView& keys, const TensorView& values) override {
+    check_kv(keys, values, 1, "append");
+    impl_.append(layer, keys.data, values.data, keys.dtype);
+  }
+  bool observe_query(int layer, const TensorView& queries) override {
+    if (!impl_.needs_sparsity(layer)) return false;
+    check_queries(queries, "observe queries");
+    return impl_.observe_query(layer, static_cast<const float*>(queries.data));
+  }
+  std::vector<EvictionStep> end_step() override { return impl_.end_step(); }
+
+  std::size_t attention_workspace_bytes(int layer) const override {
+    return impl_.attention_workspace_bytes(layer);
+  }
+  void attention(int layer, const TensorView& queries, const TensorView& out, void* workspace,
+                 std::size_t workspace_bytes) const override {
+    check_queries(queries, "attention queries");
+    check_queries(out, "attention out");
+    impl_.attention(layer, static_cast<const float*>(queries.data), static_cast<float*>(out.data),
+                    workspace, workspace_bytes);
+  }
+
+  std::int64_t resident_bytes(int layer) const override {
+    return impl_.device_table(layer).resident_bytes(impl_.table(layer)).total();
+  }
+  std::int64_t resident_bytes() const override { return impl_.resident_bytes().total(); }
+  std::int64_t fullkv_fp16_bytes() const override { return impl_.fullkv_fp16_bytes(); }
+  std::vector<std::int32_t> resident_positions(int layer, std::int64_t seq,
+                                               std::int64_t kv_head) const override {
+    KVSIFT_CHECK(
+        seq >= 0 && seq < impl_.batch() && kv_head >= 0 && kv_head < impl_.config().kv_heads,
+        "ThinKVPolicy::resident_positions: sequence ", seq, " / kv head ", kv_head, " outside [0, ",
+        impl_.batch(), ") x [0, ", impl_.config().kv_heads, ")");
+    std::vector<std::int32_t> p;
+    for (const ResidentToken& t : impl_.table(layer).resident_tokens(
+             static_cast<std::int32_t>(seq), static_cast<std::int32_t>(kv_head)))
+      p.push_back(t.position);
+    std::sort(p.begin(), p.end());
+    return p;
+  }
+  std::int64_t evicting_layer_steps() const override {
+    std::int64_t n = 0;
+    for (std::int32_t b = 0; b < impl_.batch(); ++b)
+      n += impl_.schedule(b).eviction_counter().evicting();
+    return n;
+  }
+  std::int64_t total_layer_steps() const override {
+    std::int64_t n = 0;
+    for (std::int32_t b = 0; b < impl_.batch(); ++b)
+      n += impl_.schedule(b).eviction_counter().total();
+    return n;
+  }
+
+ private:
+  // keys/values: device [batch, kv_heads, n, head_dim] f32 or bf16, contiguous, n = `n` if >= 0.
+  void check_kv(const TensorView& k, const TensorView& v, std::int64_t n, const char* fn) const {
+    const ThinKVConfig& c = impl_.config();
+    for (const TensorView* t : {&k, &v}) {
+      KVSIFT_CHECK(
+          t->data != nullptr && t->rank == 4 && t->device == Device::cuda && t->is_contiguous() &&
+              t->shape[0] == impl_.batch() && t->shape[1] == c.kv_heads &&
+              (n < 0 || t->shape[2] == n) && t->shape[3] == c.head_dim &&
+              (t->dtype == DType::f32 || t->dtype == DType::bf16),
+          "ThinKVPolicy::", fn, " (on the device): ", t == &k ? "keys" : "values",
+          " must be a contiguous device f32/bf16 [batch = ", impl_.batch(),
+          ", kv_heads = ", c.kv_heads, ", ", n < 0 ? std::string("n") : std::to_string(n),
+          ", head_dim = ", c.head_dim, "] view, got ", t->shape_string(), " ", dtype_name(t->dtype),
+          " on ", device_name(t->device), t->is_contiguous() ? "" : " (strided)");
+    }
+    KVSIFT_CHECK(k.shape == v.shape && k.dtype == v.dtype, "ThinKVPolicy::", fn, ": keys ",
+                 k.shape_string(), " ", dtype_name(k.dtype), " and values ", v.shape_string(), " ",
+                 dtype_name(v.dtype), " differ");
+  }
+  // queries/out: device f32 [batch, q_heads, 1, head_dim], contiguous.
+  void check_queries(const TensorView& t, const char* what) const {
+    const ThinKVConfig& c = impl_.config();
+    KVSIFT_CHECK(t.data != nullptr && t.rank == 4 && t.device == Device::cuda &&
+                     t.is_contiguous() && t.dtype == DType::f32 && t.shape[0] == impl_.batch() &&
+                     t.shape[1] == c.q_heads && t.shape[2] == 1 && t.shape[3] == c.head_dim,
+                 "ThinKVPolicy (on the device): ", what,
+                 " must be a contiguous device f32 [batch = ", impl_.batch(),
+                 ", q_heads = ", c.q_heads, ", 1, head_dim = ", c.head_dim, "] view, got ",
+                 t.shape_string(), " ", dtype_name(t.dtype), " on ", device_name(t.device),
+                 t.is_contiguous() ? "" : " (strided)");
+  }
+
+  DeviceThinKV impl_;
+};
 
 // The backend's own layouts, carved from ctx.workspace in this order:
 //   rkv_select     [slot rows | rkv scratch]
@@ -311,6 +414,18 @@ class CudaBackend final : public DeviceBackend {
                  bytes, " bytes");
     KVSIFT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_of(ctx)));
     KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream_of(ctx)));
+  }
+
+  std::size_t thinkv_memory_bytes(const ThinKVConfig& config, std::int64_t batch) const override {
+    KVSIFT_CHECK(batch >= 1 && batch <= 65535, "ThinKVPolicy: batch (", batch,
+                 ") outside [1, 65535] on the device");
+    return DeviceThinKV::memory_bytes(config, static_cast<std::int32_t>(batch));
+  }
+  std::unique_ptr<DeviceThinKVPipeline> make_thinkv(const ThinKVConfig& config, std::int64_t batch,
+                                                    const ExecContext& ctx) const override {
+    KVSIFT_CHECK(batch >= 1 && batch <= 65535, "ThinKVPolicy: batch (", batch,
+                 ") outside [1, 65535] on the device");
+    return std::make_unique<CudaThinKV>(config, batch, ctx);
   }
 };
 

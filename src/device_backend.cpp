@@ -15,6 +15,17 @@ void register_device_backend(const DeviceBackend* backend) { g_backend.store(bac
 
 bool has_device_backend() { return g_backend.load() != nullptr; }
 
+std::size_t DeviceBackend::thinkv_memory_bytes(const ThinKVConfig&, std::int64_t) const {
+  KVSIFT_CHECK(false, "DeviceBackend: this backend has no ThinKV pipeline");
+  return 0;
+}
+
+std::unique_ptr<DeviceThinKVPipeline> DeviceBackend::make_thinkv(const ThinKVConfig&, std::int64_t,
+                                                                 const ExecContext&) const {
+  KVSIFT_CHECK(false, "DeviceBackend: this backend has no ThinKV pipeline");
+  return nullptr;
+}
+
 const DeviceBackend& device_backend() {
   const DeviceBackend* b = g_backend.load();
   KVSIFT_CHECK(b != nullptr,

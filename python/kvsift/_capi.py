@@ -116,7 +116,14 @@ def _declare(lib):
         "kvsift_owning_policy_append": (status, [owning_p, c.c_int32, P(Tensor), P(Tensor)]),
         "kvsift_owning_policy_observe": (status, [owning_p, P(Observation)]),
         "kvsift_owning_policy_end_step": (status, [owning_p, P(c.c_int)]),
-        "kvsift_owning_policy_attention": (status, [owning_p, c.c_int32, P(Tensor), P(Tensor)]),
+        "kvsift_owning_policy_attention": (status, [owning_p, c.c_int32, P(Tensor), P(Tensor),
+                                                    c.c_void_p, c.c_size_t]),
+        "kvsift_owning_policy_attention_workspace_bytes": (status, [owning_p, c.c_int32,
+                                                                    P(c.c_size_t)]),
+        "kvsift_owning_policy_device_memory_bytes": (status, [owning_p, P(c.c_size_t)]),
+        "kvsift_owning_policy_place_on_device": (status, [owning_p, c.c_void_p, c.c_size_t,
+                                                          c.c_void_p]),
+        "kvsift_owning_policy_on_device": (status, [owning_p, P(c.c_int)]),
         "kvsift_owning_policy_memory": (status, [owning_p, c.c_int32, P(c.c_int64),
                                                  P(c.c_int64)]),
         "kvsift_owning_policy_resident_positions": (status, [owning_p, c.c_int32, c.c_int64,
@@ -354,7 +361,7 @@ class Plan:
 
 class OwningPolicy:
     """A kvsift_owning_policy: append / observe / attention / end_step; no select or compact.
-    Tensors are kvsift_c.Tensor (host f32 in this version)."""
+    Tensors are kvsift_c.Tensor: host f32, or device memory once placed on the device."""
 
     def __init__(self, lib, name, json_config):
         self.lib = lib
@@ -393,9 +400,28 @@ class OwningPolicy:
         self.lib.call("kvsift_owning_policy_end_step", self.handle, ctypes.byref(evicted))
         return evicted.value == 1
 
-    def attention(self, layer, queries, out):
+    def attention(self, layer, queries, out, workspace=None, workspace_bytes=0):
         self.lib.call("kvsift_owning_policy_attention", self.handle, layer, ctypes.byref(queries),
+                      ctypes.byref(out), workspace, workspace_bytes)
+
+    def attention_workspace_bytes(self, layer):
+        out = ctypes.c_size_t()
+        self.lib.call("kvsift_owning_policy_attention_workspace_bytes", self.handle, layer,
                       ctypes.byref(out))
+        return out.value
+
+    def device_memory_bytes(self):
+        out = ctypes.c_size_t()
+        self.lib.call("kvsift_owning_policy_device_memory_bytes", self.handle, ctypes.byref(out))
+        return out.value
+
+    def place_on_device(self, memory, nbytes, stream):
+        self.lib.call("kvsift_owning_policy_place_on_device", self.handle, memory, nbytes, stream)
+
+    def on_device(self):
+        out = ctypes.c_int()
+        self.lib.call("kvsift_owning_policy_on_device", self.handle, ctypes.byref(out))
+        return out.value == 1
 
     def memory(self, layer=-1):
         """(resident bytes of `layer` or of all layers, fp16 full-cache bytes)."""

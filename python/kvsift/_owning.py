@@ -9,9 +9,13 @@ asks them for attention; there is no select/compact. Per decode step:
     policy.end_step()                              # the method's own eviction / quantization
 
 The prompt goes in first with prefill(layer, keys, values) for every layer (left pads, if any,
-as observe(pad_counts=...) before it). Tensors are host float32 torch tensors or NumPy arrays in
-this version (any strides, head_dim contiguous); bad input raises kvsift.Error with the library's
-message."""
+as observe(pad_counts=...) before it). Tensors are host float32 torch tensors or NumPy arrays
+(any strides, head_dim contiguous); bad input raises kvsift.Error with the library's message.
+
+ThinKV can keep its whole cache on a CUDA device (docs/thinkv.md §9): policy.to("cuda") before
+the prompt allocates its storage with torch and places it there; from then on every tensor is a
+contiguous CUDA tensor (K/V float32 or bfloat16, queries float32), work runs on torch's current
+stream at placement, and K/V never leave the device."""
 
 from ._api import _to_json, library, observation
 from ._tensors import describe, error, is_torch
@@ -26,6 +30,39 @@ class OwningPolicy:
         self.name = name
         self.options = dict(options or {})
         self._policy = library().owning_policy(name, _to_json(self.options))
+        self._storage = None  # the device memory of a policy placed on the device (kept alive)
+        self._device = None
+        self._stream = None
+
+    def to(self, device):
+        """Places the policy's storage on a CUDA device (before the prompt); returns self.
+        Raises kvsift.Error for a method without a device path or a config outside the device
+        pipeline's limits (the policy then stays on the host, usable)."""
+        import torch
+
+        dev = torch.device(device)
+        if dev.type != "cuda":
+            raise error("OwningPolicy.to: %s is not a CUDA device" % dev)
+        if self._storage is not None:
+            raise error("OwningPolicy.to: %s is already on %s" % (self.name, self._device))
+        nbytes = self._policy.device_memory_bytes()
+        if nbytes == 0:
+            raise error("OwningPolicy.to: %s keeps its cache on the host only" % self.name)
+        storage = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        stream = torch.cuda.current_stream(storage.device)
+        with torch.cuda.device(storage.device):
+            self._policy.place_on_device(storage.data_ptr(), nbytes, stream.cuda_stream)
+        self._storage, self._device, self._stream = storage, storage.device, stream
+        return self
+
+    @property
+    def device(self):
+        """Where the storage lives: "cpu", or the torch.device it was placed on."""
+        return self._device if self._device is not None else "cpu"
+
+    def device_memory_bytes(self):
+        """Device bytes the storage takes when placed on a device (0: no device path)."""
+        return self._policy.device_memory_bytes()
 
     @property
     def needs(self):
@@ -65,8 +102,18 @@ class OwningPolicy:
                 import numpy as np
 
                 out = np.empty_like(queries)
-        self._policy.attention(int(layer), describe(queries, "queries", ranks=(4,)),
-                               describe(out, "out", ranks=(4,)))
+        q, o = describe(queries, "queries", ranks=(4,)), describe(out, "out", ranks=(4,))
+        if self._storage is None:
+            self._policy.attention(int(layer), q, o)
+            return out
+        import torch
+
+        nbytes = self._policy.attention_workspace_bytes(int(layer))
+        # torch's caching allocator, ordered on the placement stream (all the policy's work runs
+        # there), hands the same blocks back step after step.
+        with torch.cuda.stream(self._stream):
+            ws = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self._device)
+            self._policy.attention(int(layer), q, o, ws.data_ptr(), nbytes)
         return out
 
     def end_step(self):

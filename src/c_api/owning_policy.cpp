@@ -6,6 +6,7 @@
 
 #include "convert.hpp"
 #include "handles.hpp"
+#include "kvsift/backend/device_backend.hpp"
 #include "kvsift/c/kvsift.h"
 #include "kvsift/policy/registry.hpp"
 #include "status.hpp"
@@ -22,19 +23,31 @@ const CacheOwningPolicy& owning_of(const kvsift_owning_policy* p) {
   return *p->impl;
 }
 
-// This version's cache-owning methods run on the host only: a device tensor is a valid request
-// they cannot serve, reported before any C++ code reads it.
-TensorView host_tensor(const kvsift_tensor* t, const std::string& what) {
+// A device tensor for a policy that keeps its cache on the host is a valid request it cannot
+// serve (the method has no device path, or it was not placed on the device), reported before any
+// C++ code reads it.
+void check_placement(const CacheOwningPolicy& p, const TensorView& v, const std::string& what) {
+  if (v.rank == 0 || v.device == Device::cpu || p.on_device()) return;
+  throw StatusError(KVSIFT_ERROR_UNSUPPORTED,
+                    what + " is in device memory, but '" + std::string(p.name()) +
+                        "' keeps its cache on the host: place it on the device first "
+                        "(kvsift_owning_policy_place_on_device)");
+}
+
+TensorView policy_tensor(const CacheOwningPolicy& p, const kvsift_tensor* t,
+                         const std::string& what) {
   KVSIFT_CHECK(t != nullptr, what, " is NULL");
   const TensorView v = to_tensor_view(*t, what);
   KVSIFT_CHECK(v.rank != 0, what, " is not given (rank 0)");
-  if (v.device != Device::cpu) {
-    throw StatusError(KVSIFT_ERROR_UNSUPPORTED,
-                      what +
-                          " is in device memory; methods that own their cache take host "
-                          "memory in this version");
-  }
+  check_placement(p, v, what);
   return v;
+}
+
+void require_cuda_backend() {
+  if (!has_device_backend()) {
+    throw StatusError(KVSIFT_ERROR_NO_CUDA,
+                      "this libkvsift_c was built without the CUDA backend (no device storage)");
+  }
 }
 
 }  // namespace
@@ -84,8 +97,8 @@ kvsift_status kvsift_owning_policy_prefill(kvsift_owning_policy* policy, int32_t
                                            const kvsift_tensor* keys, const kvsift_tensor* values) {
   return guarded("kvsift_owning_policy_prefill", [&] {
     kvsift::CacheOwningPolicy& p = owning_of(policy);
-    const kvsift::TensorView k = host_tensor(keys, "keys");  // checked in argument order
-    p.prefill(layer, k, host_tensor(values, "values"));
+    const kvsift::TensorView k = policy_tensor(p, keys, "keys");  // checked in argument order
+    p.prefill(layer, k, policy_tensor(p, values, "values"));
   });
 }
 
@@ -93,8 +106,8 @@ kvsift_status kvsift_owning_policy_append(kvsift_owning_policy* policy, int32_t 
                                           const kvsift_tensor* keys, const kvsift_tensor* values) {
   return guarded("kvsift_owning_policy_append", [&] {
     kvsift::CacheOwningPolicy& p = owning_of(policy);
-    const kvsift::TensorView k = host_tensor(keys, "keys");  // checked in argument order
-    p.append(layer, k, host_tensor(values, "values"));
+    const kvsift::TensorView k = policy_tensor(p, keys, "keys");  // checked in argument order
+    p.append(layer, k, policy_tensor(p, values, "values"));
   });
 }
 
@@ -103,11 +116,7 @@ kvsift_status kvsift_owning_policy_observe(kvsift_owning_policy* policy,
   return guarded("kvsift_owning_policy_observe", [&] {
     kvsift::CacheOwningPolicy& p = owning_of(policy);
     const kvsift::Observation o = to_observation(obs, "obs");
-    if (o.queries.rank != 0 && o.queries.device != kvsift::Device::cpu) {
-      throw StatusError(KVSIFT_ERROR_UNSUPPORTED,
-                        "obs->queries are in device memory; methods that own their cache take "
-                        "host memory in this version");
-    }
+    check_placement(p, o.queries, "obs->queries");
     p.observe(o);
   });
 }
@@ -120,12 +129,56 @@ kvsift_status kvsift_owning_policy_end_step(kvsift_owning_policy* policy, int* e
 }
 
 kvsift_status kvsift_owning_policy_attention(const kvsift_owning_policy* policy, int32_t layer,
-                                             const kvsift_tensor* queries,
-                                             const kvsift_tensor* out) {
+                                             const kvsift_tensor* queries, const kvsift_tensor* out,
+                                             void* workspace, size_t workspace_bytes) {
   return guarded("kvsift_owning_policy_attention", [&] {
     const kvsift::CacheOwningPolicy& p = owning_of(policy);
-    const kvsift::TensorView q = host_tensor(queries, "queries");
-    p.attention(layer, q, host_tensor(out, "out"));
+    const kvsift::TensorView q = policy_tensor(p, queries, "queries");
+    const kvsift::TensorView o = policy_tensor(p, out, "out");
+    p.attention_with_workspace(layer, q, o,
+                               kvsift::ExecContext{workspace, workspace_bytes, nullptr});
+  });
+}
+
+kvsift_status kvsift_owning_policy_attention_workspace_bytes(const kvsift_owning_policy* policy,
+                                                             int32_t layer, size_t* out_bytes) {
+  return guarded("kvsift_owning_policy_attention_workspace_bytes", [&] {
+    const kvsift::CacheOwningPolicy& p = owning_of(policy);
+    KVSIFT_CHECK(out_bytes != nullptr, "out_bytes is NULL");
+    *out_bytes = p.attention_workspace_bytes(layer);
+  });
+}
+
+kvsift_status kvsift_owning_policy_device_memory_bytes(const kvsift_owning_policy* policy,
+                                                       size_t* out_bytes) {
+  return guarded("kvsift_owning_policy_device_memory_bytes", [&] {
+    const kvsift::CacheOwningPolicy& p = owning_of(policy);
+    KVSIFT_CHECK(out_bytes != nullptr, "out_bytes is NULL");
+    *out_bytes = 0;
+    require_cuda_backend();
+    *out_bytes = p.device_memory_bytes();
+  });
+}
+
+kvsift_status kvsift_owning_policy_place_on_device(kvsift_owning_policy* policy, void* memory,
+                                                   size_t memory_bytes, void* stream) {
+  return guarded("kvsift_owning_policy_place_on_device", [&] {
+    kvsift::CacheOwningPolicy& p = owning_of(policy);
+    require_cuda_backend();
+    if (p.device_memory_bytes() == 0) {
+      throw StatusError(KVSIFT_ERROR_UNSUPPORTED,
+                        "'" + std::string(p.name()) + "' keeps its cache on the host only");
+    }
+    KVSIFT_CHECK(memory != nullptr, "memory is NULL");
+    p.place_on_device(kvsift::ExecContext{memory, memory_bytes, stream});
+  });
+}
+
+kvsift_status kvsift_owning_policy_on_device(const kvsift_owning_policy* policy, int* out) {
+  return guarded("kvsift_owning_policy_on_device", [&] {
+    const kvsift::CacheOwningPolicy& p = owning_of(policy);
+    KVSIFT_CHECK(out != nullptr, "out is NULL");
+    *out = p.on_device() ? 1 : 0;
   });
 }
 

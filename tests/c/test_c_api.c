@@ -211,7 +211,7 @@ static void test_owning_round_trip(int32_t i) {
       obs.queries = q;
       CHECK_OK(kvsift_owning_policy_observe(p, &obs));
       for (k = 0; k < OQ * OD; ++k) out[k] = 1e30f;
-      CHECK_OK(kvsift_owning_policy_attention(p, layer, &q, &o));
+      CHECK_OK(kvsift_owning_policy_attention(p, layer, &q, &o, NULL, 0));
       /* A convex combination of values in [-0.5, 0.5] (up to quantization error). */
       for (k = 0; k < OQ * OD; ++k) CHECK(out[k] > -1.0f && out[k] < 1.0f);
     }
@@ -231,7 +231,7 @@ static void test_owning_round_trip(int32_t i) {
               KVSIFT_ERROR_INVALID_ARGUMENT, "out is NULL", "capacity is 4");
   tk.device = KVSIFT_DEVICE_CUDA;
   CHECK_ERROR(kvsift_owning_policy_append(p, 0, &tk, &tk), KVSIFT_ERROR_UNSUPPORTED, "keys",
-              "host memory");
+              "keeps its cache on the host", "kvsift_owning_policy_place_on_device");
   CHECK_ERROR(kvsift_owning_policy_create("rkv", "{}", &p), KVSIFT_ERROR_UNSUPPORTED,
               "kvsift_policy_create");
   CHECK(p == NULL);
@@ -272,7 +272,7 @@ static void quantizer_by_hand(const char* name, const char* config, int64_t expe
     for (k = 0; k < QH * QD; ++k) token[k] = (float)((k + 3 * step) % 9) / 9.0f - 0.5f;
     CHECK_OK(kvsift_owning_policy_append(p, 0, &tk, &tk));
     for (k = 0; k < QQ * QD; ++k) out[k] = 1e30f;
-    CHECK_OK(kvsift_owning_policy_attention(p, 0, &q, &o));
+    CHECK_OK(kvsift_owning_policy_attention(p, 0, &q, &o, NULL, 0));
     for (k = 0; k < QQ * QD; ++k) CHECK(out[k] > -1.0f && out[k] < 1.0f);
     CHECK_OK(kvsift_owning_policy_end_step(p, &evicted));
     CHECK(evicted == 0); /* quantizers evict nothing here */
@@ -284,9 +284,54 @@ static void quantizer_by_hand(const char* name, const char* config, int64_t expe
   CHECK(resident == expect);
   CHECK_OK(kvsift_owning_policy_resident_positions(p, 0, 0, 1, positions, QP + QS, &count));
   CHECK(count == QP + QS && positions[0] == 0 && positions[QP + QS - 1] == QP + QS - 1);
-  CHECK_ERROR(kvsift_owning_policy_attention(p, 1, &q, &o), KVSIFT_ERROR_INVALID_ARGUMENT,
+  CHECK_ERROR(kvsift_owning_policy_attention(p, 1, &q, &o, NULL, 0), KVSIFT_ERROR_INVALID_ARGUMENT,
               "layer 1", "num_layers = 1");
   kvsift_owning_policy_destroy(p);
+}
+
+/* Device storage of a cache-owning method, without touching a device: ThinKV reports its device
+ * bytes and refuses NULL or too small memory before any CUDA call (so the policy stays on the
+ * host, usable); KIVI has no device path; without the CUDA backend every such call says so. */
+static void test_owning_device_placement(void) {
+  const char* thinkv =
+      "{\"batch\": 2, \"num_layers\": 2, \"kv_heads\": 2, \"q_heads\": 4, \"head_dim\": 16, "
+      "\"theta1\": 0.2, \"theta2\": 0.6, \"calibrated_layers\": [1], \"refresh\": 32, "
+      "\"schedule\": [16, 8, 4], \"pool_blocks\": 16}";
+  kvsift_owning_policy *t = NULL, *k = NULL;
+  size_t bytes = 7, ws = 9;
+  int on = -1;
+  static unsigned char fake[256];
+  CHECK_OK(kvsift_owning_policy_create("thinkv", thinkv, &t));
+  CHECK_OK(kvsift_owning_policy_create("kivi", "{\"num_layers\": 1, \"kv_heads\": 1, "
+                                       "\"q_heads\": 1, \"head_dim\": 16, \"group_size\": 16, "
+                                       "\"residual_length\": 32}", &k));
+  if (t == NULL || k == NULL) return;
+  CHECK_OK(kvsift_owning_policy_attention_workspace_bytes(t, 0, &ws));
+  CHECK(ws == 0); /* on the host attention needs no scratch */
+#if KVSIFT_C_TEST_CUDA_BACKEND
+  CHECK_OK(kvsift_owning_policy_device_memory_bytes(t, &bytes));
+  CHECK(bytes > sizeof fake);
+  CHECK_OK(kvsift_owning_policy_device_memory_bytes(k, &bytes));
+  CHECK(bytes == 0);
+  CHECK_ERROR(kvsift_owning_policy_place_on_device(k, fake, sizeof fake, NULL),
+              KVSIFT_ERROR_UNSUPPORTED, "kivi", "host only");
+  CHECK_ERROR(kvsift_owning_policy_place_on_device(t, NULL, 1u << 30, NULL),
+              KVSIFT_ERROR_INVALID_ARGUMENT, "memory is NULL");
+  CHECK_ERROR(kvsift_owning_policy_place_on_device(t, fake, sizeof fake, NULL),
+              KVSIFT_ERROR_INVALID_ARGUMENT, "DeviceThinKV", "is too small", "memory_bytes()");
+#else
+  CHECK_ERROR(kvsift_owning_policy_device_memory_bytes(t, &bytes), KVSIFT_ERROR_NO_CUDA,
+              "without the CUDA backend");
+  CHECK(bytes == 0);
+  CHECK_ERROR(kvsift_owning_policy_place_on_device(t, fake, sizeof fake, NULL),
+              KVSIFT_ERROR_NO_CUDA, "without the CUDA backend");
+#endif
+  CHECK_OK(kvsift_owning_policy_on_device(t, &on));
+  CHECK(on == 0);
+  CHECK_ERROR(kvsift_owning_policy_on_device(t, NULL), KVSIFT_ERROR_INVALID_ARGUMENT,
+              "out is NULL");
+  kvsift_owning_policy_destroy(t);
+  kvsift_owning_policy_destroy(k);
 }
 
 static void test_quantizers_by_hand(void) {
@@ -714,6 +759,7 @@ int main(int argc, char** argv) {
   test_registry();
   test_round_trip_every_method();
   test_quantizers_by_hand();
+  test_owning_device_placement();
   test_streaming_by_hand();
   test_compress_step_by_hand();
   test_rkv_golden(argv[1]);

@@ -14,10 +14,13 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
+#include "kvsift/backend/device_thinkv.hpp"
 #include "kvsift/config/rkv_config.hpp"
 #include "kvsift/config/sentence_scorer_config.hpp"
+#include "kvsift/config/thinkv_config.hpp"
 #include "kvsift/core/exec_context.hpp"
 #include "kvsift/core/keep_plan.hpp"
 #include "kvsift/core/kv_cache_view.hpp"
@@ -96,6 +99,16 @@ class DeviceBackend {
   // the CPU reference (policy/device_staging.hpp). ctx.workspace is not used.
   virtual void copy_to_host(void* dst, const void* src, std::size_t bytes,
                             const ExecContext& ctx) const = 0;
+
+  // ThinKV's whole pipeline with its cache on the device (device_thinkv.hpp): the device bytes
+  // it needs for `batch` sequences (config validated, device limits checked), and the pipeline
+  // itself, its storage carved from ctx.workspace (at least thinkv_memory_bytes, 256-byte
+  // aligned, owned by the caller for the pipeline's lifetime), all work on ctx.stream. The
+  // defaults raise kvsift::Error: a backend without a ThinKV pipeline.
+  virtual std::size_t thinkv_memory_bytes(const ThinKVConfig& config, std::int64_t batch) const;
+  virtual std::unique_ptr<DeviceThinKVPipeline> make_thinkv(const ThinKVConfig& config,
+                                                            std::int64_t batch,
+                                                            const ExecContext& ctx) const;
 };
 
 // The registered backend; throws kvsift::Error when kvsift::cuda is not linked.

@@ -272,8 +272,12 @@ KVSIFT_C_EXPORT kvsift_status kvsift_compact(const kvsift_cache_view* kv, const 
  *                     kvsift_owning_policy_observe(p, &obs);        (queries, as needs says)
  *                     kvsift_owning_policy_attention(p, l, &q, &out);
  *   kvsift_owning_policy_end_step(p, &evicted);                     the method's own eviction
- * The prompt goes in first with kvsift_owning_policy_prefill (every layer). In this version every
- * tensor is host memory, f32 (device tensors: KVSIFT_ERROR_UNSUPPORTED).
+ * The prompt goes in first with kvsift_owning_policy_prefill (every layer). Tensors are host f32,
+ * unless the policy was placed on the device (ThinKV): then every tensor is device memory
+ * (contiguous; K/V f32 or bf16, queries and outputs f32) and K/V never leave the device:
+ *   kvsift_owning_policy_device_memory_bytes(p, &bytes);      0: the method has no device path
+ *   kvsift_owning_policy_place_on_device(p, memory, bytes, stream);   before the prompt
+ * Device tensors to a policy kept on the host: KVSIFT_ERROR_UNSUPPORTED.
  * ------------------------------------------------------------------------------------------- */
 typedef struct kvsift_owning_policy kvsift_owning_policy;
 
@@ -306,11 +310,33 @@ KVSIFT_C_EXPORT kvsift_status kvsift_owning_policy_observe(kvsift_owning_policy*
 KVSIFT_C_EXPORT kvsift_status kvsift_owning_policy_end_step(kvsift_owning_policy* policy,
                                                             int* evicted);
 /* Decode attention of one layer over its resident tokens:
- *   queries  [batch, q_heads, 1, head_dim] host f32;  out  [batch, q_heads, 1, head_dim] f32 */
+ *   queries  [batch, q_heads, 1, head_dim] f32;  out  [batch, q_heads, 1, head_dim] f32
+ * On the device, workspace is device scratch of kvsift_owning_policy_attention_workspace_bytes
+ * (asked at this step: it grows with the cache) and the work is enqueued on the placement's
+ * stream; on the host workspace may be NULL (0 bytes). */
 KVSIFT_C_EXPORT kvsift_status kvsift_owning_policy_attention(const kvsift_owning_policy* policy,
                                                              int32_t layer,
                                                              const kvsift_tensor* queries,
-                                                             const kvsift_tensor* out);
+                                                             const kvsift_tensor* out,
+                                                             void* workspace,
+                                                             size_t workspace_bytes);
+KVSIFT_C_EXPORT kvsift_status kvsift_owning_policy_attention_workspace_bytes(
+    const kvsift_owning_policy* policy, int32_t layer, size_t* out_bytes);
+/* Device storage. *out_bytes: device bytes the method's storage needs for its batch (0: it has no
+ * device path; KVSIFT_ERROR_NO_CUDA in a library built without the CUDA backend). */
+KVSIFT_C_EXPORT kvsift_status kvsift_owning_policy_device_memory_bytes(
+    const kvsift_owning_policy* policy, size_t* out_bytes);
+/* Moves the storage into `memory` (device, memory_bytes >= device_memory_bytes, 256-byte aligned,
+ * kept alive by the caller until kvsift_owning_policy_destroy); all later work is enqueued on
+ * `stream` (a cudaStream_t, NULL = default). Only before the prompt. A refusal (config outside
+ * the device pipeline's limits, memory too small) leaves the policy on the host, usable. */
+KVSIFT_C_EXPORT kvsift_status kvsift_owning_policy_place_on_device(kvsift_owning_policy* policy,
+                                                                   void* memory,
+                                                                   size_t memory_bytes,
+                                                                   void* stream);
+/* *out = 1 once the policy is placed on the device. */
+KVSIFT_C_EXPORT kvsift_status kvsift_owning_policy_on_device(const kvsift_owning_policy* policy,
+                                                             int* out);
 /* Bytes its storage holds for `layer` (-1: all layers), and what an fp16 K+V cache of the same
  * tokens would hold (all layers); either output may be NULL. */
 KVSIFT_C_EXPORT kvsift_status kvsift_owning_policy_memory(const kvsift_owning_policy* policy,
