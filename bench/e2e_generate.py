@@ -17,6 +17,12 @@ How the context position is reached: NOT by prefill. The cache is filled with sy
   a compression during a P-token generation: a budget-based policy never holds more than
   budget + buffer tokens), plus random window inputs; SkipKV's tracker observes `budget`
   synthetic tokens (a delimiter every 25) with random hidden states.
+- thinkv: a kvsift.hf_thinkv.ThinKVCache on the GPU (the device pipeline, K/V never leave it)
+  holding `budget` random K/V prefilled as its protected segment 0 at logical position P, block
+  pools sized for what the window adds (--thinkv-pool-blocks); the decode steps are typed,
+  quantized (R4 E4 T2) and demoted by TBE as they come. Not a 32K-step generation: nothing of
+  the resident tokens was ever demoted, and the thresholds (--thinkv-thresholds) are not
+  calibrated on this random model.
 Every decode step then runs the real model at position P + step (position_ids), so kvsift
 compresses every `buffer` steps during the window, exactly as in a long generation.
 
@@ -49,7 +55,7 @@ def parse_args(argv=None):
     p.add_argument("--batches", default="1,8,32,64", help="comma-separated batch sizes")
     p.add_argument("--contexts", default="16384,32768", help="context positions")
     p.add_argument("--methods", default="fullkv,rkv,skipkv", help="fullkv, rkv, skipkv, snapkv, "
-                   "streaming")
+                   "streaming, thinkv")
     p.add_argument("--budgets", default="1024,2048", help="kvsift budgets")
     p.add_argument("--buffer", type=int, default=128)
     p.add_argument("--window", type=int, default=8, help="observation window W")
@@ -65,6 +71,10 @@ def parse_args(argv=None):
                    help="disable torch's cuDNN SDPA backend (its host-side cost per call is "
                    "~2 ms when the KV length changes every step; see bench/RESULTS.md)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--thinkv-thresholds", default="0.2,0.5", help="ThinKV theta1,theta2")
+    p.add_argument("--thinkv-pool-blocks", type=int, default=0,
+                   help="ThinKV blocks per sequence, layer and format pool (0: enough for "
+                        "budget + the window)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="instead of the table: N decode steps of each (context, method, budget, "
                    "batch) under torch.profiler; prints wall vs GPU-busy time per step and the "
@@ -131,6 +141,18 @@ def make_cache(model, method, budget, args, batch, position, resident=None):
             v = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
             cache.update(k, v, layer)
             del k, v
+        return cache
+    if method == "thinkv":
+        from kvsift.hf_thinkv import ThinKVCache
+
+        theta1, theta2 = (float(x) for x in args.thinkv_thresholds.split(","))
+        resident = resident or budget
+        pool = args.thinkv_pool_blocks or (resident + args.warmup + args.steps) // 32 + 4
+        # L*: four layers spread over the depth (no calibration on a random model).
+        lstar = sorted({args.layers * f // 8 for f in (1, 3, 5, 7)})
+        cache = ThinKVCache(model, batch, budget=budget, theta1=theta1, theta2=theta2,
+                            calibrated_layers=lstar, pool_blocks=pool)
+        cache.fill_synthetic(resident, position, torch.bfloat16, generator=g)
         return cache
     import kvsift.hf as hf
 
@@ -202,7 +224,9 @@ def measure(model, method, budget, batch, position, args):
             state = {}
 
             def window_start():
-                if method != "fullkv":
+                if method == "thinkv":
+                    state["evicting"] = cache.evicting_steps
+                elif method != "fullkv":
                     cache.compress_events = []
                     state["compressions"] = cache.compressions
 
@@ -210,7 +234,10 @@ def measure(model, method, budget, batch, position, args):
                                   window_start)
         peak = torch.cuda.max_memory_allocated() / 2**30
         row = {"tok_s": tokens / secs, "peak_gib": peak, "ms_step": 1e3 * secs / args.steps}
-        if method != "fullkv":
+        if method == "thinkv":  # TBE runs inside each step's end_step: no separate share
+            row["resident_mib"] = cache.resident_bytes() / 2**20
+            row["evicting_steps"] = cache.evicting_steps - state.get("evicting", 0)
+        elif method != "fullkv":
             row["compress_share"] = cache.compression_seconds() / secs
             row["compressions"] = cache.compressions - state.get("compressions", 0)
             row["resident"] = int(cache.resident_lengths().max())
@@ -276,7 +303,7 @@ def fmt_row(position, method, budget, batch, r, note=""):
     if r is None:
         return "| %d | %s | %s | %s | OOM | | | | %s |" % (position, method, budget, batch, note)
     share = "%.1f %%" % (100 * r["compress_share"]) if "compress_share" in r else "-"
-    comps = str(r.get("compressions", "-"))
+    comps = str(r.get("compressions", r.get("evicting_steps", "-")))
     return "| %d | %s | %s | %s | %.1f | %.2f | %.1f | %s | %s |" % (
         position, method, budget, batch, r["tok_s"], r["ms_step"], r["peak_gib"], share, comps)
 
