@@ -529,14 +529,9 @@ const DevicePagedTable& DeviceThinKV::device_table(int layer) const {
 
 TableBytes DeviceThinKV::resident_bytes() const {
   TableBytes sum;
-  for (int l = 0; l < config_.num_layers; ++l) {
-    const TableBytes b =
+  for (int l = 0; l < config_.num_layers; ++l)
+    sum +=
         devices_[static_cast<std::size_t>(l)].resident_bytes(tables_[static_cast<std::size_t>(l)]);
-    sum.codes += b.codes;
-    sum.scales += b.scales;
-    sum.metadata += b.metadata;
-    sum.staging += b.staging;
-  }
   return sum;
 }
 

@@ -282,13 +282,7 @@ std::int32_t ThinKV::resident_tokens() const {
 
 TableBytes ThinKV::resident_bytes() const {
   TableBytes sum;
-  for (const ThoughtBlockTable& t : tables_) {
-    const TableBytes b = t.resident_bytes();
-    sum.codes += b.codes;
-    sum.scales += b.scales;
-    sum.metadata += b.metadata;
-    sum.staging += b.staging;
-  }
+  for (const ThoughtBlockTable& t : tables_) sum += t.resident_bytes();
   return sum;
 }
 

@@ -9,6 +9,7 @@
 
 #include "catch.hpp"
 #include "kvsift/paged/thought_block_table.hpp"
+#include "thought_table_checks.hpp"
 
 using namespace kvsift;
 using Catch::Matchers::Contains;
@@ -42,18 +43,7 @@ void require_same_placement(const ThoughtBlockTable& data, const ThoughtBlockTab
       for (std::int32_t w = 0; w < W; ++w)
         REQUIRE(meta.free_mask(seq, b, h)[w] == data.free_mask(seq, b, h)[w]);
   }
-  for (std::int32_t h = 0; h < H; ++h) {
-    const std::vector<ResidentToken> want = data.resident_tokens(seq, h);
-    const std::vector<ResidentToken> got = meta.resident_tokens(seq, h);
-    REQUIRE(got.size() == want.size());
-    for (std::size_t i = 0; i < want.size(); ++i) {
-      INFO("head " << h << " token " << i);
-      REQUIRE(got[i].position == want[i].position);
-      REQUIRE(got[i].segment == want[i].segment);
-      REQUIRE(got[i].address.block == want[i].address.block);
-      REQUIRE(got[i].address.slot == want[i].address.slot);
-    }
-  }
+  kvsift::test::require_same_resident_tokens(data, seq, meta, seq);
   const TableBytes a = data.resident_bytes(), m = meta.resident_bytes();
   REQUIRE(m.codes == a.codes);
   REQUIRE(m.scales == a.scales);

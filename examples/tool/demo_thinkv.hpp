@@ -191,13 +191,7 @@ class ThinKVDemoPolicy final : public DemoPolicy {
   // ThinKV's resident bytes split as the tables report them (block_bytes.hpp), in KiB.
   std::string format_split() const {
     kvsift::TableBytes sum;
-    for (std::int64_t b = 0; b < kv_->batch(); ++b) {
-      const kvsift::TableBytes t = kv_->sequence(b).resident_bytes();
-      sum.codes += t.codes;
-      sum.scales += t.scales;
-      sum.metadata += t.metadata;
-      sum.staging += t.staging;
-    }
+    for (std::int64_t b = 0; b < kv_->batch(); ++b) sum += kv_->sequence(b).resident_bytes();
     char buf[96];
     std::snprintf(buf, sizeof buf, "%.0f / %.0f / %.0f KiB", (sum.codes + sum.scales) / 1024.0,
                   sum.metadata / 1024.0, sum.staging / 1024.0);

@@ -230,7 +230,62 @@ def uninstall(model):
 _Layer.__abstractmethods__ = frozenset()
 
 
-class KVSiftCache(_HFCache):
+class _SeenPositions:
+    """What the kvsift caches answer alike (KVSiftCache, hf_thinkv.ThinKVCache): positions are
+    the tokens seen per sequence (self._seen), whatever the cache holds, and the generate features
+    they do not support. `_who` names the cache in messages."""
+
+    _who = "KVSiftCache"
+
+    def get_seq_length(self, layer_idx=0, *args, **kwargs):
+        """Tokens seen per sequence (pads included), compressed or not: the next position."""
+        return self._seen
+
+    def get_query_offset(self, layer_idx=0, *args, **kwargs):
+        return self._seen
+
+    def get_max_cache_shape(self, layer_idx=0, *args, **kwargs):
+        return -1
+
+    def get_max_length(self):
+        return None
+
+    def get_usable_length(self, new_seq_length=0, layer_idx=0):
+        return self._seen
+
+    @property
+    def seen_tokens(self):
+        return self._seen
+
+    @property
+    def is_sliding(self):
+        return [False] * self.num_layers
+
+    def __len__(self):
+        return self.num_layers
+
+    def reorder_cache(self, beam_idx):
+        raise error("%s: beam search (reorder_cache) is not supported" % self._who)
+
+    def crop(self, max_length):
+        if self._seen > 0 and (max_length < 0 or max_length < self._seen):
+            raise error("%s: crop (assisted decoding) is not supported" % self._who)
+
+    def _generate_kwargs(self, kwargs):
+        """kwargs for model.generate with this cache, checked up front (beam search, static
+        caches, another cache)."""
+        if (kwargs.get("num_beams") or 1) > 1:
+            raise error("%s: num_beams = %s; beam search reorders the cache (unsupported)"
+                        % (self._who, kwargs["num_beams"]))
+        if kwargs.get("cache_implementation") not in (None, "dynamic"):
+            raise error("%s: cache_implementation = '%s' cannot be combined with kvsift"
+                        % (self._who, kwargs["cache_implementation"]))
+        if kwargs.get("past_key_values") not in (None, self):
+            raise error("%s.generate: past_key_values is another cache" % self._who)
+        return dict(kwargs, past_key_values=self)
+
+
+class KVSiftCache(_SeenPositions, _HFCache):
     """A transformers Cache whose layers are kvsift cache views, compressed in place by `method`
     (SUPPORTED_METHODS) with its config fields as keyword options (make_policy). `capacity`
     (optional) preallocates that many slots per sequence; by default max(prompt, budget + buffer),
@@ -349,16 +404,7 @@ class KVSiftCache(_HFCache):
     def generate(self, model, **kwargs):
         """model.generate(**kwargs, past_key_values=self) after checking kwargs up front (beam
         search, static caches, another cache)."""
-        if (kwargs.get("num_beams") or 1) > 1:
-            raise error("KVSiftCache: num_beams = %s; beam search reorders the cache (unsupported)"
-                        % kwargs["num_beams"])
-        if kwargs.get("cache_implementation") not in (None, "dynamic"):
-            raise error("KVSiftCache: cache_implementation = '%s' cannot be combined with "
-                        "kvsift" % kwargs["cache_implementation"])
-        if kwargs.get("past_key_values") not in (None, self):
-            raise error("KVSiftCache.generate: past_key_values is another cache")
-        kwargs["past_key_values"] = self
-        return model.generate(**kwargs)
+        return model.generate(**self._generate_kwargs(kwargs))
 
     # ---- wrappers ----------------------------------------------------------------------------
 
@@ -582,13 +628,6 @@ class KVSiftCache(_HFCache):
         L.valid = self._valid
         L.view = CacheView(L.k_buf, L.v_buf, L.lengths, valid_mask=L.valid)
 
-    def get_seq_length(self, layer_idx=0, *args, **kwargs):
-        """Tokens seen per sequence (pads included), compressed or not: the next position."""
-        return self._seen
-
-    def get_query_offset(self, layer_idx=0, *args, **kwargs):
-        return self._seen
-
     def get_mask_sizes(self, query_length, layer_idx=0, *args, **kwargs):
         """(kv_length, kv_offset) = (resident slots after this step's append, 0). Before any
         compression that is DynamicCache's answer; after one, the step has one query at position
@@ -599,23 +638,6 @@ class KVSiftCache(_HFCache):
             return q, 0
         return int(self._lengths.max()) + q, 0
 
-    def get_max_cache_shape(self, layer_idx=0, *args, **kwargs):
-        return -1
-
-    def get_max_length(self):
-        return None
-
-    def get_usable_length(self, new_seq_length=0, layer_idx=0):
-        return self._seen
-
-    @property
-    def seen_tokens(self):
-        return self._seen
-
-    @property
-    def is_sliding(self):
-        return [False] * self.num_layers
-
     @property
     def is_initialized(self):
         return self._lengths is not None and all(L.k_buf is not None for L in self.hf_layers)
@@ -623,9 +645,6 @@ class KVSiftCache(_HFCache):
     def resident_lengths(self):
         """[B] slots each sequence holds now (per layer they all agree)."""
         return None if self._lengths is None else self._lengths.copy()
-
-    def __len__(self):
-        return self.num_layers
 
     def __getitem__(self, layer_idx):
         L = self.hf_layers[layer_idx]
@@ -635,9 +654,6 @@ class KVSiftCache(_HFCache):
         for i in range(self.num_layers):
             yield self[i]
 
-    def reorder_cache(self, beam_idx):
-        raise error("KVSiftCache: beam search (reorder_cache) is not supported")
-
     def batch_repeat_interleave(self, repeats):
         if self._seen > 0:
             raise error("KVSiftCache: expanding a filled cache (num_return_sequences / beams) is "
@@ -646,10 +662,6 @@ class KVSiftCache(_HFCache):
     def batch_select_indices(self, indices):
         if self._seen > 0:
             raise error("KVSiftCache: selecting batch rows of a filled cache is not supported")
-
-    def crop(self, max_length):
-        if self._seen > 0 and (max_length < 0 or max_length < self._seen):
-            raise error("KVSiftCache: crop (assisted decoding) is not supported")
 
     def reset(self):
         raise error("KVSiftCache: reset is not supported; create a new KVSiftCache")

@@ -28,7 +28,7 @@ import torch
 
 from ._owning import make_owning_policy
 from ._tensors import error
-from .hf import KVSiftCache, _HFCache, _Layer
+from .hf import KVSiftCache, _HFCache, _Layer, _SeenPositions
 
 ATTENTION_NAME = "kvsift_thinkv"
 _registered = False
@@ -64,7 +64,7 @@ def _register():
     _registered = True
 
 
-class ThinKVCache(_HFCache):
+class ThinKVCache(_SeenPositions, _HFCache):
     """A transformers Cache backed by kvsift's ThinKV policy. `batch` sequences (fixed); the
     ThinKV config fields as keyword options (make_owning_policy("thinkv"); the thresholds theta1,
     theta2 and calibrated_layers have no defaults: kvsift calibrate); the model's geometry
@@ -72,6 +72,7 @@ class ThinKVCache(_HFCache):
     cache (default: the model's device; "cpu" runs the host pipeline)."""
 
     is_compileable = False
+    _who = "ThinKVCache"
 
     def __init__(self, model, batch, device=None, **options):
         KVSiftCache._check_model(model)
@@ -144,15 +145,9 @@ class ThinKVCache(_HFCache):
         return False
 
     def generate(self, model, **kwargs):
-        """model.generate(**kwargs, past_key_values=self) after checking kwargs up front."""
-        if (kwargs.get("num_beams") or 1) > 1:
-            raise error("ThinKVCache: num_beams = %s; beam search reorders the cache "
-                        "(unsupported)" % kwargs["num_beams"])
-        if kwargs.get("cache_implementation") not in (None, "dynamic"):
-            raise error("ThinKVCache: cache_implementation = '%s' cannot be combined with kvsift"
-                        % kwargs["cache_implementation"])
-        if kwargs.get("past_key_values") not in (None, self):
-            raise error("ThinKVCache.generate: past_key_values is another cache")
+        """model.generate(**kwargs, past_key_values=self) after checking kwargs up front (beam
+        search, static caches, another cache, the batch, padding)."""
+        kwargs = self._generate_kwargs(kwargs)
         ids, mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
         if ids is not None and int(ids.shape[0]) != self.batch:
             raise error("ThinKVCache: input_ids has %d rows, the cache was made for batch = %d"
@@ -160,7 +155,6 @@ class ThinKVCache(_HFCache):
         if mask is not None and not bool((mask != 0).all()):
             raise error("ThinKVCache: the attention_mask has padding; ThinKV's pipeline keeps "
                         "every sequence's positions aligned, so pass an unpadded batch")
-        kwargs["past_key_values"] = self
         return model.generate(**kwargs)
 
     # ---- the cache interface -----------------------------------------------------------------
@@ -216,45 +210,15 @@ class ThinKVCache(_HFCache):
             self.steps += 1
         return out.to(device=query.device, dtype=query.dtype).transpose(1, 2).contiguous(), None
 
-    def get_seq_length(self, layer_idx=0, *args, **kwargs):
-        """Tokens seen per sequence: the next position."""
-        return self._seen
-
-    def get_query_offset(self, layer_idx=0, *args, **kwargs):
-        return self._seen
-
     def get_mask_sizes(self, query_length, layer_idx=0, *args, **kwargs):
         """(kv_length, kv_offset): the prompt step's dense mask over its own tokens; decode steps'
         masks are built but not read (ThinKV attends over what it holds)."""
         q = query_length if isinstance(query_length, int) else int(query_length.shape[0])
         return self._seen + q, 0
 
-    def get_max_cache_shape(self, layer_idx=0, *args, **kwargs):
-        return -1
-
-    def get_max_length(self):
-        return None
-
-    def get_usable_length(self, new_seq_length=0, layer_idx=0):
-        return self._seen
-
-    @property
-    def seen_tokens(self):
-        return self._seen
-
-    @property
-    def is_sliding(self):
-        return [False] * self.num_layers
-
     @property
     def is_initialized(self):
         return self._seen > 0
-
-    def __len__(self):
-        return self.num_layers
-
-    def reorder_cache(self, beam_idx):
-        raise error("ThinKVCache: beam search (reorder_cache) is not supported")
 
     def batch_repeat_interleave(self, repeats):
         if self._seen > 0 or repeats != 1:
@@ -263,10 +227,6 @@ class ThinKVCache(_HFCache):
 
     def batch_select_indices(self, indices):
         raise error("ThinKVCache: selecting batch rows is not supported")
-
-    def crop(self, max_length):
-        if self._seen > 0 and (max_length < 0 or max_length < self._seen):
-            raise error("ThinKVCache: crop (assisted decoding) is not supported")
 
     def reset(self):
         raise error("ThinKVCache: reset is not supported; create a new ThinKVCache")

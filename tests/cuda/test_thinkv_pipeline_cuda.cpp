@@ -23,6 +23,7 @@
 #include "kvsift/backend/cuda/thinkv_pipeline.hpp"
 #include "kvsift/policy/thinkv/thinkv.hpp"
 #include "paged_mirror.hpp"
+#include "thought_table_checks.hpp"
 
 using namespace kvsift;
 using Catch::Matchers::Contains;
@@ -59,22 +60,6 @@ std::vector<float> normal(std::mt19937& rng, std::size_t n, float scale = 1.0f) 
   std::vector<float> v(n);
   for (float& x : v) x = d(rng);
   return v;
-}
-
-void require_same_tokens(const ThoughtBlockTable& cpu, const ThoughtBlockTable& dev,
-                         std::int32_t dev_seq) {
-  for (std::int32_t h = 0; h < cpu.config().kv_heads; ++h) {
-    const std::vector<ResidentToken> want = cpu.resident_tokens(0, h);
-    const std::vector<ResidentToken> got = dev.resident_tokens(dev_seq, h);
-    REQUIRE(got.size() == want.size());
-    for (std::size_t i = 0; i < want.size(); ++i) {
-      INFO("head " << h << " token " << i);
-      REQUIRE(got[i].position == want[i].position);
-      REQUIRE(got[i].segment == want[i].segment);
-      REQUIRE(got[i].address.block == want[i].address.block);
-      REQUIRE(got[i].address.slot == want[i].address.slot);
-    }
-  }
 }
 
 void run_lockstep(const ThinKVConfig& config, std::int32_t batch, std::int64_t prompt,
@@ -195,16 +180,12 @@ void run_lockstep(const ThinKVConfig& config, std::int32_t batch, std::int64_t p
         for (std::int32_t b = 0; b < batch; ++b) {
           INFO("step " << step << " layer " << l << " sequence " << b);
           test::require_same_sequence(cpu[b].table(static_cast<int>(l)), 0, table, snap, b, false);
-          require_same_tokens(cpu[b].table(static_cast<int>(l)), dev.table(static_cast<int>(l)), b);
+          test::require_same_resident_tokens(cpu[b].table(static_cast<int>(l)), 0,
+                                             dev.table(static_cast<int>(l)), b);
         }
       }
       TableBytes want;
-      for (const ThinKV& c : cpu) {
-        const TableBytes t = c.resident_bytes();
-        want.codes += t.codes;
-        want.scales += t.scales;
-        want.staging += t.staging;
-      }
+      for (const ThinKV& c : cpu) want += c.resident_bytes();
       const TableBytes have = dev.resident_bytes();
       REQUIRE(have.codes == want.codes);
       REQUIRE(have.scales == want.scales);

@@ -112,6 +112,13 @@ struct TableBytes {
   std::int64_t metadata = 0;
   std::int64_t staging = 0;
   std::int64_t total() const { return codes + scales + metadata + staging; }
+  TableBytes& operator+=(const TableBytes& o) {
+    codes += o.codes;
+    scales += o.scales;
+    metadata += o.metadata;
+    staging += o.staging;
+    return *this;
+  }
 };
 
 // How the table has refilled quantized blocks so far (all sequences, all heads).
