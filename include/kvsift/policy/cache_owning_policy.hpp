@@ -38,18 +38,21 @@ class CacheOwningPolicy {
   virtual unsigned needs() const = 0;
   virtual std::int64_t batch() const = 0;
 
+  // Tensors are host f32 (any strides) — or, once placed on the device, contiguous device views
+  // (K/V f32 or bf16, queries and outputs f32).
   // The prompt of one layer, before any decode append:
-  //   keys, values  [batch, kv_heads, n, head_dim] host f32, post-RoPE, any strides
+  //   keys, values  [batch, kv_heads, n, head_dim] post-RoPE
   virtual void prefill(int layer, const TensorView& keys, const TensorView& values) = 0;
   // The step's token of one layer, each layer exactly once per step:
-  //   keys, values  [batch, kv_heads, 1, head_dim] host f32, post-RoPE
+  //   keys, values  [batch, kv_heads, 1, head_dim] post-RoPE
   virtual void append(int layer, const TensorView& keys, const TensorView& values) = 0;
-  // Per-layer observations after append(): obs.queries [batch, q_heads, 1, head_dim] host f32.
+  // Per-layer observations after append(): obs.queries [batch, q_heads, 1, head_dim] f32.
   virtual void observe(const Observation& obs) = 0;
   // Closes the step for every sequence (the method's own eviction). True when some evicted.
   virtual bool end_step() = 0;
-  // Decode attention of one layer over its resident tokens:
-  //   queries  [batch, q_heads, 1, head_dim] host f32;  out  [batch, q_heads, 1, head_dim] f32
+  // Decode attention of one layer over its resident tokens (host storage; on the device:
+  // attention_with_workspace):
+  //   queries  [batch, q_heads, 1, head_dim] f32;  out  [batch, q_heads, 1, head_dim] f32
   virtual void attention(int layer, const TensorView& queries, const TensorView& out) const = 0;
 
   // --- storage in device memory (see the top comment) -------------------------------------------
