@@ -237,6 +237,19 @@ class _SeenPositions:
 
     _who = "KVSiftCache"
 
+    def _init_layers(self):
+        """One _Layer per decoder layer (self.num_layers), answered by this cache, and the base
+        Cache's constructor where it takes them."""
+        self.hf_layers = [_Layer() for _ in range(self.num_layers)]
+        for i, layer in enumerate(self.hf_layers):
+            layer.owner, layer.index = weakref.ref(self), i
+        if _HFCache is not object:
+            try:
+                super().__init__(layers=self.hf_layers)
+            except Exception:  # noqa: BLE001 - a Cache whose constructor differs: we answer
+                pass           # every method generate calls ourselves
+        self.layers = self.hf_layers
+
     def get_seq_length(self, layer_idx=0, *args, **kwargs):
         """Tokens seen per sequence (pads included), compressed or not: the next position."""
         return self._seen
@@ -304,15 +317,7 @@ class KVSiftCache(_SeenPositions, _HFCache):
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
             else model.config
         self.num_layers = int(config.num_hidden_layers)
-        self.hf_layers = [_Layer() for _ in range(self.num_layers)]
-        for i, layer in enumerate(self.hf_layers):
-            layer.owner, layer.index = weakref.ref(self), i
-        if _HFCache is not object:
-            try:
-                super().__init__(layers=self.hf_layers)
-            except Exception:  # noqa: BLE001 - a Cache whose constructor differs: we answer
-                pass           # every method generate calls ourselves
-        self.layers = self.hf_layers
+        self._init_layers()
         self.method = method
         if method == "skipkv":
             vocab = vocabulary or _VOCAB_BY_MODEL_TYPE.get(getattr(config, "model_type", ""))

@@ -28,7 +28,7 @@ import torch
 
 from ._owning import make_owning_policy
 from ._tensors import error
-from .hf import KVSiftCache, _HFCache, _Layer, _SeenPositions
+from .hf import KVSiftCache, _HFCache, _SeenPositions
 
 ATTENTION_NAME = "kvsift_thinkv"
 _registered = False
@@ -94,15 +94,7 @@ class ThinKVCache(_SeenPositions, _HFCache):
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         if self.device.type == "cuda":
             self.policy.to(self.device)
-        self.hf_layers = [_Layer() for _ in range(self.num_layers)]
-        for i, layer in enumerate(self.hf_layers):
-            layer.owner, layer.index = weakref.ref(self), i
-        if _HFCache is not object:
-            try:
-                super().__init__(layers=self.hf_layers)
-            except Exception:  # noqa: BLE001 - a Cache whose constructor differs: we answer
-                pass           # every method generate calls ourselves
-        self.layers = self.hf_layers
+        self._init_layers()
         _, self._attentions = KVSiftCache._find_modules(model)
         for attn in self._attentions:
             attn._kvsift_thinkv = weakref.ref(self)

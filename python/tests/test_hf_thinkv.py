@@ -24,32 +24,15 @@ if version.parse(transformers.__version__) < version.parse("5.5"):
 import kvsift  # noqa: E402
 from conftest import cuda_device_available  # noqa: E402
 from kvsift.hf_thinkv import ThinKVCache  # noqa: E402
+import test_hf_transformers as hf_tests  # noqa: E402
+from test_hf_transformers import exact_matmul  # noqa: E402,F401 - autouse: fp32 without TF32
 
 pytestmark = pytest.mark.skipif(not cuda_device_available(),
                                 reason="needs a CUDA device and libkvsift_c built with CUDA")
 
 
 def tiny_model(arch, seed=0):
-    cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[arch]
-    cfg = cls[0](vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                 max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                 tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
-    model = model.to("cuda", torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
-
-
-@pytest.fixture(autouse=True)
-def exact_matmul():
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+    return hf_tests.tiny_model(arch, seed=seed, head_dim=64, device="cuda")
 
 
 def prompt(batch, length, seed=1):

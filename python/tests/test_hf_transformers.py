@@ -29,17 +29,18 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ARCHS = ["llama", "qwen2", "qwen3"]
 
 
-def tiny_model(arch, attn="sdpa", seed=0):
+def tiny_model(arch, attn="sdpa", seed=0, head_dim=16, device=DEVICE):
+    """A seeded 2-layer model, 4 query / 2 KV heads of head_dim, hidden 4 * head_dim, fp32."""
     cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
            "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[arch]
-    cfg = cls[0](vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                 max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                 tie_word_embeddings=False)
+    cfg = cls[0](vocab_size=256, hidden_size=4 * head_dim, intermediate_size=8 * head_dim,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=head_dim, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+                 pad_token_id=0, tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
-    model = model.to(DEVICE, torch.float32).eval()
+    model = model.to(device, torch.float32).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
