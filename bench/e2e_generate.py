@@ -325,6 +325,8 @@ def profile(model, method, budget, batch, position, args):
                 secs, _ = decode(model, cache, batch, position, args.profile, 0)
         finally:
             release(cache)
+            cache = None  # the second pass below needs its memory
+            release()
     events = prof.key_averages()
     gpu_us = sum(e.self_device_time_total for e in events)
     n = args.profile
@@ -333,6 +335,26 @@ def profile(model, method, budget, batch, position, args):
                                   gpu_us / 1e3 / n, 100 * gpu_us / 1e6 / secs), flush=True)
     print(events.table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
     print(events.table(sort_by="self_device_time_total", row_limit=8), flush=True)
+    # The host side by Python function (kvsift's ctypes calls count as their Python wrappers):
+    # the same N steps again under cProfile, on a fresh cache.
+    import cProfile
+    import pstats
+
+    release()
+    with torch.no_grad():
+        cache = make_cache(model, method, budget, args, batch, position)
+        try:
+            decode(model, cache, batch, position, 4, 0)
+            prof_py = cProfile.Profile()
+            prof_py.enable()
+            decode(model, cache, batch, position, n, 0)
+            prof_py.disable()
+        finally:
+            release(cache)
+            cache = None
+            release()
+    print("host time by function (cProfile, %d steps; tottime = in the function itself):" % n)
+    pstats.Stats(prof_py).sort_stats("tottime").print_stats(14)
 
 
 def main(argv=None):

@@ -167,12 +167,8 @@ class CudaThinKV final : public DeviceThinKVPipeline {
         seq >= 0 && seq < impl_.batch() && kv_head >= 0 && kv_head < impl_.config().kv_heads,
         "ThinKVPolicy::resident_positions: sequence ", seq, " / kv head ", kv_head, " outside [0, ",
         impl_.batch(), ") x [0, ", impl_.config().kv_heads, ")");
-    std::vector<std::int32_t> p;
-    for (const ResidentToken& t : impl_.table(layer).resident_tokens(
-             static_cast<std::int32_t>(seq), static_cast<std::int32_t>(kv_head)))
-      p.push_back(t.position);
-    std::sort(p.begin(), p.end());
-    return p;
+    return impl_.table(layer).resident_positions(static_cast<std::int32_t>(seq),
+                                                 static_cast<std::int32_t>(kv_head));
   }
   std::int64_t evicting_layer_steps() const override {
     std::int64_t n = 0;

@@ -32,6 +32,7 @@ using detail::PagedFreshFrame;
 using detail::PagedHeadLayout;
 using detail::PagedLayouts;
 using detail::PagedRowWrite;
+using detail::PagedSeal;
 using detail::PagedStagedMask;
 using detail::PagedStreamOp;
 using detail::PagedStreamTask;
@@ -115,7 +116,7 @@ __global__ void __launch_bounds__(kStreamThreads)
                       const T* __restrict__ key,    // [tokens, kv_heads, head_dim]
                       const T* __restrict__ value,  // [tokens, kv_heads, head_dim]
                       const PagedStreamTask* __restrict__ tasks,
-                      const PagedStreamOp* __restrict__ ops) {
+                      const PagedStreamOp* __restrict__ ops, const PagedSeal* __restrict__ seals) {
   const PagedStreamTask task = tasks[blockIdx.x];
   const int D = head_dim, per_token = D / kQuantGroupSize;
   PagedStaging* sk = staged_keys + task.stream * kQuantGroupSize * D;
@@ -129,34 +130,35 @@ __global__ void __launch_bounds__(kStreamThreads)
       sv[op.row * D + c] = from_float<PagedStaging>(to_float(value[in + c]));
     }
     __syncthreads();  // the seal below reads rows other threads wrote
-    if (op.seal) {
-      const PagedHeadLayout& L = layouts.by_format[op.format];
-      const QuantFormat q = quant_format_of(static_cast<BlockFormat>(op.format));
-      std::uint8_t* base = storage + op.base;
-      const int group = op.first_slot / kQuantGroupSize;
+    if (op.seal >= 0) {
+      const PagedSeal& seal = seals[op.seal];
+      const PagedHeadLayout& L = layouts.by_format[seal.format];
+      const QuantFormat q = quant_format_of(static_cast<BlockFormat>(seal.format));
+      std::uint8_t* base = storage + seal.base;
+      const int group = seal.first_slot / kQuantGroupSize;
       float x[kQuantGroupSize];
       for (int c = threadIdx.x; c < D; c += blockDim.x) {  // key group (slot group, channel c)
-        for (int i = 0; i < kQuantGroupSize; ++i) x[i] = to_float(sk[op.order[i] * D + c]);
+        for (int i = 0; i < kQuantGroupSize; ++i) x[i] = to_float(sk[seal.order[i] * D + c]);
         const std::int64_t g = static_cast<std::int64_t>(group) * D + c;
         base[L.key_scales + g] =
             quantize_group(q, x, 1, kQuantGroupSize, gf, base + g * L.code_bytes);
       }
       for (int k = threadIdx.x; k < kQuantGroupSize * per_token; k += blockDim.x) {
         const int i = k / per_token, b = k % per_token;  // value group (slot first + i, block b)
-        const PagedStaging* row = sv + op.order[i] * D + b * kQuantGroupSize;
+        const PagedStaging* row = sv + seal.order[i] * D + b * kQuantGroupSize;
         for (int j = 0; j < kQuantGroupSize; ++j) x[j] = to_float(row[j]);
-        const std::int64_t g = static_cast<std::int64_t>(op.first_slot + i) * per_token + b;
+        const std::int64_t g = static_cast<std::int64_t>(seal.first_slot + i) * per_token + b;
         base[L.value_scales + g] =
             quantize_group(q, x, 1, kQuantGroupSize, gf, base + L.value_codes + g * L.code_bytes);
       }
-      const std::int64_t fh = static_cast<std::int64_t>(op.frame) * kv_heads + task.head;
+      const std::int64_t fh = static_cast<std::int64_t>(seal.frame) * kv_heads + task.head;
       if (threadIdx.x < kQuantGroupSize) {
-        positions[fh * block_size + op.first_slot + threadIdx.x] = op.positions[threadIdx.x];
+        positions[fh * block_size + seal.first_slot + threadIdx.x] = seal.positions[threadIdx.x];
       }
       if (threadIdx.x == 0) {
         atomicAnd(
-            reinterpret_cast<unsigned long long*>(&masks[fh * mask_words + op.first_slot / 64]),
-            ~(0xffffull << (op.first_slot % 64)));
+            reinterpret_cast<unsigned long long*>(&masks[fh * mask_words + seal.first_slot / 64]),
+            ~(0xffffull << (seal.first_slot % 64)));
       }
       __syncthreads();  // the next op may overwrite a row this seal has read
     }
@@ -201,7 +203,7 @@ template <class T>
 void launch_append(const DevicePagedTable& t, const T* key, const T* value,
                    const std::vector<PagedRowWrite>& rows, const PagedRowWrite* d_rows, int n_tasks,
                    const PagedStreamTask* d_tasks, const PagedStreamOp* d_ops,
-                   cudaStream_t stream) {
+                   const PagedSeal* d_seals, cudaStream_t stream) {
   const ThoughtBlockTableConfig& cfg = t.config();
   const PagedTableMemory& m = t.memory();
   const PagedLayouts layouts = detail::paged_layouts(cfg);
@@ -220,7 +222,7 @@ void launch_append(const DevicePagedTable& t, const T* key, const T* value,
     stream_ops_kernel<T><<<static_cast<unsigned>(n_tasks), kStreamThreads, 0, stream>>>(
         m.storage, m.free_masks, m.positions, m.staged_keys, m.staged_values, m.staged_masks,
         t.sizes().mask_words, cfg.kv_heads, cfg.block_size, cfg.head_dim, layouts, m.global_factors,
-        key, value, d_tasks, d_ops);
+        key, value, d_tasks, d_ops, d_seals);
     KVSIFT_CUDA_CHECK(cudaGetLastError());
   }
 }
@@ -313,6 +315,8 @@ DevicePagedTable::DevicePagedTable(const ThoughtBlockTableConfig& cfg, std::int3
   staged_positions_.assign(static_cast<std::size_t>(max_sequences) * kPagedThoughtTypes *
                                cfg_.kv_heads * kQuantGroupSize,
                            -1);
+  task_of_stream_.assign(
+      static_cast<std::size_t>(max_sequences) * kPagedThoughtTypes * cfg_.kv_heads, -1);
 }
 
 void DevicePagedTable::initialize(cudaStream_t stream) {
@@ -452,6 +456,7 @@ void DevicePagedTable::record_append(const ThoughtBlockTable& table, std::int32_
       }
     }
     st.pages.push_back(fresh);
+    ++page_version_;
     fresh_.push_back(PagedFreshFrame{fresh.frame, f, offset});
   }
   const std::int32_t token = pending_tokens_++;
@@ -468,34 +473,40 @@ void DevicePagedTable::record_append(const ThoughtBlockTable& table, std::int32_
     }
     const std::int64_t stream = stream_index(seq, static_cast<int>(type), h);
     std::int32_t* rows = &staged_positions_[static_cast<std::size_t>(stream) * kQuantGroupSize];
-    PagedStreamOp op{};
-    op.token = token;
-    op.row = 0;
+    PagedStreamOp op{token, 0, -1};
     while (rows[op.row] >= 0) ++op.row;  // the lowest free row (one exists: < 16 staged)
     rows[op.row] = position;
     if (a.block != kStagedBlock) {  // the 16th token: the group is sealed into its run
       const BlockRef& ref = st.pages[static_cast<std::size_t>(a.block)];
-      op.seal = 1;
-      op.frame = ref.frame;
-      op.first_slot = a.slot - (kQuantGroupSize - 1);
-      op.format = f;
-      op.base = offsets_[static_cast<std::size_t>(ref.frame)] + h * head_bytes;
-      for (int i = 0; i < kQuantGroupSize; ++i) op.order[i] = i;
-      std::sort(op.order, op.order + kQuantGroupSize,
+      PagedSeal seal{};
+      seal.frame = ref.frame;
+      seal.first_slot = a.slot - (kQuantGroupSize - 1);
+      seal.format = f;
+      seal.base = offsets_[static_cast<std::size_t>(ref.frame)] + h * head_bytes;
+      for (int i = 0; i < kQuantGroupSize; ++i) seal.order[i] = i;
+      std::sort(seal.order, seal.order + kQuantGroupSize,
                 [&](std::int32_t x, std::int32_t y) { return rows[x] < rows[y]; });
-      for (int i = 0; i < kQuantGroupSize; ++i) op.positions[i] = rows[op.order[i]];
+      for (int i = 0; i < kQuantGroupSize; ++i) seal.positions[i] = rows[seal.order[i]];
       std::fill_n(rows, kQuantGroupSize, -1);
-      host_mask(ref.frame, h)[op.first_slot / 64] &= ~(0xffffull << (op.first_slot % 64));
+      host_mask(ref.frame, h)[seal.first_slot / 64] &= ~(0xffffull << (seal.first_slot % 64));
+      op.seal = static_cast<std::int32_t>(seals_.size());
+      seals_.push_back(seal);
     }
-    ops_[stream].push_back(op);
+    // A dense stream -> task index instead of a map: no allocation per recorded token.
+    std::int32_t& task = task_of_stream_[static_cast<std::size_t>(stream)];
+    if (task < 0) {
+      task = static_cast<std::int32_t>(task_streams_.size());
+      task_streams_.push_back(stream);
+    }
+    op_task_.push_back(task);
+    ops_.push_back(op);
   }
 }
 
 std::size_t DevicePagedTable::append_workspace_bytes() const {
-  std::size_t ops = 0;
-  for (const auto& kv : ops_) ops += kv.second.size();
   return bytes_of<PagedFreshFrame>(fresh_.size()) + bytes_of<PagedRowWrite>(rows_.size()) +
-         bytes_of<PagedStreamTask>(ops_.size()) + bytes_of<PagedStreamOp>(ops);
+         bytes_of<PagedStreamTask>(task_streams_.size()) + bytes_of<PagedStreamOp>(ops_.size()) +
+         bytes_of<PagedSeal>(seals_.size());
 }
 
 void DevicePagedTable::append(const void* key, const void* value, DType dtype, void* workspace,
@@ -509,20 +520,28 @@ void DevicePagedTable::append(const void* key, const void* value, DType dtype, v
   const std::size_t need = append_workspace_bytes();
   KVSIFT_CHECK(workspace_bytes >= need, "DevicePagedTable::append: workspace of ", workspace_bytes,
                " bytes is too small (", need, " needed)");
-  std::vector<PagedStreamTask> tasks;
-  std::vector<PagedStreamOp> ops;
-  for (const auto& kv : ops_) {
-    const std::int64_t s = kv.first;
-    tasks.push_back(PagedStreamTask{s, static_cast<std::int32_t>(s % cfg_.kv_heads),
-                                    static_cast<std::int32_t>(ops.size()),
-                                    static_cast<std::int32_t>(kv.second.size()), staged_mask(s)});
-    ops.insert(ops.end(), kv.second.begin(), kv.second.end());
+  // Each stream's ops contiguous, in recording order (a counting sort by task).
+  std::vector<PagedStreamTask> tasks(task_streams_.size());
+  for (std::size_t t = 0; t < tasks.size(); ++t) {
+    const std::int64_t s = task_streams_[t];
+    tasks[t] =
+        PagedStreamTask{s, static_cast<std::int32_t>(s % cfg_.kv_heads), 0, 0, staged_mask(s)};
+  }
+  for (const std::int32_t t : op_task_) ++tasks[static_cast<std::size_t>(t)].count;
+  for (std::size_t t = 1; t < tasks.size(); ++t)
+    tasks[t].first = tasks[t - 1].first + tasks[t - 1].count;
+  std::vector<PagedStreamOp> ops(ops_.size());
+  {
+    std::vector<std::int32_t> next(tasks.size());
+    for (std::size_t t = 0; t < tasks.size(); ++t) next[t] = tasks[t].first;
+    for (std::size_t o = 0; o < ops_.size(); ++o) ops[next[op_task_[o]]++] = ops_[o];
   }
   WorkspaceCarver carver(workspace, workspace_bytes, "DevicePagedTable::append");
   const PagedFreshFrame* d_fresh = upload(carver, fresh_, stream);
   const PagedRowWrite* d_rows = upload(carver, rows_, stream);
   const PagedStreamTask* d_tasks = upload(carver, tasks, stream);
   const PagedStreamOp* d_ops = upload(carver, ops, stream);
+  const PagedSeal* d_seals = upload(carver, seals_, stream);
   if (!fresh_.empty()) {
     init_frames_kernel<<<static_cast<unsigned>(fresh_.size()), kThreads, 0, stream>>>(
         mem_.storage, mem_.free_masks, mem_.positions, mem_.frame_offsets, cfg_.kv_heads,
@@ -532,15 +551,19 @@ void DevicePagedTable::append(const void* key, const void* value, DType dtype, v
   const int n_tasks = static_cast<int>(tasks.size());
   if (dtype == DType::f32) {
     launch_append(*this, static_cast<const float*>(key), static_cast<const float*>(value), rows_,
-                  d_rows, n_tasks, d_tasks, d_ops, stream);
+                  d_rows, n_tasks, d_tasks, d_ops, d_seals, stream);
   } else {
     launch_append(*this, static_cast<const bf16_t*>(key), static_cast<const bf16_t*>(value), rows_,
-                  d_rows, n_tasks, d_tasks, d_ops, stream);
+                  d_rows, n_tasks, d_tasks, d_ops, d_seals, stream);
   }
   pending_tokens_ = 0;
   fresh_.clear();
   rows_.clear();
+  for (const std::int64_t s : task_streams_) task_of_stream_[static_cast<std::size_t>(s)] = -1;
+  task_streams_.clear();
   ops_.clear();
+  op_task_.clear();
+  seals_.clear();
 }
 
 std::size_t DevicePagedTable::evict_workspace_bytes(std::size_t count) const {
@@ -635,6 +658,7 @@ void DevicePagedTable::evict(std::int32_t seq, std::int32_t head,
       kept.push_back(ref);
     }
   }
+  if (kept.size() != st.pages.size()) ++page_version_;
   st.pages.swap(kept);
   // 3. The device: bits and staged masks.
   const int n = static_cast<int>(list.size()), n_staged = static_cast<int>(masks.size());
@@ -654,6 +678,7 @@ void DevicePagedTable::release_sequence(std::int32_t seq, cudaStream_t stream) {
                " recorded tokens are not written yet (call append() first)");
   SeqState& st = seqs_[static_cast<std::size_t>(seq)];
   for (const BlockRef& ref : st.pages) release_frame(ref.frame, ref.format);
+  if (!st.pages.empty()) ++page_version_;
   st = SeqState{};
   const std::int64_t first = stream_index(seq, 0, 0);
   const std::int64_t streams = static_cast<std::int64_t>(kPagedThoughtTypes) * cfg_.kv_heads;

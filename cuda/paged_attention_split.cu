@@ -60,6 +60,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -910,60 +911,77 @@ std::size_t paged_batch_bytes(const DevicePagedTable& table, const std::int32_t*
          align_up(n * 4);
 }
 
-PagedBatch describe_paged_batch(const DevicePagedTable& table, const std::int32_t* seqs,
-                                std::int32_t batch) {
+namespace {
+
+// describe_paged_batch's fields in one walk over the batch's blocks; with `frames`, `meta` and
+// `begin` also the page tables themselves, as upload_paged_batch copies them.
+PagedBatch walk_paged_batch(const DevicePagedTable& table, const std::int32_t* seqs,
+                            std::int32_t batch, std::vector<std::int32_t>* frames,
+                            std::vector<std::int32_t>* meta, std::vector<std::int32_t>* begin) {
   KVSIFT_CHECK(batch >= 1 && batch <= 65535 && seqs != nullptr,
                "cuda::describe_paged_batch: batch (", batch,
                ") must be in [1, 65535] with a non-null sequence list");
   PagedBatch out;
   out.batch = batch;
+  out.host_seq_ids.assign(seqs, seqs + batch);
+  if (begin != nullptr) begin->assign(static_cast<std::size_t>(batch) + 1, 0);
   for (std::int32_t i = 0; i < batch; ++i) {
     const std::int32_t s = seqs[i], nb = table.num_blocks(s);
-    out.host_seq_ids.push_back(s);
     out.max_blocks = std::max(out.max_blocks, nb);
     out.total_blocks += nb;
-    for (std::int32_t k = 0; k < nb; ++k)
-      out.has_f32_blocks = out.has_f32_blocks || !split_kernel_takes(table.format_of_block(s, k));
+    for (std::int32_t k = 0; k < nb; ++k) {
+      const BlockFormat f = table.format_of_block(s, k);
+      out.has_f32_blocks = out.has_f32_blocks || !split_kernel_takes(f);
+      if (frames == nullptr) continue;
+      frames->push_back(table.frame_of(s, k));
+      meta->push_back(static_cast<std::int32_t>(f) |
+                      (static_cast<std::int32_t>(table.type_of_block(s, k)) << 4));
+    }
+    if (begin != nullptr)
+      (*begin)[static_cast<std::size_t>(i) + 1] = static_cast<std::int32_t>(out.total_blocks);
   }
   return out;
+}
+
+}  // namespace
+
+PagedBatch describe_paged_batch(const DevicePagedTable& table, const std::int32_t* seqs,
+                                std::int32_t batch) {
+  return walk_paged_batch(table, seqs, batch, nullptr, nullptr, nullptr);
 }
 
 PagedBatch upload_paged_batch(const DevicePagedTable& table, const std::int32_t* seqs,
                               std::int32_t batch, void* workspace, std::size_t workspace_bytes,
                               cudaStream_t stream) {
   const char* fn = "cuda::upload_paged_batch";
+  KVSIFT_CHECK(table.pending_tokens() == 0, fn, ": ", table.pending_tokens(),
+               " recorded tokens are not written yet (call append() first)");
+  std::vector<std::int32_t> frames, meta, begin;
+  PagedBatch out = walk_paged_batch(table, seqs, batch, &frames, &meta, &begin);
   const std::size_t need = paged_batch_bytes(table, seqs, batch);
   KVSIFT_CHECK(workspace_bytes >= need, fn, ": workspace of ", workspace_bytes,
                " bytes is too small (", need, " needed)");
-  KVSIFT_CHECK(table.pending_tokens() == 0, fn, ": ", table.pending_tokens(),
-               " recorded tokens are not written yet (call append() first)");
-  PagedBatch out = describe_paged_batch(table, seqs, batch);
-  std::vector<std::int32_t> frames, meta, begin(static_cast<std::size_t>(batch) + 1, 0);
-  for (std::int32_t i = 0; i < batch; ++i) {
-    const std::int32_t s = seqs[i], nb = table.num_blocks(s);
-    for (std::int32_t k = 0; k < nb; ++k) {
-      frames.push_back(table.frame_of(s, k));
-      meta.push_back(static_cast<std::int32_t>(table.format_of_block(s, k)) |
-                     (static_cast<std::int32_t>(table.type_of_block(s, k)) << 4));
-    }
-    begin[static_cast<std::size_t>(i) + 1] = static_cast<std::int32_t>(frames.size());
-  }
   WorkspaceCarver carver(workspace, workspace_bytes, fn);
   const std::size_t nb = std::max<std::size_t>(frames.size(), 1);
   std::int32_t* d_frames = carver.take<std::int32_t>(nb);
   std::int32_t* d_meta = carver.take<std::int32_t>(nb);
   std::int32_t* d_begin = carver.take<std::int32_t>(begin.size());
   std::int32_t* d_seqs = carver.take<std::int32_t>(static_cast<std::size_t>(batch));
-  if (!frames.empty()) {
-    KVSIFT_CUDA_CHECK(cudaMemcpyAsync(d_frames, frames.data(), frames.size() * 4,
-                                      cudaMemcpyHostToDevice, stream));
-    KVSIFT_CUDA_CHECK(
-        cudaMemcpyAsync(d_meta, meta.data(), meta.size() * 4, cudaMemcpyHostToDevice, stream));
-  }
+  // One copy: the four arrays at their carved offsets in one host image of the region.
+  const auto offset = [&](const std::int32_t* p) {
+    return static_cast<std::size_t>(reinterpret_cast<const std::uint8_t*>(p) -
+                                    reinterpret_cast<const std::uint8_t*>(d_frames));
+  };
+  std::vector<std::uint8_t> image(offset(d_seqs) + static_cast<std::size_t>(batch) * 4);
+  const auto put = [&](const std::int32_t* dst, const std::vector<std::int32_t>& src) {
+    if (!src.empty()) std::memcpy(image.data() + offset(dst), src.data(), src.size() * 4);
+  };
+  put(d_frames, frames);
+  put(d_meta, meta);
+  put(d_begin, begin);
+  put(d_seqs, out.host_seq_ids);
   KVSIFT_CUDA_CHECK(
-      cudaMemcpyAsync(d_begin, begin.data(), begin.size() * 4, cudaMemcpyHostToDevice, stream));
-  KVSIFT_CUDA_CHECK(cudaMemcpyAsync(d_seqs, out.host_seq_ids.data(), out.host_seq_ids.size() * 4,
-                                    cudaMemcpyHostToDevice, stream));
+      cudaMemcpyAsync(d_frames, image.data(), image.size(), cudaMemcpyHostToDevice, stream));
   out.frames = d_frames;
   out.meta = d_meta;
   out.block_begin = d_begin;

@@ -60,6 +60,7 @@ void check_config(const ThinKVConfig& config, std::int32_t batch) {
 struct Layout {
   PagedTableSizes sizes;
   std::size_t layer_bytes = 0;     // one layer's table memory
+  std::size_t page_bytes = 0;      // one layer's uploaded page tables (paged_batch_bytes at most)
   std::size_t sparsity_bytes = 0;  // [L*, batch, q_heads] f32
   std::size_t scratch_bytes = 0;
   std::size_t total = 0;
@@ -107,6 +108,7 @@ Layout layout_of(const ThinKVConfig& config, std::int32_t batch) {
                              align_up(T * H * sizeof(detail::PagedRowWrite)) +
                              align_up(T * H * sizeof(detail::PagedStreamTask)) +
                              align_up(T * H * sizeof(detail::PagedStreamOp)) +
+                             align_up(T * H * sizeof(detail::PagedSeal)) +
                              2 * align_up(T * H * D * sizeof(float));
   // Demotions: sources, fp32 keys, k-means descriptors and survivors of one chunk of problems.
   const std::size_t P = static_cast<std::size_t>(kProblemsPerChunk);
@@ -116,12 +118,12 @@ Layout layout_of(const ThinKVConfig& config, std::int32_t batch) {
       align_up(kmeans_select_workspace_bytes(static_cast<std::int64_t>(P))) +
       align_up(P * kKMeansMaxClusters * sizeof(std::int32_t)) +
       align_up(H * kKMeansMaxPoints * 16);  // evictions of one (layer, head)
-  // Sparsity: the page tables of the batch.
+  L.scratch_bytes = std::max(append, kmeans);
+  // paged_batch_bytes with every block of the layer's pools in use.
   const std::size_t blocks = static_cast<std::size_t>(tc.num_blocks);
-  const std::size_t sparsity = 2 * align_up(blocks * 4) + align_up((B + 1) * 4) + align_up(B * 4);
-  L.scratch_bytes = std::max({append, kmeans, sparsity});
-  L.total = static_cast<std::size_t>(config.num_layers) * L.layer_bytes + L.sparsity_bytes +
-            L.scratch_bytes;
+  L.page_bytes = 2 * align_up(blocks * 4) + align_up((B + 1) * 4) + align_up(B * 4);
+  L.total = static_cast<std::size_t>(config.num_layers) * (L.layer_bytes + L.page_bytes) +
+            L.sparsity_bytes + L.scratch_bytes;
   return L;
 }
 
@@ -199,6 +201,9 @@ DeviceThinKV::DeviceThinKV(const ThinKVConfig& config, std::int32_t batch, void*
   sparsity_ = carver.take<float>(L.sparsity_bytes / sizeof(float));
   scratch_ = carver.take<std::uint8_t>(L.scratch_bytes);
   scratch_bytes_ = L.scratch_bytes;
+  page_bytes_ = L.page_bytes;
+  pages_.resize(static_cast<std::size_t>(config_.num_layers));
+  for (PageTables& p : pages_) p.memory = carver.take<std::uint8_t>(page_bytes_);
 }
 
 void DeviceThinKV::check_layer(int layer, const char* fn) const {
@@ -298,10 +303,7 @@ bool DeviceThinKV::observe_query(int layer, const float* queries) {
                "cuda::DeviceThinKV::observe_query: layer ", layer, " is already observed in step ",
                steps());
   const DevicePagedTable& dev = devices_[static_cast<std::size_t>(layer)];
-  std::vector<std::int32_t> seqs(static_cast<std::size_t>(batch_));
-  for (std::int32_t b = 0; b < batch_; ++b) seqs[b] = b;
-  const PagedBatch pb =
-      upload_paged_batch(dev, seqs.data(), batch_, scratch_, scratch_bytes_, stream_);
+  const PagedBatch& pb = page_tables(layer);
   float* out = sparsity_ + observed_.size() * static_cast<std::size_t>(batch_) * config_.q_heads;
   paged_attention_sparsity(dev, pb, queries, config_.q_heads,
                            1.0f / std::sqrt(static_cast<float>(config_.head_dim)), out, stream_);
@@ -481,14 +483,24 @@ void DeviceThinKV::evict(const Problem& p) {
   t.evict_positions(p.seq, p.head, p.evicted);
 }
 
+const PagedBatch& DeviceThinKV::page_tables(int layer) const {
+  check_layer(layer, "page_tables");
+  const DevicePagedTable& dev = devices_[static_cast<std::size_t>(layer)];
+  PageTables& p = pages_[static_cast<std::size_t>(layer)];
+  if (!p.current || p.version != dev.page_version()) {
+    std::vector<std::int32_t> seqs(static_cast<std::size_t>(batch_));
+    for (std::int32_t b = 0; b < batch_; ++b) seqs[b] = b;
+    p.view = upload_paged_batch(dev, seqs.data(), batch_, p.memory, page_bytes_, stream_);
+    p.version = dev.page_version();
+    p.current = true;
+  }
+  return p.view;
+}
+
 std::size_t DeviceThinKV::attention_workspace_bytes(int layer) const {
   check_layer(layer, "attention_workspace_bytes");
-  const DevicePagedTable& dev = devices_[static_cast<std::size_t>(layer)];
-  std::vector<std::int32_t> seqs(static_cast<std::size_t>(batch_));
-  for (std::int32_t b = 0; b < batch_; ++b) seqs[b] = b;
-  const PagedBatch shape = describe_paged_batch(dev, seqs.data(), batch_);
-  return align_up(paged_batch_bytes(dev, seqs.data(), batch_)) +
-         paged_decode_attention_batch_workspace_bytes(dev, shape, config_.q_heads);
+  return paged_decode_attention_batch_workspace_bytes(devices_[static_cast<std::size_t>(layer)],
+                                                      page_tables(layer), config_.q_heads);
 }
 
 void DeviceThinKV::attention(int layer, const float* queries, float* out, void* workspace,
@@ -497,16 +509,10 @@ void DeviceThinKV::attention(int layer, const float* queries, float* out, void* 
   KVSIFT_CHECK(workspace != nullptr && workspace_bytes >= need,
                "cuda::DeviceThinKV::attention: workspace of ", workspace_bytes,
                " bytes is too small (", need, " needed)");
-  const DevicePagedTable& dev = devices_[static_cast<std::size_t>(layer)];
-  std::vector<std::int32_t> seqs(static_cast<std::size_t>(batch_));
-  for (std::int32_t b = 0; b < batch_; ++b) seqs[b] = b;
-  const std::size_t view_bytes = align_up(paged_batch_bytes(dev, seqs.data(), batch_));
-  const PagedBatch pb =
-      upload_paged_batch(dev, seqs.data(), batch_, workspace, view_bytes, stream_);
-  paged_decode_attention_batch(dev, pb, queries, config_.q_heads, config_.head_dim,
+  paged_decode_attention_batch(devices_[static_cast<std::size_t>(layer)], page_tables(layer),
+                               queries, config_.q_heads, config_.head_dim,
                                1.0f / std::sqrt(static_cast<float>(config_.head_dim)), out,
-                               static_cast<std::uint8_t*>(workspace) + view_bytes,
-                               workspace_bytes - view_bytes, stream_);
+                               workspace, workspace_bytes, stream_);
 }
 
 const ThinKVSchedule& DeviceThinKV::schedule(std::int32_t seq) const {

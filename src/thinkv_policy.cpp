@@ -1,8 +1,6 @@
 // ThinKVPolicy: batched engine tensors in, one ThinKV pipeline per sequence.
 #include "kvsift/policy/thinkv/thinkv_policy.hpp"
 
-#include <algorithm>
-
 #include "kvsift/backend/device_backend.hpp"
 
 namespace kvsift {
@@ -166,12 +164,7 @@ std::vector<std::int32_t> ThinKVPolicy::resident_positions(int layer, std::int64
                                                            std::int64_t kv_head) const {
   if (device_) return device_->resident_positions(layer, seq, kv_head);
   const ThinKV& s = sequence(seq);
-  std::vector<std::int32_t> p;
-  for (const auto& t :
-       s.table(layer).resident_tokens(s.sequence_id(), static_cast<std::int32_t>(kv_head)))
-    p.push_back(t.position);
-  std::sort(p.begin(), p.end());
-  return p;
+  return s.table(layer).resident_positions(s.sequence_id(), static_cast<std::int32_t>(kv_head));
 }
 
 std::int64_t ThinKVPolicy::evicting_layer_steps() const {

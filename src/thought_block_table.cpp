@@ -604,6 +604,14 @@ std::vector<ResidentToken> ThoughtBlockTable::resident_tokens(std::int32_t seq, 
   return out;
 }
 
+std::vector<std::int32_t> ThoughtBlockTable::resident_positions(std::int32_t seq,
+                                                                std::int32_t head) const {
+  std::vector<std::int32_t> p;
+  for (const ResidentToken& t : resident_tokens(seq, head)) p.push_back(t.position);
+  std::sort(p.begin(), p.end());
+  return p;
+}
+
 void ThoughtBlockTable::staged_rows(std::int32_t seq, std::int32_t head, std::vector<float>& keys,
                                     std::vector<float>& values) const {
   const Sequence& s = sequence(seq, "staged_rows");

@@ -229,6 +229,11 @@ TEST_CASE("eviction moves no byte of any block", "[thought_block_table]") {
         ++live;
       }
       REQUIRE(t.live_tokens(seq, h) == live);
+      // resident_positions: the survivors' positions, ascending, staged ones included.
+      std::vector<std::int32_t> kept;
+      for (std::int32_t p = 0; p < 100; ++p)
+        if (!std::binary_search(evicted[h].begin(), evicted[h].end(), p)) kept.push_back(p);
+      REQUIRE(t.resident_positions(seq, h) == kept);
     }
   }
 }

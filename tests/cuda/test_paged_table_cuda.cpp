@@ -379,6 +379,8 @@ TEST_CASE("device CT table: freed blocks, refilled runs with fresh scales, per-f
   REQUIRE(dev.table.used_frames(BlockFormat::nvfp4) == 2);
   REQUIRE(dev.table.used_frames(BlockFormat::ternary) == 1);
   REQUIRE(dev.table.used_frames(BlockFormat::f32) == 1);
+  // page_version counts page-table changes: 4 blocks taken.
+  REQUIRE(dev.table.page_version() == 4);
 
   // Every token of the first NVFP4 block (positions 0-31) in both heads: the block is freed.
   for (std::int32_t h = 0; h < 2; ++h) {
@@ -392,6 +394,7 @@ TEST_CASE("device CT table: freed blocks, refilled runs with fresh scales, per-f
   REQUIRE(cpu.num_blocks(seq) == 3);
   require_same_blocks(cpu, dev, seq);
   REQUIRE(dev.table.used_frames(BlockFormat::nvfp4) == 1);
+  REQUIRE(dev.table.page_version() == 5);  // one block freed
 
   // Head 0 only: slots 16-31 of the remaining NVFP4 block (positions 48-63): a free run there.
   {
@@ -402,12 +405,14 @@ TEST_CASE("device CT table: freed blocks, refilled runs with fresh scales, per-f
     REQUIRE(victims.size() == 16);
     test::evict_both(cpu, dev, seq, 0, victims);
   }
+  REQUIRE(dev.table.page_version() == 5);  // bits only: the page table is unchanged
   // 10 + 6 staged NVFP4 tokens from a shifted distribution (keys ×4): head 0 refills the run
   // with fresh scales, head 1 takes a new block; the freed frame is reused.
   cpu.open_segment(seq, ThoughtType::reasoning);
   add(10, 4.0f);
   flush();
   REQUIRE(dev.table.used_frames(BlockFormat::nvfp4) == 2);
+  REQUIRE(dev.table.page_version() == 6);
   // Reasoning tokens until the CPU table takes a fourth NVFP4 block: the mirror's NVFP4 pool holds
   // 3 frames, so that token is refused (nothing recorded), naming the format. Every block taken
   // before is checked byte for byte.

@@ -181,6 +181,9 @@ class ThoughtBlockTable {
   // in position order); `segment` >= 0 keeps only that segment's.
   std::vector<ResidentToken> resident_tokens(std::int32_t seq, std::int32_t head,
                                              std::int32_t segment = -1) const;
+  // The generation positions of resident_tokens(seq, head), ascending (what an engine asks
+  // which tokens one KV head still attends to).
+  std::vector<std::int32_t> resident_positions(std::int32_t seq, std::int32_t head) const;
   std::int64_t live_tokens(std::int32_t seq, std::int32_t head) const;
   // What TBE's per-(layer, KV head) token choice needs (segment_evictor.hpp's
   // segment_eviction_marks): the dequantized keys and positions of a segment's live tokens in one

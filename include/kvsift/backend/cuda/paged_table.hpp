@@ -30,7 +30,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <map>
 #include <vector>
 
 #include "kvsift/core/dtype.hpp"
@@ -150,11 +149,14 @@ struct PagedRowWrite {  // one (token, KV head) of an f32 block: its key and val
 };
 struct PagedStreamOp {  // one token staged in one (sequence, type, head), then maybe a seal
   std::int32_t token, row;
-  std::int32_t seal;                       // 1: the 16 rows now form a group: quantize it
-  std::int32_t frame, first_slot, format;  // where the group goes (seal only)
-  std::int64_t base;                       // byte offset of the (frame, head) in storage
-  std::int32_t order[16];                  // staging rows in position order (seal only)
-  std::int32_t positions[16];              // their positions (seal only)
+  std::int32_t seal;  // >= 0: the 16 rows now form a group, quantized as seals[seal] says
+};
+struct PagedSeal {                         // where a completed group goes
+  std::int32_t frame, first_slot, format;  // its first slot in the frame, the frame's format
+  std::int32_t pad;
+  std::int64_t base;           // byte offset of the (frame, head) in storage
+  std::int32_t order[16];      // staging rows in position order
+  std::int32_t positions[16];  // their positions
 };
 struct PagedStreamTask {  // every op of a batch on one (sequence, type, head), in order
   std::int64_t stream;    // (seq · 3 + type) · kv_heads + head
@@ -248,6 +250,10 @@ class DevicePagedTable {
   int staged_count(std::int32_t seq, ThoughtType type, std::int32_t head) const;
   // Frames of each format's pool in use.
   std::int32_t used_frames(BlockFormat format) const;
+  // Changes whenever the page table of any sequence gains or loses a block (record_append took
+  // one, evict or release_sequence freed one): page tables uploaded at one version
+  // (upload_paged_batch) stay valid while it holds.
+  std::uint64_t page_version() const { return page_version_; }
   // The mirror's resident bytes, by the same accounting as ThoughtBlockTable::resident_bytes()
   // (block_bytes.hpp): its own blocks (block_bytes of each block's format), eviction masks and
   // positions, staging and global factors, plus the host-side metadata that stays with `table`
@@ -286,11 +292,16 @@ class DevicePagedTable {
   std::vector<std::int64_t> offsets_;           // [num_blocks] device byte offset, -1 unused
   std::vector<std::int32_t> pool_free_[4];      // free pool indices, lowest on top (back)
   std::vector<std::int32_t> staged_positions_;  // [max_sequences · 3 · kv_heads, 16], -1 free
+  std::uint64_t page_version_ = 0;
   // The recorded batch.
   std::int32_t pending_tokens_ = 0;
   std::vector<detail::PagedFreshFrame> fresh_;
   std::vector<detail::PagedRowWrite> rows_;
-  std::map<std::int64_t, std::vector<detail::PagedStreamOp>> ops_;  // by stream
+  std::vector<detail::PagedStreamOp> ops_;    // in recording order
+  std::vector<std::int32_t> op_task_;         // [ops_] its stream's task (index in task_streams_)
+  std::vector<detail::PagedSeal> seals_;      // the groups completed by ops_
+  std::vector<std::int64_t> task_streams_;    // the streams with ops, in order of first op
+  std::vector<std::int32_t> task_of_stream_;  // [max_sequences · 3 · kv_heads] task, -1 none
 };
 
 // Decode attention of one query token over a sequence of the device table (§3.4): per query head

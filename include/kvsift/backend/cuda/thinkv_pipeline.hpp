@@ -76,6 +76,7 @@ class DeviceThinKV {
   std::vector<EvictionStep> end_step();
 
   // --- attention -------------------------------------------------------------------------------
+  // Both bring the layer's device page tables up to date first (page_tables()).
   std::size_t attention_workspace_bytes(int layer) const;
   // Gather-free paged decode attention (cuda::paged_decode_attention_batch), softmax scale
   // 1/sqrt(head_dim). queries, out: device [batch, q_heads, head_dim] f32
@@ -89,6 +90,11 @@ class DeviceThinKV {
   // The layer's placement (metadata only) and its device mirror (the data).
   const ThoughtBlockTable& table(int layer) const;
   const DevicePagedTable& device_table(int layer) const;
+  // The layer's page tables of all sequences in the pipeline's own device memory, uploaded (on
+  // the stream) only when a block was taken or freed since the last upload
+  // (DevicePagedTable::page_version): the attention and the sparsity read them, so a step
+  // without block changes walks no page table. Requires the layer's append to be written.
+  const PagedBatch& page_tables(int layer) const;
   // Memory as ThinKV reports it, summed over layers (block_bytes.hpp): the device tables' bytes,
   // and an fp16 FullKV of every sequence's tokens.
   TableBytes resident_bytes() const;
@@ -111,6 +117,14 @@ class DeviceThinKV {
   std::vector<int> observed_;              // L* layers observed this step, in order
   std::uint8_t* scratch_ = nullptr;        // device, scratch_bytes_
   std::size_t scratch_bytes_ = 0;
+  struct PageTables {  // one layer's uploaded page tables
+    PagedBatch view;
+    std::uint64_t version = 0;
+    bool current = false;
+    std::uint8_t* memory = nullptr;  // device, page_bytes_
+  };
+  mutable std::vector<PageTables> pages_;  // [num_layers]
+  std::size_t page_bytes_ = 0;
 };
 
 }  // namespace kvsift::cuda
