@@ -134,10 +134,8 @@ class ThinKVDemoPolicy final : public DemoPolicy {
     for (std::int64_t b = 0; kv_ && b < kv_->batch(); ++b)
       tokens += kv_->sequence(b).resident_tokens();
     return {{"tokens/head", !kv_ ? "-" : std::to_string(tokens / kv_->batch())},
-            {"slots held/head (in pinned groups)",
-             !kv_ ? "-"
-                  : std::to_string(held_slots_per_head()) + " (" +
-                        std::to_string(pinned_group_slots_per_head()) + ")"},
+            {"slots held/head (in pinned groups)", !kv_ ? "-" : format_slots()},
+            {"by type: held/pinned/live per head (segments)", !kv_ ? "-" : format_slots_by_type()},
             {"codes+scales / metadata / staging", !kv_ ? "-" : format_split()},
             {"refill; key rel. err of block-resident tokens",
              !kv_ ? "-" : format_refill() + "; " + format_key_error()},
@@ -151,42 +149,63 @@ class ThinKVDemoPolicy final : public DemoPolicy {
   float theta2() const { return theta2_; }
 
  private:
-  // Slots of the blocks ThinKV holds, per (layer, KV head) and sequence: every block gives each
-  // head block_size slots, live or not (what the memory pays for, next to tokens/head).
-  std::int64_t held_slots_per_head() const {
-    std::int64_t slots = 0;
+  // Slots per (layer, KV head) and sequence, by the thought type of their block. held: every
+  // block gives each head block_size slots, live or not (what the memory pays for, next to
+  // tokens/head). pinned: slots of the 16-slot groups that hold at least one live token — a group
+  // is refilled only as a whole (docs/algorithms.md §3.4), so these stay taken whatever the
+  // frames around them do; the rest of the held slots are whole free groups inside frames some
+  // other head or group keeps. live: the live tokens in blocks. segments: of the first sequence.
+  struct SlotCounts {
+    std::int64_t held[3] = {}, pinned[3] = {}, live[3] = {}, segments[3] = {};
+  };
+  SlotCounts slot_counts() const {
+    SlotCounts c;
     for (std::int64_t b = 0; b < kv_->batch(); ++b) {
       const kvsift::ThinKV& seq = kv_->sequence(b);
+      const std::int32_t id = seq.sequence_id();
       for (int l = 0; l < layers_; ++l) {
         const kvsift::ThoughtBlockTable& t = seq.table(l);
-        slots += static_cast<std::int64_t>(t.num_blocks(seq.sequence_id())) * t.config().block_size;
-      }
-    }
-    return slots / (kv_->batch() * layers_);
-  }
-  // Slots of the 16-slot groups that hold at least one live token, per (layer, KV head) and
-  // sequence: a group is refilled only as a whole (docs/algorithms.md §3.4), so these slots stay
-  // taken whatever the frames around them do; the rest of the held slots are whole free groups
-  // inside frames some other head or group keeps.
-  std::int64_t pinned_group_slots_per_head() const {
-    std::int64_t slots = 0;
-    for (std::int64_t b = 0; b < kv_->batch(); ++b) {
-      const kvsift::ThinKV& seq = kv_->sequence(b);
-      for (int l = 0; l < layers_; ++l) {
-        const kvsift::ThoughtBlockTable& t = seq.table(l);
-        const std::int32_t id = seq.sequence_id();
         for (std::int32_t blk = 0; blk < t.num_blocks(id); ++blk) {
+          const int type = static_cast<int>(t.block_info(id, blk).type);
           for (int h = 0; h < kv_heads_; ++h) {
+            c.held[type] += t.config().block_size;
             const std::uint64_t* free = t.free_mask(id, blk, h);
             for (int first = 0; first < t.config().block_size; first += 16) {
               const std::uint64_t run = (free[first / 64] >> (first % 64)) & 0xffffu;
-              slots += run != 0xffffu ? 16 : 0;
+              c.pinned[type] += run != 0xffffu ? 16 : 0;
+              c.live[type] += 16 - __builtin_popcountll(run);
             }
           }
         }
       }
     }
-    return slots / (kv_->batch() * layers_ * kv_heads_);
+    const std::int64_t heads = kv_->batch() * layers_ * kv_heads_;
+    for (int type = 0; type < 3; ++type) {
+      c.held[type] /= heads;
+      c.pinned[type] /= heads;
+      c.live[type] /= heads;
+    }
+    const kvsift::ThinKV& first = kv_->sequence(0);
+    for (int g = 0; g < first.table(0).num_segments(first.sequence_id()); ++g)
+      ++c.segments[static_cast<int>(first.table(0).segment_type(first.sequence_id(), g))];
+    return c;
+  }
+  std::string format_slots() const {
+    const SlotCounts c = slot_counts();
+    return std::to_string(c.held[0] + c.held[1] + c.held[2]) + " (" +
+           std::to_string(c.pinned[0] + c.pinned[1] + c.pinned[2]) + ")";
+  }
+  // Why slots stay held: a pinned run is refilled only by tokens of its own type, so the types
+  // that few later segments have keep their survivors' groups (docs/thinkv.md §6).
+  std::string format_slots_by_type() const {
+    const SlotCounts c = slot_counts();
+    std::string out;
+    for (int type = 0; type < 3; ++type) {
+      out += std::string(type ? ", " : "") + "RET"[type] + " " + std::to_string(c.held[type]) +
+             "/" + std::to_string(c.pinned[type]) + "/" + std::to_string(c.live[type]) + " (" +
+             std::to_string(c.segments[type]) + " seg)";
+    }
+    return out;
   }
   // ThinKV's resident bytes split as the tables report them (block_bytes.hpp), in KiB.
   std::string format_split() const {

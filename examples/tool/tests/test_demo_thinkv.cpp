@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "catch.hpp"
@@ -102,6 +103,48 @@ TEST_CASE("the ThinKV adapter's positions, bytes and evictions match ThinKV's ow
   REQUIRE(rep.recall_samples > 0);
   REQUIRE(rep.recall() >= 0.0);
   REQUIRE(rep.recall() <= 1.0);
+
+  // The slot columns, recounted here from the tables: held slots and block-resident live tokens
+  // by the thought type of their block, per (layer, KV head) and sequence; segments of sequence 0.
+  std::int64_t held[3] = {}, live[3] = {}, segments[3] = {};
+  for (int b = 0; b < 2; ++b) {
+    const ThinKV& kv = adapter.thinkv()->sequence(b);
+    for (int l = 0; l < g.layers; ++l) {
+      const ThoughtBlockTable& t = kv.table(l);
+      for (std::int32_t blk = 0; blk < t.num_blocks(kv.sequence_id()); ++blk)
+        held[static_cast<int>(t.block_info(kv.sequence_id(), blk).type)] +=
+            t.config().block_size * g.kv_heads;
+      for (int h = 0; h < g.kv_heads; ++h) {
+        for (const auto& tok : t.resident_tokens(kv.sequence_id(), h)) {
+          if (tok.address.block == kStagedBlock) continue;
+          ++live[static_cast<int>(t.block_info(kv.sequence_id(), tok.address.block).type)];
+        }
+      }
+      if (b == 0 && l == 0) {
+        for (std::int32_t s = 0; s < t.num_segments(kv.sequence_id()); ++s)
+          ++segments[static_cast<int>(t.segment_type(kv.sequence_id(), s))];
+      }
+    }
+  }
+  const std::int64_t heads = 2 * g.layers * g.kv_heads;
+  std::string by_type, held_total;
+  for (const auto& column : rep.extra_columns) {
+    if (column.first == "by type: held/pinned/live per head (segments)") by_type = column.second;
+    if (column.first == "slots held/head (in pinned groups)") held_total = column.second;
+  }
+  REQUIRE(held_total.rfind(std::to_string((held[0] + held[1] + held[2]) / heads) + " (", 0) == 0);
+  for (int type = 0; type < 3; ++type) {
+    INFO(by_type);
+    const std::string prefix =
+        std::string(1, "RET"[type]) + " " + std::to_string(held[type] / heads) + "/";
+    const std::size_t at = by_type.find(prefix);
+    REQUIRE(at != std::string::npos);
+    const std::string rest = by_type.substr(at + prefix.size());  // "pinned/live (n seg)..."
+    const std::string tail = rest.substr(rest.find('/') + 1);
+    REQUIRE(tail.rfind(std::to_string(live[type] / heads) + " (" + std::to_string(segments[type]) +
+                           " seg)",
+                       0) == 0);
+  }
 }
 
 TEST_CASE("the ThinKV adapter calibrates theta1/theta2 as sparsity quantiles", "[demo][thinkv]") {
