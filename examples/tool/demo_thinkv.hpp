@@ -133,14 +133,16 @@ class ThinKVDemoPolicy final : public DemoPolicy {
         0;  // resident per (layer, KV head): the same in all, summed over sequences
     for (std::int64_t b = 0; kv_ && b < kv_->batch(); ++b)
       tokens += kv_->sequence(b).resident_tokens();
-    return {{"tokens/head", !kv_ ? "-" : std::to_string(tokens / kv_->batch())},
-            {"slots held/head (in pinned groups)", !kv_ ? "-" : format_slots()},
-            {"by type: held/pinned/live per head (segments)", !kv_ ? "-" : format_slots_by_type()},
-            {"codes+scales / metadata / staging", !kv_ ? "-" : format_split()},
-            {"refill; key rel. err of block-resident tokens",
-             !kv_ ? "-" : format_refill() + "; " + format_key_error()},
-            {"theta1 / theta2 (calibrated)",
-             !kv_ ? "-" : format_theta(theta1_) + " / " + format_theta(theta2_)}};
+    const SlotCounts slots = kv_ ? slot_counts() : SlotCounts{};  // one walk of the tables
+    return {
+        {"tokens/head", !kv_ ? "-" : std::to_string(tokens / kv_->batch())},
+        {"slots held/head (in pinned groups)", !kv_ ? "-" : format_slots(slots)},
+        {"by type: held/pinned/live per head (segments)", !kv_ ? "-" : format_slots_by_type(slots)},
+        {"codes+scales / metadata / staging", !kv_ ? "-" : format_split()},
+        {"refill; key rel. err of block-resident tokens",
+         !kv_ ? "-" : format_refill() + "; " + format_key_error()},
+        {"theta1 / theta2 (calibrated)",
+         !kv_ ? "-" : format_theta(theta1_) + " / " + format_theta(theta2_)}};
   }
 
   // For tests and the banner: the library policy, nullptr while calibrating.
@@ -190,15 +192,13 @@ class ThinKVDemoPolicy final : public DemoPolicy {
       ++c.segments[static_cast<int>(first.table(0).segment_type(first.sequence_id(), g))];
     return c;
   }
-  std::string format_slots() const {
-    const SlotCounts c = slot_counts();
+  static std::string format_slots(const SlotCounts& c) {
     return std::to_string(c.held[0] + c.held[1] + c.held[2]) + " (" +
            std::to_string(c.pinned[0] + c.pinned[1] + c.pinned[2]) + ")";
   }
   // Why slots stay held: a pinned run is refilled only by tokens of its own type, so the types
   // that few later segments have keep their survivors' groups (docs/thinkv.md §6).
-  std::string format_slots_by_type() const {
-    const SlotCounts c = slot_counts();
+  static std::string format_slots_by_type(const SlotCounts& c) {
     std::string out;
     for (int type = 0; type < 3; ++type) {
       out += std::string(type ? ", " : "") + "RET"[type] + " " + std::to_string(c.held[type]) +
