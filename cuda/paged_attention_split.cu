@@ -4,15 +4,21 @@
 // Grid (splits, KV heads, batch), 4 warps per CTA, and no block-wide barrier after the setup:
 // each warp is its own split. Warp w of CTA split s walks the 32-slot tiles s·4·T + w + 4·i,
 // i < T (T = tiles per warp, interleaved so the CTA's four warps read neighbouring blocks).
+// The tiles' bytes are double-buffered: while the warp multiplies tile i, cp.async copies the
+// still-compressed codes and scales of tile i + 1 (4.5 KB for NVFP4 at head_dim 128) into the
+// warp's other shared-memory stage, so the warp never waits on a global load it has just issued
+// (the register-direct kernel it replaces loaded each k-chunk's codes just before multiplying
+// them and spent a third of its cycles waiting on L1TEX, bench/RESULTS.md run 32). The tiles'
+// descriptions (frame, live bits, format) are read 32 at a time, one per lane, and broadcast.
 // Per tile (one or two 16-slot groups sg of one block, one format) the warp
 //   1. computes S = Q·Kᵀ for the whole GQA group with mma.m16n8k16 (rows 0-7: the query heads'
 //      high halves, rows 8-15: their low halves, so the query is represented to ~2^-22), the
-//      B fragments built in registers straight from the key codes in global memory,
+//      B fragments built in registers from the key codes in its stage,
 //   2. runs the online softmax per query head in registers (4 lanes per head),
 //   3. accumulates O += P·V with P again split into high and low halves, the B fragments built
-//      in registers straight from the value codes.
-// No K/V byte goes through shared memory (only the query fragments live there), so a CTA needs
-// ~8 KB of shared memory and ≤ 128 registers per thread (head_dim ≤ 128): 4+ CTAs per SM.
+//      in registers from the value codes.
+// Only compressed bytes go through shared memory (never decoded tiles): 45 KB per CTA at
+// head_dim 128 and ≤ 128 registers per thread, 4 CTAs per SM.
 // Finally each warp writes one partial (max, sum, acc) per query head; merge_partials_kernel
 // combines them. Reading each KV tile once for all G query heads is what makes GQA cheap.
 //
@@ -68,6 +74,7 @@
 #include "kvsift/backend/cuda/paged_table.hpp"
 #include "kvsift/backend/cuda/workspace.hpp"
 #include "mma.cuh"
+#include "paged_batch_refs.cuh"
 
 namespace kvsift::cuda {
 namespace {
@@ -152,25 +159,26 @@ __device__ __forceinline__ __half2 e4m3x2(std::uint32_t x) {
       __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(x & 0xffffu), __NV_E4M3));
 }
 
-__device__ __forceinline__ std::uint32_t ldg_u32(const std::uint8_t* p) {
-  return __ldg(reinterpret_cast<const unsigned*>(p));
+// Loads from a warp's shared-memory stage (split_stage_tile copied the tile there).
+__device__ __forceinline__ std::uint32_t lds_u32(const std::uint8_t* p) {
+  return *reinterpret_cast<const std::uint32_t*>(p);
 }
 
 // kBytes (2, 4, 8 or 16, aligned to that) bytes at p as little-endian words, w[0] first.
 template <int kBytes>
-__device__ __forceinline__ void ldg_words(const std::uint8_t* p,
+__device__ __forceinline__ void lds_words(const std::uint8_t* p,
                                           std::uint32_t (&w)[(kBytes + 3) / 4]) {
   if constexpr (kBytes == 2) {
-    w[0] = __ldg(reinterpret_cast<const unsigned short*>(p));
+    w[0] = *reinterpret_cast<const unsigned short*>(p);
   } else if constexpr (kBytes == 4) {
-    w[0] = ldg_u32(p);
+    w[0] = lds_u32(p);
   } else if constexpr (kBytes == 8) {
-    const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
     w[0] = v.x;
     w[1] = v.y;
   } else {
     static_assert(kBytes == 16, "value codes per lane and slot");
-    const uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+    const uint4 v = *reinterpret_cast<const uint4*>(p);
     w[0] = v.x;
     w[1] = v.y;
     w[2] = v.z;
@@ -194,14 +202,14 @@ __device__ __forceinline__ void key_fragments(const std::uint8_t* codes, std::ui
     // Group (8 bytes) of channel c0 + j at codes + 8j; byte g (slot 2g low nibble, 2g + 1 high)
     // lies in its word g / 4, at byte g % 4. The 8 lanes of one t read the same 32 bytes.
     const std::uint8_t* p = codes + 4 * (g >> 2);
-    const std::uint32_t w0 = ldg_u32(p), w1 = ldg_u32(p + 8), w2 = ldg_u32(p + 16),
-                        w3 = ldg_u32(p + 24);
+    const std::uint32_t w0 = lds_u32(p), w1 = lds_u32(p + 8), w2 = lds_u32(p + 16),
+                        w3 = lds_u32(p + 24);
     const unsigned sel = (g & 3) | (((g & 3) + 4) << 4);  // [a.byte(g%4), b.byte(g%4)]
     x = __byte_perm(__byte_perm(w0, w2, sel), __byte_perm(w1, w3, sel), 0x5410);
   } else {
     // Group (4 bytes, slot i at bits 2i) of channel c0 + j is word j of these 16 bytes; slots
     // 2g, 2g + 1 are nibble g: byte g / 2, nibble g % 2.
-    const uint4 w = __ldg(reinterpret_cast<const uint4*>(codes));
+    const uint4 w = *reinterpret_cast<const uint4*>(codes);
     const unsigned sel = (g >> 1) | (((g >> 1) + 4) << 4);
     const std::uint32_t z =  // bytes [ch0, ch2, ch1, ch3] holding the wanted nibbles
         __byte_perm(__byte_perm(w.x, w.z, sel), __byte_perm(w.y, w.w, sel), 0x5410);
@@ -355,16 +363,8 @@ __device__ void setup_query(const float* q,  // [G, D]
 }
 
 struct SplitArgs {
-  const std::uint8_t* storage;        // the format pools
-  const std::int64_t* frame_offsets;  // [num_blocks] byte offset of each frame in storage
-  const std::uint64_t* masks;         // [num_blocks, kv_heads, mask_words]
-  const float* global_factors;        // [kv_heads]
-  const std::int32_t* frames;         // [total_blocks]
-  const std::int32_t* meta;           // [total_blocks]
-  const std::int32_t* block_begin;    // [batch + 1]
-  const std::int32_t* seq_ids;        // [batch]
-  PagedLayouts layouts;
-  int kv_heads, block_size, mask_words, tiles_per_block, group, tiles_per_warp, parts;
+  detail::PagedBatchRefs t;  // the table and the batch
+  int tiles_per_block, group, tiles_per_warp, parts;
   float softmax_scale;
   const float* query;  // [batch, kv_heads · group, D]
   float* part_acc;     // [batch, kv_heads, parts, group, D]
@@ -384,25 +384,38 @@ struct StagedArgs {
   float* part_ml;      // [batch, kv_heads, parts, group, 2]
 };
 
+// A warp's shared-memory stage holds one tile's bytes as split_stage_tile copies them, at fixed
+// offsets (NVFP4's sizes, the larger format's; a ternary tile uses the first part of each):
+// key codes of the tile's ≤ 2 groups (2 · D · 8 B), their key scales (2 · D), the value codes of
+// its ≤ 32 slots (32 · D / 2) and their value scales (32 · D / 16).
+template <int D>
+struct SplitStage {
+  static constexpr int key_scales = 16 * D, value_codes = 18 * D, value_scales = 34 * D;
+  static constexpr int bytes = 36 * D;
+};
+constexpr int kSplitStages = 2;  // per warp: the tile being multiplied and the next in flight
+
 template <int D>
 constexpr std::size_t split_shared_bytes(int group) {
-  return static_cast<std::size_t>((D / 16) * 32) * 16 +            // sQa
-         static_cast<std::size_t>(group) * D * 4 + kMaxGroup * 4;  // sQf, sQs
+  return static_cast<std::size_t>((D / 16) * 32) * 16 +                           // sQa
+         static_cast<std::size_t>(group) * D * 4 + kMaxGroup * 4 +                // sQf, sQs
+         static_cast<std::size_t>(kWarps) * kSplitStages * SplitStage<D>::bytes;  // stages
 }
 
 // Head dims the register-direct kernel takes: lane g's value codes of a slot (D/8 channels) are
 // whole 2-, 4-, 8- or 16-byte loads in both formats. 16 and 32 take the tiled kernel.
 bool split_head_dim_supported(std::int64_t d) { return d == 64 || d == 128 || d == 256; }
 
-// One tile (n = 16 or 32 slots from slot `start` of the block at `base`, format NVFP4 or ternary)
-// of one warp: S, online softmax, O += P·V, every operand built in registers (file comment).
-// qa: this lane's query A fragments, [D/16] at stride 32. live: bit s = slot start + s is live.
-// kfac: logit scale (log2 units), vfac: P scale (see the file comment).
+// One tile (n = 16 or 32 slots, format NVFP4 or ternary) of one warp from its shared-memory
+// stage `st` (SplitStage): S, online softmax, O += P·V, every MMA operand built in registers from
+// the codes (file comment). qa: this lane's query A fragments, [D/16] at stride 32. live: bit s =
+// slot s of the tile is live. kfac: logit scale (log2 units), vfac: P scale (file comment).
 template <int D, bool kNvfp4>
-__device__ __forceinline__ void split_tile(const std::uint8_t* base, const PagedHeadLayout& L,
-                                           int start, int n, unsigned live, const uint4* qa,
-                                           float kfac, float vfac, bool real_head, int g, int t,
-                                           float& m2, float& l, float (&acc)[D / 8][4]) {
+__device__ __forceinline__ void split_tile(const std::uint8_t* st, int n, unsigned live,
+                                           const uint4* qa, float kfac, float vfac, bool real_head,
+                                           int g, int t, float& m2, float& l,
+                                           float (&acc)[D / 8][4]) {
+  using Stage = SplitStage<D>;
   constexpr int kChunks = D / 16;
   constexpr int kCodeBytes = kNvfp4 ? 8 : 4;            // per group
   constexpr int kVBytes = kNvfp4 ? D / 16 : D / 32;     // lane's codes of one slot
@@ -422,9 +435,8 @@ __device__ __forceinline__ void split_tile(const std::uint8_t* base, const Paged
   for (int sg = 0; sg < 2; ++sg)
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) s[sg][nt][0] = s[sg][nt][1] = s[sg][nt][2] = s[sg][nt][3] = 0.0f;
-  const int sg0 = start / 16;
-  const std::uint8_t* kcodes = base + (static_cast<std::int64_t>(sg0) * D + 4 * t) * kCodeBytes;
-  const std::uint8_t* kscales = base + L.key_scales + static_cast<std::int64_t>(sg0) * D + 4 * t;
+  const std::uint8_t* kcodes = st + 4 * t * kCodeBytes;
+  const std::uint8_t* kscales = st + Stage::key_scales + 4 * t;
 #pragma unroll
   for (int kc = 0; kc < kChunks; ++kc) {
     const uint4 av = qa[kc * 32];
@@ -434,7 +446,7 @@ __device__ __forceinline__ void split_tile(const std::uint8_t* base, const Paged
       if (sg >= ngroups || glive[sg] == 0) continue;  // warp-uniform
       std::uint32_t kb[4];
       key_fragments<kNvfp4>(kcodes + (sg * D + kc * 16) * kCodeBytes,
-                            ldg_u32(kscales + sg * D + kc * 16), g, kb);
+                            lds_u32(kscales + sg * D + kc * 16), g, kb);
       detail::mma_16816<detail::Half16::f16>(s[sg][0], afr, kb[0], kb[2]);
       detail::mma_16816<detail::Half16::f16>(s[sg][1], afr, kb[1], kb[3]);
     }
@@ -457,8 +469,8 @@ __device__ __forceinline__ void split_tile(const std::uint8_t* base, const Paged
 
   // 3. O += P·V per group: A = P (k-order ρ: a0/a1 = slots 4t, 4t + 1, a2/a3 = 4t + 2, 4t + 3;
   // rows g: high halves, g + 8: low halves), B column n of n-tile j = channel n·D/8 + j.
-  const std::uint8_t* vcodes = base + L.value_codes + g * kVBytes;
-  const std::uint8_t* vscales = base + L.value_scales + (g * D) / 128;
+  const std::uint8_t* vcodes = st + Stage::value_codes + g * kVBytes;
+  const std::uint8_t* vscales = st + Stage::value_scales + (g * D) / 128;
 #pragma unroll
   for (int sg = 0; sg < 2; ++sg) {
     if (sg >= ngroups || glive[sg] == 0) continue;  // warp-uniform
@@ -471,10 +483,10 @@ __device__ __forceinline__ void split_tile(const std::uint8_t* base, const Paged
     std::uint32_t vc[4][kVWords], vs[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int slot = start + 16 * sg + 4 * t + i;
-      ldg_words<kVBytes>(vcodes + static_cast<std::int64_t>(slot) * 8 * kVBytes, vc[i]);
+      const int slot = 16 * sg + 4 * t + i;
+      lds_words<kVBytes>(vcodes + slot * 8 * kVBytes, vc[i]);
       const std::uint8_t* sp = vscales + slot * (D / 16);
-      vs[i] = kVScales == 2 ? __ldg(reinterpret_cast<const unsigned short*>(sp)) : __ldg(sp);
+      vs[i] = kVScales == 2 ? *reinterpret_cast<const unsigned short*>(sp) : *sp;
       if (!((glive[sg] >> (4 * t + i)) & 1u)) {  // dead slot: stale codes never enter
 #pragma unroll
         for (int w = 0; w < kVWords; ++w) vc[i][w] = 0;
@@ -536,9 +548,64 @@ __device__ __forceinline__ void write_split_partial(float* part_acc, float* part
   }
 }
 
+// What a warp needs of one of its tiles: live bits (0: skip it), format, and the byte offset in
+// storage of the tile's block's section for this KV head.
+struct SplitTileRef {
+  unsigned live = 0;
+  int nvfp4 = 0;
+  long long offset = 0;
+  int start = 0, n = 0;
+};
+
+// The description of tile `it` of the warp whose first unit is u_first (unit u_first + 4·it of
+// the sequence whose blocks start at `begin`), or a dead one past `tiles`. start and n are left
+// to the caller (they need no load).
+__device__ __forceinline__ SplitTileRef split_tile_ref(const SplitArgs& a, int begin, int u_first,
+                                                       int it, int tiles, int h) {
+  SplitTileRef r;
+  if (it >= tiles) return r;
+  const int u = u_first + it * kWarps;
+  const int blk = begin + u / a.tiles_per_block, start = (u % a.tiles_per_block) * kTileSlots;
+  const int n = min(kTileSlots, a.t.block_size - start);
+  const std::int64_t frame = a.t.frames[blk];
+  const std::uint64_t word =
+      a.t.masks[(frame * a.t.kv_heads + h) * a.t.mask_words + start / 64];  // free bit = 1
+  r.live = ~static_cast<unsigned>(word >> (start % 64)) & (n == 32 ? 0xffffffffu : 0xffffu);
+  r.nvfp4 = (a.t.meta[blk] & 0xf) == kFormatNvfp4;  // else ternary (split_kernel_takes)
+  const std::int64_t head_bytes = r.nvfp4 ? a.t.layouts.by_format[kFormatNvfp4].head_bytes
+                                          : a.t.layouts.by_format[kFormatTernary].head_bytes;
+  r.offset = a.t.frame_offsets[frame] + h * head_bytes;
+  return r;
+}
+
+// Issues the cp.async copies of tile r's bytes into the warp's stage `st` (SplitStage layout):
+// four contiguous runs of 16-byte chunks (every section offset and length is a multiple of 16).
+template <int D>
+__device__ __forceinline__ void split_stage_tile(std::uint8_t* st, const SplitArgs& a,
+                                                 const SplitTileRef& r, int lane) {
+  if (r.live == 0) return;
+  using Stage = SplitStage<D>;
+  const PagedHeadLayout& L =
+      r.nvfp4 ? a.t.layouts.by_format[kFormatNvfp4] : a.t.layouts.by_format[kFormatTernary];
+  const int cb = r.nvfp4 ? 8 : 4;  // code bytes per group
+  const std::uint8_t* base = a.t.storage + r.offset;
+  const int groups = r.n / 16;
+  const auto copy = [&](int dst, std::int64_t src, int bytes) {
+    for (int c = lane * 16; c < bytes; c += 32 * 16)
+      detail::cp_async16(st + dst + c, base + src + c, true);
+  };
+  copy(0, static_cast<std::int64_t>(r.start / 16) * D * cb, groups * D * cb);
+  copy(Stage::key_scales, L.key_scales + static_cast<std::int64_t>(r.start / 16) * D, groups * D);
+  copy(Stage::value_codes, L.value_codes + static_cast<std::int64_t>(r.start) * (D / 16) * cb,
+       r.n * (D / 16) * cb);
+  copy(Stage::value_scales, L.value_scales + static_cast<std::int64_t>(r.start) * (D / 16),
+       r.n * (D / 16));
+}
+
 template <int D>
 __global__ void __launch_bounds__(kThreads, D >= 256 ? 2 : 4) split_decode_kernel(SplitArgs a) {
   static_assert(D == 64 || D == 128 || D == 256, "head_dim (split_head_dim_supported)");
+  using Stage = SplitStage<D>;
   constexpr int kChunks = D / 16;  // 16-channel MMA k-steps of Q·Kᵀ
   extern __shared__ __align__(16) std::uint8_t smem[];
   uint4* sQa = reinterpret_cast<uint4*>(smem);  // [kChunks][32 lanes] fp16 A fragments (π)
@@ -546,16 +613,16 @@ __global__ void __launch_bounds__(kThreads, D >= 256 ? 2 : 4) split_decode_kerne
   float* sQs = sQf + a.group * D;                             // [kMaxGroup] 2^e per head
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z, G = a.group;
-  const int H = a.kv_heads;
+  const int H = a.t.kv_heads;
   const float* q = a.query + (static_cast<std::int64_t>(b) * H + h) * G * D;
 
   setup_query<D, false>(q, G, sQf, sQs, sQa);
 
   // --- this warp's run of tiles -----------------------------------------------------------------
   const int g = lane / 4, t = lane % 4;  // MMA row (query head) and column pair of this lane
-  const int begin = a.block_begin[b];
-  const int units = (a.block_begin[b + 1] - begin) * a.tiles_per_block;
-  const float gf = a.global_factors[h];
+  const int begin = a.t.block_begin[b];
+  const int units = (a.t.block_begin[b + 1] - begin) * a.tiles_per_block;
+  const float gf = a.t.global_factors[h];
   const float conv_nvfp4 = 16384.0f / gf;  // NVFP4 16-bit value × this = dequantized value
   int pe = 0;
   frexpf(fmaxf(conv_nvfp4, 1.0f), &pe);
@@ -568,55 +635,54 @@ __global__ void __launch_bounds__(kThreads, D >= 256 ? 2 : 4) split_decode_kerne
 #pragma unroll
   for (int i = 0; i < D / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
 
+  // Tile it of this warp is unit u_first + 4·it. Its description (live bits, format, byte offset of
+  // its head's section) is read 32 tiles at a time, lane j holding tile 32c + j's, and broadcast
+  // from there; its bytes are copied into stage it % 2 by cp.async while tile it − 1 is multiplied,
+  // so a warp never waits on a global load it has just issued.
+  std::uint8_t* stages = smem + split_shared_bytes<D>(G) -
+                         static_cast<std::size_t>(kWarps - warp) * kSplitStages * Stage::bytes;
   const int u_first = split * kWarps * a.tiles_per_warp + warp;
-  for (int it = 0; it < a.tiles_per_warp; ++it) {
-    const int u = u_first + it * kWarps;
-    if (u >= units) break;
-    const int blk = begin + u / a.tiles_per_block, start = (u % a.tiles_per_block) * kTileSlots;
-    const int n = min(kTileSlots, a.block_size - start);  // 16 or 32 (block_size % 16 == 0)
-    const std::int64_t frame = a.frames[blk];
-    const std::uint64_t word =
-        a.masks[(frame * H + h) * a.mask_words + start / 64];  // free bit = 1
-    const unsigned live =
-        ~static_cast<unsigned>(word >> (start % 64)) & (n == 32 ? 0xffffffffu : 0xffffu);
-    if (live == 0) continue;  // the same in every lane
-    const int format = a.meta[blk] & 0xf;
-    const std::uint8_t* frame_base = a.storage + a.frame_offsets[frame];
-
-    // L2 prefetch of this warp's next tile: its loads then hit L2 while this tile is multiplied.
-    if (it + 1 < a.tiles_per_warp && u + kWarps < units) {
-      const int u2 = u + kWarps;
-      const int blk2 = begin + u2 / a.tiles_per_block;
-      const int start2 = (u2 % a.tiles_per_block) * kTileSlots;
-      const int n2 = min(kTileSlots, a.block_size - start2);
-      const PagedHeadLayout& L2 = a.layouts.by_format[a.meta[blk2] & 0xf];
-      const std::uint8_t* base2 = a.storage + a.frame_offsets[a.frames[blk2]] + h * L2.head_bytes;
-      const int code_bytes = (n2 / 16) * D * L2.code_bytes;  // of the keys; values the same
-      const int scale_bytes = (n2 / 16) * D;
-      const std::uint8_t* kp = base2 + static_cast<std::int64_t>(start2 / 16) * D * L2.code_bytes;
-      const std::uint8_t* vp =
-          base2 + L2.value_codes + static_cast<std::int64_t>(start2) * (D / 16) * L2.code_bytes;
-      for (int off = lane * 128; off < code_bytes; off += 32 * 128) {
-        prefetch_l2(kp + off);
-        prefetch_l2(vp + off);
-      }
-      if (lane * 128 < scale_bytes) {
-        prefetch_l2(base2 + L2.key_scales + (start2 / 16) * D + lane * 128);
-        prefetch_l2(base2 + L2.value_scales + start2 * (D / 16) + lane * 128);
+  const int tiles = max(0, min(a.tiles_per_warp, (units - u_first + kWarps - 1) / kWarps));
+  SplitTileRef mine;               // this lane's tile of the current run of 32
+  const auto tile = [&](int it) {  // tile it's description; it < tiles, it / 32 the loaded run
+    SplitTileRef r;
+    r.live = __shfl_sync(0xffffffffu, mine.live, it % 32);
+    r.nvfp4 = __shfl_sync(0xffffffffu, mine.nvfp4, it % 32);
+    r.offset = __shfl_sync(0xffffffffu, mine.offset, it % 32);
+    r.start = ((u_first + it * kWarps) % a.tiles_per_block) * kTileSlots;
+    r.n = min(kTileSlots, a.t.block_size - r.start);  // 16 or 32 (block_size % 16 == 0)
+    return r;
+  };
+  if (tiles > 0) mine = split_tile_ref(a, begin, u_first, lane, tiles, h);
+  SplitTileRef cur;
+  if (tiles > 0) {
+    cur = tile(0);
+    split_stage_tile<D>(stages, a, cur, lane);
+  }
+  detail::cp_async_commit();
+  for (int it = 0; it < tiles; ++it) {
+    if ((it + 1) % 32 == 0 && it + 1 < tiles)
+      mine = split_tile_ref(a, begin, u_first, it + 1 + lane, tiles, h);
+    SplitTileRef next;
+    if (it + 1 < tiles) {
+      next = tile(it + 1);
+      split_stage_tile<D>(stages + ((it + 1) % kSplitStages) * Stage::bytes, a, next, lane);
+    }
+    detail::cp_async_commit();   // possibly empty: one group per iteration keeps the count
+    detail::cp_async_wait<1>();  // tile it's group has landed (for this lane)
+    __syncwarp();                // ... and for every lane
+    const std::uint8_t* st = stages + (it % kSplitStages) * Stage::bytes;
+    if (cur.live != 0) {
+      if (cur.nvfp4) {
+        split_tile<D, true>(st, cur.n, cur.live, qa, conv_nvfp4 * qinv * a.softmax_scale * kLog2e,
+                            conv_nvfp4 * pexp, g < G, g, t, m2, l, acc);
+      } else {
+        split_tile<D, false>(st, cur.n, cur.live, qa, qinv * a.softmax_scale * kLog2e, pexp, g < G,
+                             g, t, m2, l, acc);
       }
     }
-
-    // Constant layout indices (the format is one of two): no dynamic indexing into the params.
-    if (format == kFormatNvfp4) {
-      const PagedHeadLayout& L = a.layouts.by_format[kFormatNvfp4];
-      split_tile<D, true>(frame_base + h * L.head_bytes, L, start, n, live, qa,
-                          conv_nvfp4 * qinv * a.softmax_scale * kLog2e, conv_nvfp4 * pexp, g < G, g,
-                          t, m2, l, acc);
-    } else {  // ternary (split_kernel_takes admits no other format)
-      const PagedHeadLayout& L = a.layouts.by_format[kFormatTernary];
-      split_tile<D, false>(frame_base + h * L.head_bytes, L, start, n, live, qa,
-                           qinv * a.softmax_scale * kLog2e, pexp, g < G, g, t, m2, l, acc);
-    }
+    __syncwarp();  // every lane is done with stage it % 2 before tile it + 2 is copied into it
+    cur = next;
   }
 
   write_split_partial<D>(
@@ -735,86 +801,156 @@ __global__ void __launch_bounds__(kThreads, 2) dense_split_kernel(DenseArgs a) {
                    g, G, t, 1.0f, m2, l, acc);
 }
 
-// Grid (q_heads, batch): out = Σ_p acc_p·e^{m_p − m} / Σ_p l_p·e^{m_p − m}; zero without a live
-// slot. Partials with l = 0 are skipped (their acc was never written).
-__global__ void merge_partials_kernel(const float* __restrict__ part_acc,
-                                      const float* __restrict__ part_ml, int kv_heads, int group,
-                                      int parts, int head_dim,
-                                      float* __restrict__ out) {  // [batch, q_heads, D]
+// Block-wide reductions of the 128-thread merge and staged kernels (every thread gets the result).
+template <class Op>
+__device__ __forceinline__ float block_reduce128(float x, Op op, float* scratch /* [4] */) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = op(x, __shfl_xor_sync(0xffffffffu, x, o));
+  __syncthreads();  // scratch is free (a previous reduction has been read)
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
+  __syncthreads();
+  return op(op(scratch[0], scratch[1]), op(scratch[2], scratch[3]));
+}
+
+// Grid (q_heads, batch), 128 threads: out = Σ_p acc_p·e^{m_p − m} / Σ_p l_p·e^{m_p − m}; zero
+// without a live slot. Partials with l = 0 are skipped (their acc was never written). The max and
+// the denominator are block reductions over the parts; each part's weight e^{m_p − m} is computed
+// once into shared memory (kMergeChunk parts at a time), so the loop over the parts per channel
+// issues only independent loads of acc.
+constexpr int kMergeThreads = 128, kMergeChunk = 1024;
+__global__ void __launch_bounds__(kMergeThreads)
+    merge_partials_kernel(const float* __restrict__ part_acc,
+                          const float* __restrict__ part_ml,  // [.., parts, group, 2]
+                          int kv_heads, int group, int parts, int head_dim,
+                          float* __restrict__ out) {  // [batch, q_heads, D]
+  __shared__ float sw[kMergeChunk];                   // the chunk's weights, 0 for parts with l = 0
+  __shared__ float scratch[4];
   const int qh = blockIdx.x, b = blockIdx.y, h = qh / group, g = qh % group;
   const std::int64_t first = (static_cast<std::int64_t>(b) * kv_heads + h) * parts * group + g;
+  const auto ml = [&](int p, int i) {
+    return part_ml[(first + static_cast<std::int64_t>(p) * group) * 2 + i];
+  };
   float m = -INFINITY;
-  for (int p = 0; p < parts; ++p) {
-    const std::int64_t o = (first + static_cast<std::int64_t>(p) * group) * 2;
-    if (part_ml[o + 1] > 0.0f) m = fmaxf(m, part_ml[o]);
+  for (int p = threadIdx.x; p < parts; p += kMergeThreads) {
+    if (ml(p, 1) > 0.0f) m = fmaxf(m, ml(p, 0));
   }
+  m = block_reduce128(
+      m, [](float x, float y) { return fmaxf(x, y); }, scratch);
   float denom = 0.0f;
-  for (int p = 0; p < parts; ++p) {
-    const std::int64_t o = (first + static_cast<std::int64_t>(p) * group) * 2;
-    if (part_ml[o + 1] > 0.0f) denom += part_ml[o + 1] * expf(part_ml[o] - m);
+  for (int p = threadIdx.x; p < parts; p += kMergeThreads) {
+    const float l = ml(p, 1);
+    if (l > 0.0f) denom += l * expf(ml(p, 0) - m);
   }
+  denom = block_reduce128(
+      denom, [](float x, float y) { return x + y; }, scratch);
   const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
-  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-    float s = 0.0f;
-    for (int p = 0; p < parts; ++p) {
-      const std::int64_t r = first + static_cast<std::int64_t>(p) * group;
-      if (part_ml[r * 2 + 1] > 0.0f) s += part_acc[r * head_dim + d] * expf(part_ml[r * 2] - m);
+  float* o = out + (static_cast<std::int64_t>(b) * kv_heads * group + qh) * head_dim;
+  float acc[2] = {0.0f, 0.0f};  // channels threadIdx.x and + 128 (head_dim <= 256)
+  for (int c0 = 0; c0 < parts; c0 += kMergeChunk) {
+    const int n = min(kMergeChunk, parts - c0);
+    for (int k = threadIdx.x; k < n; k += kMergeThreads) {
+      sw[k] = ml(c0 + k, 1) > 0.0f ? expf(ml(c0 + k, 0) - m) : 0.0f;
     }
-    out[(static_cast<std::int64_t>(b) * kv_heads * group + qh) * head_dim + d] = s * inv;
+    __syncthreads();
+    for (int j = 0; j < 2; ++j) {
+      const int d = threadIdx.x + j * kMergeThreads;
+      if (d >= head_dim) break;
+      const float* src = part_acc + (first + static_cast<std::int64_t>(c0) * group) * head_dim + d;
+      float s = 0.0f;
+#pragma unroll 8
+      for (int k = 0; k < n; ++k) {  // a fixed order: the result is the same on every run
+        const float w = sw[k];
+        if (w != 0.0f) s += src[static_cast<std::int64_t>(k) * group * head_dim] * w;
+      }
+      acc[j] += s;
+    }
+    __syncthreads();  // sw is rewritten by the next chunk
+  }
+  for (int j = 0; j < 2; ++j) {
+    const int d = threadIdx.x + j * kMergeThreads;
+    if (d < head_dim) o[d] = acc[j] * inv;
   }
 }
 
 // Grid (KV heads, batch), kThreads threads: the partial of the sequence's staged tokens (at most
-// 16 per thought type) in fp32 from the 16-bit rows: logits, max, weights, P·V on CUDA cores.
-// Written to part parts - 1; l = 0 when nothing is staged (the merge then skips it).
+// 16 per thought type) in fp32 from the 16-bit rows. Warp w takes staged rows w, w + 4, ...: its
+// lanes load the row's channels (coalesced) and reduce the G logits by shuffles; then thread
+// (g, d) sums the weighted values of the live rows (independent loads). Written to part
+// parts - 1; l = 0 when nothing is staged (the merge then skips it).
 constexpr int kStagedRows = kPagedThoughtTypes * 16;
 __global__ void __launch_bounds__(kThreads) staged_partial_kernel(StagedArgs a) {
   __shared__ float sx[kMaxGroup][kStagedRows];  // logits, then weights
   __shared__ float sm[kMaxGroup];
+  __shared__ int srow[kStagedRows];  // live rows, in order
+  __shared__ int nrows;
   const int h = blockIdx.x, b = blockIdx.y, G = a.group, D = a.head_dim, H = a.kv_heads;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const std::int64_t stream0 = static_cast<std::int64_t>(a.seq_ids[b]) * kPagedThoughtTypes * H;
   const float* q = a.query + (static_cast<std::int64_t>(b) * H + h) * G * D;  // [G, D]
-  for (int p = threadIdx.x; p < G * kStagedRows; p += blockDim.x) {
-    const int g = p / kStagedRows, r = p % kStagedRows, i = r % 16;
-    const std::int64_t stream = stream0 + static_cast<std::int64_t>(r / 16) * H + h;
-    float x = -INFINITY;
-    if ((a.masks[stream] >> i) & 1u) {
-      const PagedStaging* k = a.keys + (stream * 16 + i) * D;
-      float dot = 0.0f;
-      for (int c = 0; c < D; ++c) dot += q[g * D + c] * to_float(k[c]);
-      x = dot * a.softmax_scale;
+  const auto row_ptr = [&](const PagedStaging* base, int r) {
+    return base + ((stream0 + static_cast<std::int64_t>(r / 16) * H + h) * 16 + r % 16) * D;
+  };
+  if (threadIdx.x == 0) {
+    std::uint32_t mask[kPagedThoughtTypes];
+    for (int s = 0; s < kPagedThoughtTypes; ++s) {
+      mask[s] = a.masks[stream0 + static_cast<std::int64_t>(s) * H + h];
     }
-    sx[g][r] = x;
+    int n = 0;
+    for (int r = 0; r < kStagedRows; ++r) {
+      if ((mask[r / 16] >> (r % 16)) & 1u) srow[n++] = r;
+    }
+    nrows = n;
+  }
+  __syncthreads();
+  const int n = nrows;
+  const std::int64_t row0 = ((static_cast<std::int64_t>(b) * H + h) * a.parts + (a.parts - 1)) * G;
+  if (n == 0) {
+    for (int g = threadIdx.x; g < G; g += blockDim.x) {
+      a.part_ml[(row0 + g) * 2] = -INFINITY;
+      a.part_ml[(row0 + g) * 2 + 1] = 0.0f;
+    }
+    return;
+  }
+  for (int k = warp; k < n; k += kWarps) {
+    const PagedStaging* kr = row_ptr(a.keys, srow[k]);
+    float dot[kMaxGroup] = {};
+    for (int c = lane; c < D; c += 32) {
+      const float kv = to_float(kr[c]);
+#pragma unroll
+      for (int g = 0; g < kMaxGroup; ++g) {
+        if (g < G) dot[g] += q[g * D + c] * kv;
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < kMaxGroup; ++g) {
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) dot[g] += __shfl_xor_sync(0xffffffffu, dot[g], o);
+      if (g < G && lane == 0) sx[g][k] = dot[g] * a.softmax_scale;
+    }
   }
   __syncthreads();
   for (int g = threadIdx.x; g < G; g += blockDim.x) {
     float m = -INFINITY;
-    for (int r = 0; r < kStagedRows; ++r) m = fmaxf(m, sx[g][r]);
+    for (int k = 0; k < n; ++k) m = fmaxf(m, sx[g][k]);
     sm[g] = m;
   }
   __syncthreads();
-  for (int p = threadIdx.x; p < G * kStagedRows; p += blockDim.x) {
-    const int g = p / kStagedRows, r = p % kStagedRows;
-    const float x = sx[g][r];
-    sx[g][r] = x > -INFINITY ? expf(x - sm[g]) : 0.0f;  // a finite x implies a finite max
+  for (int p = threadIdx.x; p < G * n; p += blockDim.x) {
+    const int g = p / n, k = p % n;
+    const float x = sx[g][k];
+    sx[g][k] = x > -INFINITY ? expf(x - sm[g]) : 0.0f;  // a finite x implies a finite max
   }
   __syncthreads();
-  const std::int64_t row0 = ((static_cast<std::int64_t>(b) * H + h) * a.parts + (a.parts - 1)) * G;
   for (int p = threadIdx.x; p < G * D; p += blockDim.x) {
     const int g = p / D, d = p % D;
     float acc = 0.0f;
-    for (int r = 0; r < kStagedRows; ++r) {
-      const float w = sx[g][r];
-      if (w > 0.0f) {  // dead rows' (stale) values never enter
-        const std::int64_t stream = stream0 + static_cast<std::int64_t>(r / 16) * H + h;
-        acc += w * to_float(a.values[(stream * 16 + r % 16) * D + d]);
-      }
-    }
+#pragma unroll 4
+    for (int k = 0; k < n; ++k) acc += sx[g][k] * to_float(row_ptr(a.values, srow[k])[d]);
     a.part_acc[(row0 + g) * D + d] = acc;
   }
   for (int g = threadIdx.x; g < G; g += blockDim.x) {
     float l = 0.0f;
-    for (int r = 0; r < kStagedRows; ++r) l += sx[g][r];
+    for (int k = 0; k < n; ++k) l += sx[g][k];
     a.part_ml[(row0 + g) * 2] = l > 0.0f ? sm[g] : -INFINITY;
     a.part_ml[(row0 + g) * 2 + 1] = l;
   }
@@ -849,8 +985,19 @@ bool head_dim_supported(std::int64_t d) {
 template <int D>
 void launch_split(const SplitArgs& args, const SplitPlan& plan, int kv_heads, int batch,
                   cudaStream_t stream) {
-  // At most 16 KB + 32 B (D = 256, group 8): under the 48 KB default, no attribute needed.
+  // 45 KB at D = 128 and group 8; D = 256 needs 90 KB, above the 48 KB default.
   const std::size_t smem = split_shared_bytes<D>(args.group);
+  if (smem > 48 * 1024) {
+    static thread_local int device_done = -1;  // once per device (as launch_dense)
+    int device = 0;
+    KVSIFT_CUDA_CHECK(cudaGetDevice(&device));
+    if (device != device_done) {
+      KVSIFT_CUDA_CHECK(cudaFuncSetAttribute(split_decode_kernel<D>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             static_cast<int>(split_shared_bytes<D>(kMaxGroup))));
+      device_done = device;
+    }
+  }
   const dim3 grid(static_cast<unsigned>(plan.splits), static_cast<unsigned>(kv_heads),
                   static_cast<unsigned>(batch));
   split_decode_kernel<D><<<grid, kThreads, smem, stream>>>(args);
@@ -1042,18 +1189,7 @@ void paged_decode_attention_batch(const DevicePagedTable& table, const PagedBatc
   float* part_ml = carver.take<float>(rows * 2);
   const PagedTableMemory& m = table.memory();
   SplitArgs args;
-  args.storage = m.storage;
-  args.frame_offsets = m.frame_offsets;
-  args.masks = m.free_masks;
-  args.global_factors = m.global_factors;
-  args.frames = batch.frames;
-  args.meta = batch.meta;
-  args.block_begin = batch.block_begin;
-  args.seq_ids = batch.seq_ids;
-  args.layouts = detail::paged_layouts(tc);
-  args.kv_heads = tc.kv_heads;
-  args.block_size = tc.block_size;
-  args.mask_words = table.sizes().mask_words;
+  args.t = detail::paged_batch_refs(table, batch);
   args.tiles_per_block = plan.tiles_per_block;
   args.group = static_cast<int>(q_heads / tc.kv_heads);
   args.tiles_per_warp = plan.tiles_per_warp;
@@ -1091,8 +1227,8 @@ void paged_decode_attention_batch(const DevicePagedTable& table, const PagedBatc
                           kThreads, 0, stream>>>(staged);
   KVSIFT_CUDA_CHECK(cudaGetLastError());
   const dim3 grid(static_cast<unsigned>(q_heads), static_cast<unsigned>(batch.batch));
-  merge_partials_kernel<<<grid, 128, 0, stream>>>(part_acc, part_ml, tc.kv_heads, args.group,
-                                                  plan.parts, static_cast<int>(head_dim), out);
+  merge_partials_kernel<<<grid, kMergeThreads, 0, stream>>>(
+      part_acc, part_ml, tc.kv_heads, args.group, plan.parts, static_cast<int>(head_dim), out);
   KVSIFT_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -1269,9 +1405,9 @@ void dense_split_decode_attention_bf16(const bf16_t* keys, const bf16_t* values,
       break;
   }
   const dim3 grid(static_cast<unsigned>(q_heads), static_cast<unsigned>(batch));
-  merge_partials_kernel<<<grid, 128, 0, stream>>>(args.part_acc, args.part_ml, args.kv_heads,
-                                                  args.group, plan.parts,
-                                                  static_cast<int>(head_dim), out);
+  merge_partials_kernel<<<grid, kMergeThreads, 0, stream>>>(args.part_acc, args.part_ml,
+                                                            args.kv_heads, args.group, plan.parts,
+                                                            static_cast<int>(head_dim), out);
   KVSIFT_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -15,6 +15,7 @@
 #include "kvsift/backend/cuda/paged_reads.hpp"
 #include "kvsift/backend/cuda/workspace.hpp"
 #include "kvsift/quant/group_codec.hpp"
+#include "paged_batch_refs.cuh"
 
 namespace kvsift::cuda {
 namespace {
@@ -68,20 +69,12 @@ __global__ void gather_keys_kernel(GatherArgs a, const PagedKeySource* __restric
 }
 
 struct SparsityArgs {
-  const std::uint8_t* storage;
-  const std::int64_t* frame_offsets;  // [num_blocks]
-  const std::uint64_t* masks;         // [num_blocks, kv_heads, mask_words]
+  detail::PagedBatchRefs t;           // the table and the batch
   const PagedStaging* staged_keys;    // [max_sequences, 3, kv_heads, 16, head_dim]
   const std::uint32_t* staged_masks;  // [max_sequences, 3, kv_heads]
-  const float* global_factors;        // [kv_heads]
-  const std::int32_t* frames;         // PagedBatch
-  const std::int32_t* meta;
-  const std::int32_t* block_begin;
-  const std::int32_t* seq_ids;
-  PagedLayouts layouts;
-  const float* query;  // [batch, q_heads, head_dim]
-  float* out;          // [batch, q_heads]
-  int kv_heads, q_heads, group, head_dim, block_size, mask_words;
+  const float* query;                 // [batch, q_heads, head_dim]
+  float* out;                         // [batch, q_heads]
+  int q_heads, group, head_dim;
   float scale, log_ratio;
 };
 
@@ -91,12 +84,13 @@ __device__ unsigned unit_live(const SparsityArgs& a, int seq, int first, int blo
                               int h) {
   if (u >= block_units) {
     const std::int64_t stream =
-        (static_cast<std::int64_t>(seq) * kPagedThoughtTypes + (u - block_units)) * a.kv_heads + h;
+        (static_cast<std::int64_t>(seq) * kPagedThoughtTypes + (u - block_units)) * a.t.kv_heads +
+        h;
     return a.staged_masks[stream] & 0xffffu;
   }
-  const int per_block = a.block_size / 16, blk = u / per_block, start = (u % per_block) * 16;
-  const std::int64_t frame = a.frames[first + blk];
-  const std::uint64_t word = a.masks[(frame * a.kv_heads + h) * a.mask_words + start / 64];
+  const int per_block = a.t.block_size / 16, blk = u / per_block, start = (u % per_block) * 16;
+  const std::int64_t frame = a.t.frames[first + blk];
+  const std::uint64_t word = a.t.masks[(frame * a.t.kv_heads + h) * a.t.mask_words + start / 64];
   return ~static_cast<unsigned>(word >> (start % 64)) & 0xffffu;  // free bit = 1
 }
 
@@ -106,24 +100,25 @@ __device__ void unit_keys(const SparsityArgs& a, int seq, int first, int block_u
   const int D = a.head_dim, Dp = D + 1;
   if (u >= block_units) {
     const std::int64_t stream =
-        (static_cast<std::int64_t>(seq) * kPagedThoughtTypes + (u - block_units)) * a.kv_heads + h;
+        (static_cast<std::int64_t>(seq) * kPagedThoughtTypes + (u - block_units)) * a.t.kv_heads +
+        h;
     const PagedStaging* k = a.staged_keys + stream * 16 * D;
     for (int e = threadIdx.x; e < 16 * D; e += blockDim.x)
       sK[(e / D) * Dp + e % D] = to_float(k[e]);
     return;
   }
-  const int per_block = a.block_size / 16, blk = u / per_block, start = (u % per_block) * 16;
-  const std::int64_t frame = a.frames[first + blk];
-  const int format = a.meta[first + blk] & 0xf;
-  const PagedHeadLayout& L = a.layouts.by_format[format];
-  const std::uint8_t* base = a.storage + a.frame_offsets[frame] + h * L.head_bytes;
+  const int per_block = a.t.block_size / 16, blk = u / per_block, start = (u % per_block) * 16;
+  const std::int64_t frame = a.t.frames[first + blk];
+  const int format = a.t.meta[first + blk] & 0xf;
+  const PagedHeadLayout& L = a.t.layouts.by_format[format];
+  const std::uint8_t* base = a.t.storage + a.t.frame_offsets[frame] + h * L.head_bytes;
   if (static_cast<BlockFormat>(format) == BlockFormat::f32) {
     const float* k = reinterpret_cast<const float*>(base) + static_cast<std::int64_t>(start) * D;
     for (int e = threadIdx.x; e < 16 * D; e += blockDim.x) sK[(e / D) * Dp + e % D] = k[e];
     return;
   }
   const QuantFormat q = quant_format_of(static_cast<BlockFormat>(format));
-  const float gf = a.global_factors[h];
+  const float gf = a.t.global_factors[h];
   for (int c = threadIdx.x; c < D; c += blockDim.x) {
     const std::int64_t g = static_cast<std::int64_t>(start / 16) * D + c;
     dequantize_group(q, base + g * L.code_bytes, base[L.key_scales + g], gf, 16, sK + c, Dp);
@@ -141,8 +136,8 @@ __global__ void __launch_bounds__(kSparsityThreads) paged_sparsity_kernel(Sparsi
   float* sK = smem + G * D;  // [16, D + 1]
   const float* q = a.query + (static_cast<std::int64_t>(b) * a.q_heads + h * G) * D;
   for (int e = threadIdx.x; e < G * D; e += blockDim.x) sQ[e] = q[e];
-  const int seq = a.seq_ids[b], first = a.block_begin[b];
-  const int block_units = (a.block_begin[b + 1] - first) * (a.block_size / 16);
+  const int seq = a.t.seq_ids[b], first = a.t.block_begin[b];
+  const int block_units = (a.t.block_begin[b + 1] - first) * (a.t.block_size / 16);
   const int units = block_units + kPagedThoughtTypes;
   const int i = threadIdx.x % 16, g0 = threadIdx.x / 16;
   float mx[kMaxHeadsPerThread], cut[kMaxHeadsPerThread];
@@ -259,25 +254,14 @@ void paged_attention_sparsity(const DevicePagedTable& table, const PagedBatch& b
                " recorded tokens are not written yet (call append() first)");
   const PagedTableMemory& m = table.memory();
   SparsityArgs a;
-  a.storage = m.storage;
-  a.frame_offsets = m.frame_offsets;
-  a.masks = m.free_masks;
+  a.t = detail::paged_batch_refs(table, batch);
   a.staged_keys = m.staged_keys;
   a.staged_masks = m.staged_masks;
-  a.global_factors = m.global_factors;
-  a.frames = batch.frames;
-  a.meta = batch.meta;
-  a.block_begin = batch.block_begin;
-  a.seq_ids = batch.seq_ids;
-  a.layouts = detail::paged_layouts(tc);
   a.query = query;
   a.out = out;
-  a.kv_heads = tc.kv_heads;
   a.q_heads = static_cast<int>(q_heads);
   a.group = static_cast<int>(q_heads / tc.kv_heads);
   a.head_dim = tc.head_dim;
-  a.block_size = tc.block_size;
-  a.mask_words = table.sizes().mask_words;
   a.scale = softmax_scale;
   a.log_ratio = std::log(kSparsityRatio);  // the host's constant, as sparsity_from_logits uses it
   const std::size_t smem =

@@ -11,8 +11,8 @@
 // 16-slot tile), staged (not yet quantized) tokens, random evictions, a run of 8 blocks with every
 // slot evicted in one head (whole splits without a live slot), a head with at most one live slot
 // per 16-slot group (whole dead groups inside live tiles), one sequence with no live token in a
-// head, and splits forced from few to many. head_dim 32 and the other shapes the kernel does not
-// take are checked on the tiled fallback.
+// head, splits forced from few to many, and warps walking more than 64 tiles. head_dim 32 and the
+// other shapes the kernel does not take are checked on the tiled fallback.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -317,6 +317,43 @@ TEST_CASE("split paged attention: head_dim 128 and 256, GQA groups 1, 2, 8, spar
       require_close(got, dequantized_dense_oracle(cpu, seqs[i], query.data() + off, q_heads, scale),
                     off, 1e-4f, "split kernel vs dense oracle");
     }
+  }
+}
+
+TEST_CASE("split paged attention: runs of more than 64 tiles per warp, dead tiles among them") {
+  // One split per sequence (target_ctas 1): each warp of sequence 0 walks ~78 tiles, so the tile
+  // descriptions are read in three runs of 32 and the copy of tile it + 1 into the other stage
+  // crosses each run boundary. In head 1, blocks 120-135 (tiles 30-33 of every warp) are evicted
+  // entirely: tiles skipped on either side of the boundary at 32.
+  ThoughtBlockTableConfig cfg =
+      make_config(2, 64, 32, BlockFormat::nvfp4, BlockFormat::ternary, BlockFormat::nvfp4, 400);
+  cfg.global_factors = {40.0f, 1.0f};
+  const std::int64_t q_heads = 8;  // GQA group 4
+  std::mt19937 rng(77);
+  ThoughtBlockTable cpu(cfg);
+  Mirror dev(cfg, 2);
+  const std::vector<std::int32_t> seqs = fill(cpu, dev, {10000, 200}, rng);
+  std::vector<SlotAddress> run;
+  for (const ResidentToken& t : cpu.resident_tokens(seqs[0], 1)) {
+    if (t.address.block >= 120 && t.address.block < 136) run.push_back(t.address);
+  }
+  REQUIRE(!run.empty());
+  test::evict_both(cpu, dev, seqs[0], 1, run);
+  std::normal_distribution<float> normal;
+  const std::size_t per_seq = static_cast<std::size_t>(q_heads) * 64;
+  std::vector<float> query(seqs.size() * per_seq);
+  for (float& x : query) x = normal(rng);
+  cuda::DecodeAttentionConfig ac;
+  ac.target_ctas = 1;
+  const std::vector<float> got = run_batch(dev, seqs, query, q_heads, 0.125f, ac);
+  for (std::size_t i = 0; i < seqs.size(); ++i) {
+    INFO("batch item " << i);
+    const std::size_t off = i * per_seq;
+    std::vector<float> ref(per_seq);
+    paged_decode_attention(cpu, seqs[i], query.data() + off, q_heads, 64, 0.125f, ref.data());
+    require_close(got, ref, off, 1e-4f, "split kernel vs CPU paged attention");
+    require_close(got, dequantized_dense_oracle(cpu, seqs[i], query.data() + off, q_heads, 0.125f),
+                  off, 1e-4f, "split kernel vs dense oracle");
   }
 }
 
