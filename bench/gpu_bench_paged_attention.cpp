@@ -2,7 +2,11 @@
 // Thinking table, R1-Llama-8B shapes (32 query heads, 8 KV heads, head_dim 128), blocks of 32
 // slots, R4 E4 T2 formats by default (NVFP4 for reasoning and execution segments, ternary for
 // transitions; --fp8-reasoning makes reasoning blocks FP8), segments of 128 tokens with random
-// thought types, exactly half of every head's tokens evicted (mask bits; staged tokens dropped).
+// thought types, exactly half of every head's tokens evicted (mask bits; staged tokens dropped; a
+// random half per head, the same positions in every sequence). The batch's tables are placed by a
+// metadata-only host table and quantized on the device (as in cuda::DeviceThinKV); one host table
+// with data holds sequence 0 for the dense copy, so the setup costs ~2 µs per token and sequence
+// on the host instead of the host codec's ~25.
 // Per sequence length (default 4K 8K 16K 32K) and batch (default 1 8 64), all in one run, CUDA
 // events, median of 50 after 5 warm-up launches:
 //   new    cuda::paged_decode_attention_batch: the split-sequence tensor-core kernel, one launch
@@ -76,9 +80,15 @@ void run(int tokens, const Options& opt, double copy_bw, cudaStream_t stream) {
   cfg.head_dim = kHeadDim;
   cfg.block_size = kBlock;
   if (opt.fp8_reasoning) cfg.reasoning = BlockFormat::fp8;
-  // Per sequence: its tokens plus one partly filled block per type, plus slack.
-  cfg.num_blocks = max_batch * (tokens / kBlock + 8);
-  ThoughtBlockTable cpu(cfg);
+  // Per sequence: its tokens plus one partly filled block per type, plus slack. `meta` places the
+  // whole batch (metadata only, as cuda::DeviceThinKV's host tables do: the device quantizes);
+  // `ref` holds sequence 0's data too, for the dense copy. Every sequence gets the same tokens,
+  // types and evicted positions, so sequence 0's kept tokens are every sequence's.
+  ThoughtBlockTableConfig ref_cfg = cfg;
+  ref_cfg.num_blocks = tokens / kBlock + 8;
+  cfg.num_blocks = max_batch * ref_cfg.num_blocks;
+  cfg.holds_data = false;
+  ThoughtBlockTable meta(cfg), ref(ref_cfg);
   const cuda::PagedTableSizes sizes = cuda::paged_table_sizes(cfg, max_batch);
   DeviceArray<std::uint8_t> storage(static_cast<std::size_t>(sizes.storage_bytes));
   DeviceArray<std::uint64_t> masks(static_cast<std::size_t>(sizes.mask_bytes / 8));
@@ -118,21 +128,28 @@ void run(int tokens, const Options& opt, double copy_bw, cudaStream_t stream) {
   double append_ms = 0;
   const auto setup0 = std::chrono::steady_clock::now();
   std::unique_ptr<DeviceArray<std::uint8_t>> append_ws;
-  std::vector<float> k(row), v(row);
   std::vector<SlotAddress> where(kKVHeads);
-  std::vector<std::int32_t> seqs;
-  for (int b = 0; b < max_batch; ++b) {
-    const std::int32_t seq = cpu.create_sequence();
-    seqs.push_back(seq);
-    int first = 0;  // first token of the pending device batch
+  {  // sequence 0 with its data
+    std::vector<float> k(row), v(row);
+    ref.create_sequence();
     for (int t = 0; t < tokens; ++t) {
-      if (t % kSegment == 0) cpu.open_segment(seq, types[static_cast<std::size_t>(t / kSegment)]);
+      if (t % kSegment == 0) ref.open_segment(0, types[static_cast<std::size_t>(t / kSegment)]);
       for (std::size_t i = 0; i < row; ++i) {
         k[i] = to_float(stream_k[static_cast<std::size_t>(t) * row + i]);
         v[i] = to_float(stream_v[static_cast<std::size_t>(t) * row + i]);
       }
-      cpu.append(seq, k.data(), v.data(), kKVHeads, kHeadDim, where.data());
-      dev.record_append(cpu, seq, where.data());
+      ref.append(0, k.data(), v.data(), kKVHeads, kHeadDim, where.data());
+    }
+  }
+  std::vector<std::int32_t> seqs;
+  for (int b = 0; b < max_batch; ++b) {
+    const std::int32_t seq = meta.create_sequence();
+    seqs.push_back(seq);
+    int first = 0;  // first token of the pending device batch
+    for (int t = 0; t < tokens; ++t) {
+      if (t % kSegment == 0) meta.open_segment(seq, types[static_cast<std::size_t>(t / kSegment)]);
+      meta.append(seq, nullptr, nullptr, kKVHeads, kHeadDim, where.data());
+      dev.record_append(meta, seq, where.data());
       if (dev.pending_tokens() == kAppendBatch || t + 1 == tokens) {
         if (!append_ws || append_ws->size() < dev.append_workspace_bytes()) {  // grown only
           append_ws = std::make_unique<DeviceArray<std::uint8_t>>(2 * dev.append_workspace_bytes());
@@ -149,25 +166,30 @@ void run(int tokens, const Options& opt, double copy_bw, cudaStream_t stream) {
         first = t + 1;
       }
     }
+    KVSIFT_CHECK(meta.num_blocks(seq) == ref.num_blocks(0), "bench: sequence ", b, " has ",
+                 meta.num_blocks(seq), " blocks, the reference ", ref.num_blocks(0));
   }
 
-  // Evict exactly half of each head's tokens (a random half per head and sequence).
+  // Evict exactly half of each head's tokens: a random half per head, the same positions in
+  // every sequence.
   std::vector<std::uint8_t> pool(static_cast<std::size_t>(sizes.storage_bytes));
   KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
   KVSIFT_CUDA_CHECK(cudaMemcpy(pool.data(), storage.get(), pool.size(), cudaMemcpyDeviceToHost));
   const std::vector<std::uint8_t> before = pool;
-  for (std::int32_t seq : seqs) {
-    for (int h = 0; h < kKVHeads; ++h) {
-      std::vector<ResidentToken> live = cpu.resident_tokens(seq, h);
-      std::shuffle(live.begin(), live.end(), rng);
-      live.resize(live.size() / 2);
+  for (int h = 0; h < kKVHeads; ++h) {
+    std::vector<std::int32_t> victim_positions = ref.resident_positions(0, h);
+    std::shuffle(victim_positions.begin(), victim_positions.end(), rng);
+    victim_positions.resize(victim_positions.size() / 2);
+    std::sort(victim_positions.begin(), victim_positions.end());
+    ref.evict_positions(0, h, victim_positions);
+    for (std::int32_t seq : seqs) {
       std::vector<SlotAddress> victims;
-      std::vector<std::int32_t> victim_positions;
-      for (const ResidentToken& t : live) {
-        victims.push_back(t.address);
-        victim_positions.push_back(t.position);
+      for (const ResidentToken& t : meta.resident_tokens(seq, h)) {
+        if (std::binary_search(victim_positions.begin(), victim_positions.end(), t.position)) {
+          victims.push_back(t.address);
+        }
       }
-      cpu.evict_positions(seq, h, victim_positions);  // bits first: the addresses stay valid
+      meta.evict_positions(seq, h, victim_positions);  // bits first: the addresses stay valid
       DeviceArray<std::uint8_t> ws(dev.evict_workspace_bytes(victims.size()));
       dev.evict(seq, h, victims, ws.get(), ws.size(), stream);
       KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -177,43 +199,43 @@ void run(int tokens, const Options& opt, double copy_bw, cudaStream_t stream) {
   std::int64_t moved = 0;
   for (std::size_t i = 0; i < pool.size(); ++i) moved += pool[i] != before[i];
 
-  // The retained tokens dequantized and gathered contiguously in bf16: [max_batch, H, n, D].
-  const std::int64_t n = cpu.live_tokens(seqs[0], 0);
-  std::vector<bf16_t> dense_k(static_cast<std::size_t>(max_batch) * kKVHeads * n * kHeadDim),
+  // The retained tokens dequantized and gathered contiguously in bf16: [max_batch, H, n, D], each
+  // sequence a copy of the reference's.
+  const std::int64_t n = ref.live_tokens(0, 0);
+  const std::size_t per_seq = static_cast<std::size_t>(kKVHeads) * n * kHeadDim;
+  std::vector<bf16_t> dense_k(static_cast<std::size_t>(max_batch) * per_seq),
       dense_v(dense_k.size());
   std::vector<float> bk(static_cast<std::size_t>(kBlock) * kHeadDim), bv(bk.size());
-  for (int b = 0; b < max_batch; ++b) {
-    for (int h = 0; h < kKVHeads; ++h) {
-      const std::int32_t seq = seqs[static_cast<std::size_t>(b)];
-      std::int64_t j = 0;
-      const std::size_t head0 = (static_cast<std::size_t>(b) * kKVHeads + h) * n;
-      for (std::int32_t blk = 0; blk < cpu.num_blocks(seq); ++blk) {
-        cpu.dequantize_block(seq, blk, h, bk.data(), bv.data());
-        const std::uint64_t* free = cpu.free_mask(seq, blk, h);
-        for (int s = 0; s < kBlock; ++s) {
-          if ((free[s / 64] >> (s % 64)) & 1u) continue;
-          KVSIFT_CHECK(j < n, "bench: sequence ", b, " head ", h, " keeps more than ", n,
-                       " tokens");
-          for (int d = 0; d < kHeadDim; ++d) {
-            const std::size_t o = (head0 + static_cast<std::size_t>(j)) * kHeadDim + d;
-            dense_k[o] = from_float<bf16_t>(bk[static_cast<std::size_t>(s * kHeadDim + d)]);
-            dense_v[o] = from_float<bf16_t>(bv[static_cast<std::size_t>(s * kHeadDim + d)]);
-          }
-          ++j;
-        }
+  for (int h = 0; h < kKVHeads; ++h) {
+    std::int64_t j = 0;
+    const std::size_t head0 = static_cast<std::size_t>(h) * n;
+    const auto put = [&](const float* key, const float* value) {  // one kept row
+      KVSIFT_CHECK(j < n, "bench: head ", h, " keeps more than ", n, " tokens");
+      for (int d = 0; d < kHeadDim; ++d) {
+        const std::size_t o = (head0 + static_cast<std::size_t>(j)) * kHeadDim + d;
+        dense_k[o] = from_float<bf16_t>(key[d]);
+        dense_v[o] = from_float<bf16_t>(value[d]);
       }
-      std::vector<float> sk, sv;  // staged tokens: 16-bit already
-      cpu.staged_rows(seq, h, sk, sv);
-      for (std::size_t r = 0; r * kHeadDim < sk.size(); ++r, ++j) {
-        KVSIFT_CHECK(j < n, "bench: sequence ", b, " head ", h, " keeps more than ", n, " tokens");
-        for (int d = 0; d < kHeadDim; ++d) {
-          const std::size_t o = (head0 + static_cast<std::size_t>(j)) * kHeadDim + d;
-          dense_k[o] = from_float<bf16_t>(sk[r * kHeadDim + d]);
-          dense_v[o] = from_float<bf16_t>(sv[r * kHeadDim + d]);
-        }
+      ++j;
+    };
+    for (std::int32_t blk = 0; blk < ref.num_blocks(0); ++blk) {
+      ref.dequantize_block(0, blk, h, bk.data(), bv.data());
+      const std::uint64_t* free = ref.free_mask(0, blk, h);
+      for (int s = 0; s < kBlock; ++s) {
+        if (!((free[s / 64] >> (s % 64)) & 1u)) put(&bk[s * kHeadDim], &bv[s * kHeadDim]);
       }
-      KVSIFT_CHECK(j == n, "bench: sequence ", b, " head ", h, " keeps ", j, " tokens, not ", n);
     }
+    std::vector<float> sk, sv;  // staged tokens: 16-bit already
+    ref.staged_rows(0, h, sk, sv);
+    for (std::size_t r = 0; r * kHeadDim < sk.size(); ++r)
+      put(&sk[r * kHeadDim], &sv[r * kHeadDim]);
+    KVSIFT_CHECK(j == n, "bench: head ", h, " keeps ", j, " tokens, not ", n);
+  }
+  for (int b = 1; b < max_batch; ++b) {
+    std::copy_n(dense_k.begin(), per_seq,
+                dense_k.begin() + static_cast<std::ptrdiff_t>(b * per_seq));
+    std::copy_n(dense_v.begin(), per_seq,
+                dense_v.begin() + static_cast<std::ptrdiff_t>(b * per_seq));
   }
   DeviceArray<bf16_t> ddk(dense_k.size()), ddv(dense_v.size());
   KVSIFT_CUDA_CHECK(
@@ -223,11 +245,11 @@ void run(int tokens, const Options& opt, double copy_bw, cudaStream_t stream) {
 
   // Bytes the paged kernel must read per sequence (all sequences are alike in size).
   double seq_bytes = 0;
-  for (std::int32_t blk = 0; blk < cpu.num_blocks(seqs[0]); ++blk) {
+  for (std::int32_t blk = 0; blk < meta.num_blocks(seqs[0]); ++blk) {
     seq_bytes += static_cast<double>(
-        kKVHeads * dev.head_bytes(cpu.block_info(seqs[0], blk).format));  // codes + scales
+        kKVHeads * dev.head_bytes(meta.block_info(seqs[0], blk).format));  // codes + scales
   }
-  seq_bytes += static_cast<double>(cpu.num_blocks(seqs[0])) *
+  seq_bytes += static_cast<double>(meta.num_blocks(seqs[0])) *
                (kKVHeads * 8.0 * sizes.mask_words + 12.0);  // masks, frame offset, page table
 
   std::fprintf(stderr, "%d tokens x %d sequences: setup (appends, eviction, dense copy) %.1f s\n",

@@ -11,7 +11,8 @@
 // 16-slot tile), staged (not yet quantized) tokens, random evictions, a run of 8 blocks with every
 // slot evicted in one head (whole splits without a live slot), a head with at most one live slot
 // per 16-slot group (whole dead groups inside live tiles), one sequence with no live token in a
-// head, splits forced from few to many, and warps walking more than 64 tiles. head_dim 32 and the
+// head, splits forced from few to many, and warps walking more than 64 tiles; the merge of more
+// than 1,024 partials (through the dense kernel, which shares it). head_dim 32 and the
 // other shapes the kernel does not take are checked on the tiled fallback.
 #include <algorithm>
 #include <cmath>
@@ -398,6 +399,65 @@ TEST_CASE("split paged attention: shapes it does not take run the tiled kernel")
   }
 }
 
+namespace {
+
+// Softmax attention in double over contiguous bf16 K/V [B, H, T, D] for queries [B, H·G, D].
+std::vector<float> dense_bf16_oracle(const std::vector<bf16_t>& k, const std::vector<bf16_t>& v,
+                                     const std::vector<float>& q, std::int64_t B, std::int64_t H,
+                                     std::int64_t G, std::int64_t T, std::int64_t D, float scale) {
+  const std::int64_t Hq = H * G;
+  std::vector<float> want(q.size(), 0.0f);
+  for (std::int64_t b = 0; b < B && T > 0; ++b) {
+    for (std::int64_t qh = 0; qh < Hq; ++qh) {
+      const std::int64_t kv = (b * H + qh / G) * T;
+      std::vector<double> w(static_cast<std::size_t>(T));
+      double mx = -1e300, sum = 0;
+      for (std::int64_t j = 0; j < T; ++j) {
+        double dot = 0;
+        for (std::int64_t d = 0; d < D; ++d)
+          dot += double(q[(b * Hq + qh) * D + d]) * to_float(k[(kv + j) * D + d]);
+        w[j] = dot * scale;
+        mx = std::max(mx, w[j]);
+      }
+      for (double& x : w) sum += (x = std::exp(x - mx));
+      for (std::int64_t d = 0; d < D; ++d) {
+        double acc = 0;
+        for (std::int64_t j = 0; j < T; ++j) acc += w[j] * to_float(v[(kv + j) * D + d]);
+        want[(b * Hq + qh) * D + d] = static_cast<float>(acc / sum);
+      }
+    }
+  }
+  return want;
+}
+
+// Runs the dense split kernel; `parts_above` > 0 requires more than that many partials per query
+// head (read off the workspace size: part_acc and part_ml hold rows · (D + 2) floats).
+std::vector<float> run_dense(const std::vector<bf16_t>& k, const std::vector<bf16_t>& v,
+                             const std::vector<float>& q, std::int64_t B, std::int64_t H,
+                             std::int64_t G, std::int64_t T, std::int64_t D, float scale,
+                             const cuda::DecodeAttentionConfig& ac, std::int64_t parts_above = 0) {
+  const std::int64_t Hq = H * G;
+  DeviceBuffer<bf16_t> dk(std::max<std::size_t>(k.size(), 8)),
+      dv(std::max<std::size_t>(v.size(), 8));
+  if (!k.empty()) {
+    KVSIFT_CUDA_CHECK(cudaMemcpy(dk.get(), k.data(), k.size() * 2, cudaMemcpyHostToDevice));
+    KVSIFT_CUDA_CHECK(cudaMemcpy(dv.get(), v.data(), v.size() * 2, cudaMemcpyHostToDevice));
+  }
+  DeviceBuffer<float> dq(q), out(q.size());
+  KVSIFT_CUDA_CHECK(cudaMemset(out.get(), 0xff, out.size() * 4));
+  DeviceBuffer<std::uint8_t> ws(
+      cuda::dense_split_decode_attention_workspace_bytes(B, H, T, Hq, D, ac));
+  if (parts_above > 0) {
+    REQUIRE(ws.size() > static_cast<std::size_t>(parts_above * B * Hq * (D + 2) * 4 + 512));
+  }
+  cuda::dense_split_decode_attention_bf16(dk.get(), dv.get(), B, H, T, dq.get(), Hq, D, scale,
+                                          out.get(), ws.get(), ws.size(), nullptr, ac);
+  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+  return out.download();
+}
+
+}  // namespace
+
 TEST_CASE("dense split attention (the benchmark's baseline) equals a double oracle") {
   const std::int64_t B = 2, H = 2, G = 4, D = 64, Hq = H * G;
   const float scale = 0.125f;
@@ -407,46 +467,34 @@ TEST_CASE("dense split attention (the benchmark's baseline) equals a double orac
     std::vector<bf16_t> k(static_cast<std::size_t>(B * H * T * D)), v(k.size());
     for (bf16_t& x : k) x = from_float<bf16_t>(normal(rng));
     for (bf16_t& x : v) x = from_float<bf16_t>(normal(rng));
-    std::vector<float> q(static_cast<std::size_t>(B * Hq * D)), want(q.size(), 0.0f);
+    std::vector<float> q(static_cast<std::size_t>(B * Hq * D));
     for (float& x : q) x = normal(rng);
-    for (std::int64_t b = 0; b < B && T > 0; ++b) {
-      for (std::int64_t qh = 0; qh < Hq; ++qh) {
-        const std::int64_t kv = (b * H + qh / G) * T;
-        std::vector<double> w(static_cast<std::size_t>(T));
-        double mx = -1e300, sum = 0;
-        for (std::int64_t j = 0; j < T; ++j) {
-          double dot = 0;
-          for (std::int64_t d = 0; d < D; ++d)
-            dot += double(q[(b * Hq + qh) * D + d]) * to_float(k[(kv + j) * D + d]);
-          w[j] = dot * scale;
-          mx = std::max(mx, w[j]);
-        }
-        for (double& x : w) sum += (x = std::exp(x - mx));
-        for (std::int64_t d = 0; d < D; ++d) {
-          double acc = 0;
-          for (std::int64_t j = 0; j < T; ++j) acc += w[j] * to_float(v[(kv + j) * D + d]);
-          want[(b * Hq + qh) * D + d] = static_cast<float>(acc / sum);
-        }
-      }
-    }
+    const std::vector<float> want = dense_bf16_oracle(k, v, q, B, H, G, T, D, scale);
     for (int tiles : {1, 4}) {
       INFO("tokens " << T << " min_tiles_per_warp " << tiles);
       cuda::DecodeAttentionConfig ac;
       ac.min_tiles_per_warp = tiles;
-      DeviceBuffer<bf16_t> dk(std::max<std::size_t>(k.size(), 8)),
-          dv(std::max<std::size_t>(v.size(), 8));
-      if (!k.empty()) {
-        KVSIFT_CUDA_CHECK(cudaMemcpy(dk.get(), k.data(), k.size() * 2, cudaMemcpyHostToDevice));
-        KVSIFT_CUDA_CHECK(cudaMemcpy(dv.get(), v.data(), v.size() * 2, cudaMemcpyHostToDevice));
-      }
-      DeviceBuffer<float> dq(q), out(q.size());
-      KVSIFT_CUDA_CHECK(cudaMemset(out.get(), 0xff, out.size() * 4));
-      DeviceBuffer<std::uint8_t> ws(
-          cuda::dense_split_decode_attention_workspace_bytes(B, H, T, Hq, D, ac));
-      cuda::dense_split_decode_attention_bf16(dk.get(), dv.get(), B, H, T, dq.get(), Hq, D, scale,
-                                              out.get(), ws.get(), ws.size(), nullptr, ac);
-      KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
-      require_close(out.download(), want, 0, 1e-4f, "dense split vs double oracle");
+      require_close(run_dense(k, v, q, B, H, G, T, D, scale, ac), want, 0, 1e-4f,
+                    "dense split vs double oracle");
     }
   }
+}
+
+TEST_CASE("merge of more than 1024 partials per query head (its chunked loop)") {
+  // One sequence, one KV head, 40,000 tokens: 1,250 tiles, one per warp, 313 splits of 4 warps,
+  // so the merge folds 1,252 partials in two chunks of at most 1,024 weights.
+  const std::int64_t B = 1, H = 1, G = 2, D = 64, T = 40000;
+  const float scale = 0.125f;
+  std::mt19937 rng(31);
+  std::normal_distribution<float> normal;
+  std::vector<bf16_t> k(static_cast<std::size_t>(B * H * T * D)), v(k.size());
+  for (bf16_t& x : k) x = from_float<bf16_t>(2.0f * normal(rng));
+  for (bf16_t& x : v) x = from_float<bf16_t>(normal(rng));
+  std::vector<float> q(static_cast<std::size_t>(B * H * G * D));
+  for (float& x : q) x = normal(rng);
+  cuda::DecodeAttentionConfig ac;
+  ac.min_tiles_per_warp = 1;
+  require_close(run_dense(k, v, q, B, H, G, T, D, scale, ac, 1024),
+                dense_bf16_oracle(k, v, q, B, H, G, T, D, scale), 0, 1e-4f,
+                "dense split (1,252 partials) vs double oracle");
 }
