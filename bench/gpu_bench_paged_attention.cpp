@@ -25,7 +25,10 @@
 // token, and the pool bytes that differ before and after eviction (must be 0: eviction only sets
 // mask bits).
 //
-// Usage: gpu_bench_paged_attention [--fp8-reasoning] [--batch 1,8,64] [tokens ...]
+// Usage: gpu_bench_paged_attention [--fp8-reasoning] [--batch 1,8,64] [--min-tiles 1,2,4]
+//                                  [tokens ...]
+// --min-tiles: DecodeAttentionConfig::min_tiles_per_warp for the new and the dense kernel, each
+// value a row of its own (default 1, the library's default).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -57,6 +60,7 @@ constexpr int kAppendBatch = 4096;  // tokens per device append (each one syncs)
 
 struct Options {
   bool fp8_reasoning = false;
+  std::vector<int> min_tiles = {1};
   std::vector<int> batches = {1, 8, 64};
   std::vector<int> lengths = {4096, 8192, 16384, 32768};
 };
@@ -269,23 +273,13 @@ void run(int tokens, const Options& opt, double copy_bw, cudaStream_t stream) {
     KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
     KVSIFT_CHECK(cuda::paged_split_kernel_applies(dev, view, kQHeads),
                  "bench: the split kernel does not apply");
-    DeviceArray<std::uint8_t> ws_new(
-        cuda::paged_decode_attention_batch_workspace_bytes(dev, view, kQHeads));
+    // The tiled kernel (one call per sequence) does not depend on min_tiles: measured once.
     std::size_t old_bytes = 0;
     for (int b = 0; b < batch; ++b) {
       old_bytes = std::max(old_bytes, cuda::paged_decode_attention_tiled_workspace_bytes(
                                           dev, seqs[static_cast<std::size_t>(b)], kQHeads));
     }
     DeviceArray<std::uint8_t> ws_old(old_bytes);
-    DeviceArray<std::uint8_t> ws_dense(
-        cuda::dense_split_decode_attention_workspace_bytes(batch, kKVHeads, n, kQHeads, kHeadDim));
-
-    const float new_ms = bench::median_ms(
-        [&] {
-          cuda::paged_decode_attention_batch(dev, view, dq.get(), kQHeads, kHeadDim, scale,
-                                             out_new.get(), ws_new.get(), ws_new.size(), stream);
-        },
-        stream, kWarmup, kReps);
     const float old_ms = bench::median_ms(
         [&] {
           for (int b = 0; b < batch; ++b) {
@@ -296,27 +290,44 @@ void run(int tokens, const Options& opt, double copy_bw, cudaStream_t stream) {
           }
         },
         stream, kWarmup, kReps);
-    const float dense_ms = bench::median_ms(
-        [&] {
-          cuda::dense_split_decode_attention_bf16(
-              ddk.get(), ddv.get(), batch, kKVHeads, n, dq.get(), kQHeads, kHeadDim, scale,
-              out_dense.get(), ws_dense.get(), ws_dense.size(), stream);
-        },
-        stream, kWarmup, kReps);
-    const std::vector<float> on = download(out_new, qn), oo = download(out_old, qn),
-                             od = download(out_dense, qn);
-    const double paged_bytes = seq_bytes * batch;
-    const double dense_bytes = 2.0 * batch * kKVHeads * static_cast<double>(n) * kHeadDim * 2;
-    const double floor_us = paged_bytes / copy_bw * 1e6;
-    std::printf(
-        "%6d %5d %6lld %9.1f %9.1f %9.1f %9.1f %9.2f %9.2f %9.1f %9.1f %9.1f %8.5f %8.5f %8.2f "
-        "%6lld\n",
-        tokens, batch, static_cast<long long>(n), new_ms * 1e3, old_ms * 1e3, dense_ms * 1e3,
-        floor_us, new_ms * 1e3 / (dense_ms * 1e3), new_ms * 1e3 / floor_us, paged_bytes / 1e6,
-        dense_bytes / 1e6, paged_bytes / (new_ms * 1e-3) / 1e9, max_abs_diff(on, od),
-        max_abs_diff(on, oo), append_ms * 1e3 / (static_cast<double>(tokens) * max_batch),
-        static_cast<long long>(moved));
-    std::fflush(stdout);
+    for (int tiles : opt.min_tiles) {
+      cuda::DecodeAttentionConfig ac;
+      ac.min_tiles_per_warp = tiles;
+      DeviceArray<std::uint8_t> ws_new(
+          cuda::paged_decode_attention_batch_workspace_bytes(dev, view, kQHeads, ac));
+      DeviceArray<std::uint8_t> ws_dense(cuda::dense_split_decode_attention_workspace_bytes(
+          batch, kKVHeads, n, kQHeads, kHeadDim, ac));
+
+      const float new_ms = bench::median_ms(
+          [&] {
+            cuda::paged_decode_attention_batch(dev, view, dq.get(), kQHeads, kHeadDim, scale,
+                                               out_new.get(), ws_new.get(), ws_new.size(), stream,
+                                               ac);
+          },
+          stream, kWarmup, kReps);
+      const float dense_ms = bench::median_ms(
+          [&] {
+            cuda::dense_split_decode_attention_bf16(
+                ddk.get(), ddv.get(), batch, kKVHeads, n, dq.get(), kQHeads, kHeadDim, scale,
+                out_dense.get(), ws_dense.get(), ws_dense.size(), stream, ac);
+          },
+          stream, kWarmup, kReps);
+      const std::vector<float> on = download(out_new, qn), oo = download(out_old, qn),
+                               od = download(out_dense, qn);
+      const double paged_bytes = seq_bytes * batch;
+      const double dense_bytes = 2.0 * batch * kKVHeads * static_cast<double>(n) * kHeadDim * 2;
+      const double floor_us = paged_bytes / copy_bw * 1e6;
+      std::printf(
+          "%6d %5d %5d %6lld %9.1f %9.1f %9.1f %9.1f %9.2f %9.2f %9.1f %9.1f %9.1f %8.5f %8.5f "
+          "%8.2f %6lld\n",
+          tokens, batch, tiles, static_cast<long long>(n), new_ms * 1e3, old_ms * 1e3,
+          dense_ms * 1e3, floor_us, new_ms * 1e3 / (dense_ms * 1e3), new_ms * 1e3 / floor_us,
+          paged_bytes / 1e6, dense_bytes / 1e6, paged_bytes / (new_ms * 1e-3) / 1e9,
+          max_abs_diff(on, od), max_abs_diff(on, oo),
+          append_ms * 1e3 / (static_cast<double>(tokens) * max_batch),
+          static_cast<long long>(moved));
+      std::fflush(stdout);
+    }
   }
 }
 
@@ -345,6 +356,8 @@ int main(int argc, char** argv) {
       opt.fp8_reasoning = true;
     } else if (std::strcmp(argv[i], "--batch") == 0 && i + 1 < argc) {
       opt.batches = parse_list(argv[++i]);
+    } else if (std::strcmp(argv[i], "--min-tiles") == 0 && i + 1 < argc) {
+      opt.min_tiles = parse_list(argv[++i]);
     } else {
       lengths.push_back(std::atoi(argv[i]));
     }
@@ -364,9 +377,10 @@ int main(int argc, char** argv) {
   std::printf(
       "new = split-sequence paged kernel (batch API), old = tiled paged kernel per sequence, dense "
       "= split-sequence bf16 kernel over the kept tokens, floor = paged bytes / copy bandwidth\n");
-  std::printf("%6s %5s %6s %9s %9s %9s %9s %9s %9s %9s %9s %9s %8s %8s %8s %6s\n", "tokens",
-              "batch", "kept", "new_us", "old_us", "dense_us", "floor_us", "new/dense", "new/floor",
-              "paged_MB", "dense_MB", "new_GB/s", "d(n,dns)", "d(n,old)", "app_us/t", "moved");
+  std::printf("%6s %5s %5s %6s %9s %9s %9s %9s %9s %9s %9s %9s %9s %8s %8s %8s %6s\n", "tokens",
+              "batch", "tiles", "kept", "new_us", "old_us", "dense_us", "floor_us", "new/dense",
+              "new/floor", "paged_MB", "dense_MB", "new_GB/s", "d(n,dns)", "d(n,old)", "app_us/t",
+              "moved");
   for (int t : opt.lengths) run(t, opt, copy_bw, stream);
   KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
   return 0;
