@@ -15,6 +15,7 @@
 #include "kvsift/backend/cuda/paged_reads.hpp"
 #include "kvsift/backend/cuda/workspace.hpp"
 #include "kvsift/quant/group_codec.hpp"
+#include "mma.cuh"
 #include "paged_batch_refs.cuh"
 
 namespace kvsift::cuda {
@@ -27,6 +28,13 @@ constexpr int kGatherThreads = 128;
 constexpr int kSparsityThreads = 128;                 // 16 slots x 8 query heads per pass
 constexpr int kHeadsPerPass = kSparsityThreads / 16;  // query heads one pass serves
 constexpr int kMaxHeadsPerThread = 8;                 // GQA group <= 64
+
+// Shared memory of paged_sparsity_kernel: the query [G, D] and one unit's keys [16, D + 1] in
+// fp32, then (16-byte aligned) two stages of raw key bytes.
+__host__ __device__ constexpr std::size_t sparsity_stage_offset(int G, int D) {
+  return ((static_cast<std::size_t>(G) * D + 16 * static_cast<std::size_t>(D + 1)) * 4 + 15) / 16 *
+         16;
+}
 
 // Element `slot % 16` of key channel c of a quantized (block, head) at `base`: the whole group is
 // decoded as the CPU does, so the value is the CPU's bit for bit.
@@ -78,50 +86,90 @@ struct SparsityArgs {
   float scale, log_ratio;
 };
 
-// Live slots (bit i = slot i of the unit) of unit u of (sequence, KV head h): units are the
-// 16-slot groups of the sequence's blocks in page-table order, then its three staging streams.
-__device__ unsigned unit_live(const SparsityArgs& a, int seq, int first, int block_units, int u,
-                              int h) {
+// Units are the 16-slot groups of the sequence's blocks in page-table order, then its three
+// staging streams. Their descriptions are read kSparsityThreads at a time (one per thread) into
+// shared memory; the raw key bytes of a quantized unit (codes and scales, D · code bytes + D) are
+// copied by cp.async into one of two shared stages while the previous unit's logits are computed,
+// so no thread waits on a load issued for the unit it is about to decode.
+constexpr int kStagedUnit = -1;  // UnitRef::format of a staging stream
+
+struct UnitRef {
+  unsigned live;   // bit i: slot i of the unit is live
+  int format;      // BlockFormat, or kStagedUnit
+  long long base;  // byte offset of the (block, head) section in storage, or the stream index
+  int group;       // 16-slot group of the block
+};
+
+__device__ UnitRef unit_ref(const SparsityArgs& a, int seq, int first, int block_units, int u,
+                            int h) {
+  UnitRef r;
   if (u >= block_units) {
     const std::int64_t stream =
         (static_cast<std::int64_t>(seq) * kPagedThoughtTypes + (u - block_units)) * a.t.kv_heads +
         h;
-    return a.staged_masks[stream] & 0xffffu;
+    r.live = a.staged_masks[stream] & 0xffffu;
+    r.format = kStagedUnit;
+    r.base = stream;
+    r.group = 0;
+    return r;
   }
   const int per_block = a.t.block_size / 16, blk = u / per_block, start = (u % per_block) * 16;
   const std::int64_t frame = a.t.frames[first + blk];
   const std::uint64_t word = a.t.masks[(frame * a.t.kv_heads + h) * a.t.mask_words + start / 64];
-  return ~static_cast<unsigned>(word >> (start % 64)) & 0xffffu;  // free bit = 1
+  r.live = ~static_cast<unsigned>(word >> (start % 64)) & 0xffffu;  // free bit = 1
+  r.format = a.t.meta[first + blk] & 0xf;
+  r.base = a.t.frame_offsets[frame] + h * a.t.layouts.by_format[r.format].head_bytes;
+  r.group = start / 16;
+  return r;
 }
 
-// Unit u's 16 keys -> sK [16, head_dim + 1].
-__device__ void unit_keys(const SparsityArgs& a, int seq, int first, int block_units, int u, int h,
+// Bytes of one stage: the largest quantized unit (FP8: 16 code bytes per channel) plus its scales.
+__host__ __device__ constexpr int unit_stage_bytes(int D) { return 17 * D; }
+
+// Issues the copies of unit r's key codes (at st) and scales (at st + 16·D) when it is a live
+// quantized unit; staged and f32 units are read directly by unit_keys.
+__device__ void stage_unit(const SparsityArgs& a, const UnitRef& r, std::uint8_t* st) {
+  if (r.live == 0 || r.format == kStagedUnit ||
+      static_cast<BlockFormat>(r.format) == BlockFormat::f32) {
+    return;
+  }
+  const int D = a.head_dim;
+  const PagedHeadLayout& L = a.t.layouts.by_format[r.format];
+  const std::uint8_t* base = a.t.storage + r.base;
+  const int code_bytes = D * L.code_bytes;  // multiples of 16: D is
+  const std::uint8_t* codes = base + static_cast<std::int64_t>(r.group) * code_bytes;
+  const std::uint8_t* scales = base + L.key_scales + static_cast<std::int64_t>(r.group) * D;
+  for (int c = threadIdx.x * 16; c < code_bytes; c += blockDim.x * 16) {
+    detail::cp_async16(st + c, codes + c, true);
+  }
+  for (int c = threadIdx.x * 16; c < D; c += blockDim.x * 16) {
+    detail::cp_async16(st + 16 * D + c, scales + c, true);
+  }
+}
+
+// Unit r's 16 keys -> sK [16, head_dim + 1]: quantized ones decoded from their stage `st` as the
+// CPU table decodes them (dequantize_group of the whole group, one channel per thread), staged
+// and f32 ones read from global memory.
+__device__ void unit_keys(const SparsityArgs& a, const UnitRef& r, const std::uint8_t* st, int h,
                           float* sK) {
   const int D = a.head_dim, Dp = D + 1;
-  if (u >= block_units) {
-    const std::int64_t stream =
-        (static_cast<std::int64_t>(seq) * kPagedThoughtTypes + (u - block_units)) * a.t.kv_heads +
-        h;
-    const PagedStaging* k = a.staged_keys + stream * 16 * D;
+  if (r.format == kStagedUnit) {
+    const PagedStaging* k = a.staged_keys + r.base * 16 * D;
     for (int e = threadIdx.x; e < 16 * D; e += blockDim.x)
       sK[(e / D) * Dp + e % D] = to_float(k[e]);
     return;
   }
-  const int per_block = a.t.block_size / 16, blk = u / per_block, start = (u % per_block) * 16;
-  const std::int64_t frame = a.t.frames[first + blk];
-  const int format = a.t.meta[first + blk] & 0xf;
-  const PagedHeadLayout& L = a.t.layouts.by_format[format];
-  const std::uint8_t* base = a.t.storage + a.t.frame_offsets[frame] + h * L.head_bytes;
-  if (static_cast<BlockFormat>(format) == BlockFormat::f32) {
-    const float* k = reinterpret_cast<const float*>(base) + static_cast<std::int64_t>(start) * D;
+  if (static_cast<BlockFormat>(r.format) == BlockFormat::f32) {
+    const float* k = reinterpret_cast<const float*>(a.t.storage + r.base) +
+                     static_cast<std::int64_t>(r.group) * 16 * D;
     for (int e = threadIdx.x; e < 16 * D; e += blockDim.x) sK[(e / D) * Dp + e % D] = k[e];
     return;
   }
-  const QuantFormat q = quant_format_of(static_cast<BlockFormat>(format));
+  const QuantFormat q = quant_format_of(static_cast<BlockFormat>(r.format));
+  const int cb = a.t.layouts.by_format[r.format].code_bytes;
   const float gf = a.t.global_factors[h];
   for (int c = threadIdx.x; c < D; c += blockDim.x) {
-    const std::int64_t g = static_cast<std::int64_t>(start / 16) * D + c;
-    dequantize_group(q, base + g * L.code_bytes, base[L.key_scales + g], gf, 16, sK + c, Dp);
+    dequantize_group(q, st + c * cb, st[16 * D + c], gf, 16, sK + c, Dp);
   }
 }
 
@@ -130,10 +178,12 @@ __device__ void unit_keys(const SparsityArgs& a, int seq, int first, int block_u
 // the count below max + ln 0.01): recomputing the logits costs less than a scratch buffer sized
 // for the longest sequence.
 __global__ void __launch_bounds__(kSparsityThreads) paged_sparsity_kernel(SparsityArgs a) {
-  extern __shared__ float smem[];
+  extern __shared__ __align__(16) float smem[];
   const int h = blockIdx.x, b = blockIdx.y, D = a.head_dim, G = a.group, Dp = D + 1;
   float* sQ = smem;          // [G, D]
   float* sK = smem + G * D;  // [16, D + 1]
+  std::uint8_t* stages = reinterpret_cast<std::uint8_t*>(smem) + sparsity_stage_offset(G, D);
+  __shared__ UnitRef refs[kSparsityThreads];  // the current run of unit descriptions
   const float* q = a.query + (static_cast<std::int64_t>(b) * a.q_heads + h * G) * D;
   for (int e = threadIdx.x; e < G * D; e += blockDim.x) sQ[e] = q[e];
   const int seq = a.t.seq_ids[b], first = a.t.block_begin[b];
@@ -149,28 +199,39 @@ __global__ void __launch_bounds__(kSparsityThreads) paged_sparsity_kernel(Sparsi
     count[k] = 0;
   }
   for (int pass = 0; pass < 2; ++pass) {
-    for (int u = 0; u < units; ++u) {
-      const unsigned live =
-          unit_live(a, seq, first, block_units, u, h);  // the same in every thread
-      if (live == 0) continue;
-      __syncthreads();  // the previous unit's keys are read
-      unit_keys(a, seq, first, block_units, u, h, sK);
+    for (int u0 = 0; u0 < units; u0 += kSparsityThreads) {
+      const int run = min(kSparsityThreads, units - u0);
+      __syncthreads();  // the previous run's descriptions and stages are no longer read
+      if (threadIdx.x < run)
+        refs[threadIdx.x] = unit_ref(a, seq, first, block_units, u0 + threadIdx.x, h);
       __syncthreads();
-      if (!((live >> i) & 1u)) continue;
-      if (pass == 0) ++n;  // every 16-lane group counts the live slots itself
-      for (int g = g0, k = 0; g < G; g += kHeadsPerPass, ++k) {
-        const float* qg = sQ + g * D;
-        const float* kr = sK + i * Dp;
-        float dot = 0.0f;
-        for (int d = 0; d < D; ++d) dot = __fadd_rn(dot, __fmul_rn(qg[d], kr[d]));
-        const float logit = __fmul_rn(dot, a.scale);
-        if (pass == 0) {
-          nan = nan || isnan(logit);
-          mx[k] = fmaxf(mx[k], logit);
-        } else {
-          count[k] += logit < cut[k] ? 1 : 0;
+      stage_unit(a, refs[0], stages);
+      detail::cp_async_commit();
+      for (int j = 0; j < run; ++j) {
+        if (j + 1 < run) stage_unit(a, refs[j + 1], stages + ((j + 1) % 2) * unit_stage_bytes(D));
+        detail::cp_async_commit();   // possibly empty: one group per unit keeps the count
+        detail::cp_async_wait<1>();  // unit j's bytes have landed (this thread's copies)
+        __syncthreads();             // ... everyone's; and sK is no longer read
+        const UnitRef r = refs[j];
+        if (r.live != 0) unit_keys(a, r, stages + (j % 2) * unit_stage_bytes(D), h, sK);
+        __syncthreads();
+        if (!((r.live >> i) & 1u)) continue;
+        if (pass == 0) ++n;  // every 16-lane group counts the live slots itself
+        for (int g = g0, k = 0; g < G; g += kHeadsPerPass, ++k) {
+          const float* qg = sQ + g * D;
+          const float* kr = sK + i * Dp;
+          float dot = 0.0f;
+          for (int d = 0; d < D; ++d) dot = __fadd_rn(dot, __fmul_rn(qg[d], kr[d]));
+          const float logit = __fmul_rn(dot, a.scale);
+          if (pass == 0) {
+            nan = nan || isnan(logit);
+            mx[k] = fmaxf(mx[k], logit);
+          } else {
+            count[k] += logit < cut[k] ? 1 : 0;
+          }
         }
       }
+      detail::cp_async_wait<0>();
     }
     // The 16 threads of one g0 are 16 consecutive lanes of a warp.
     for (int k = 0; k < kMaxHeadsPerThread; ++k) {
@@ -264,10 +325,11 @@ void paged_attention_sparsity(const DevicePagedTable& table, const PagedBatch& b
   a.head_dim = tc.head_dim;
   a.scale = softmax_scale;
   a.log_ratio = std::log(kSparsityRatio);  // the host's constant, as sparsity_from_logits uses it
-  const std::size_t smem =
-      static_cast<std::size_t>(a.group + 16) * static_cast<std::size_t>(tc.head_dim + 1) * 4;
-  KVSIFT_CHECK(smem <= 48 * 1024, fn, ": GQA group ", a.group, " x head_dim ", tc.head_dim,
-               " needs ", smem, " bytes of shared memory (at most 49152)");
+  const std::size_t smem = sparsity_stage_offset(a.group, tc.head_dim) +
+                           2 * static_cast<std::size_t>(unit_stage_bytes(tc.head_dim));
+  const std::size_t limit = 48 * 1024 - kSparsityThreads * sizeof(UnitRef);  // minus the static
+  KVSIFT_CHECK(smem <= limit, fn, ": GQA group ", a.group, " x head_dim ", tc.head_dim, " needs ",
+               smem, " bytes of dynamic shared memory (at most ", limit, ")");
   const dim3 grid(static_cast<unsigned>(tc.kv_heads), static_cast<unsigned>(batch.batch));
   paged_sparsity_kernel<<<grid, kSparsityThreads, smem, stream>>>(a);
   KVSIFT_CUDA_CHECK(cudaGetLastError());
