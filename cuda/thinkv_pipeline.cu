@@ -62,6 +62,7 @@ struct Layout {
   std::size_t layer_bytes = 0;     // one layer's table memory
   std::size_t page_bytes = 0;      // one layer's uploaded page tables (paged_batch_bytes at most)
   std::size_t sparsity_bytes = 0;  // [L*, batch, q_heads] f32
+  std::size_t means_bytes = 0;     // [L*, batch] f32: the step's per-layer means
   std::size_t scratch_bytes = 0;
   std::size_t total = 0;
 };
@@ -101,6 +102,7 @@ Layout layout_of(const ThinKVConfig& config, std::int32_t batch) {
   const std::size_t B = static_cast<std::size_t>(batch);
   L.sparsity_bytes = align_up(config.calibrated_layers.size() * B *
                               static_cast<std::size_t>(config.q_heads) * sizeof(float));
+  L.means_bytes = align_up(config.calibrated_layers.size() * B * sizeof(float));
   // Append: the recorded plan (append_workspace_bytes' terms, each bounded per token and head)
   // and the prompt rows transposed into token order.
   const std::size_t T = static_cast<std::size_t>(per_sequence_chunk(batch)) * B;
@@ -123,7 +125,7 @@ Layout layout_of(const ThinKVConfig& config, std::int32_t batch) {
   const std::size_t blocks = static_cast<std::size_t>(tc.num_blocks);
   L.page_bytes = 2 * align_up(blocks * 4) + align_up((B + 1) * 4) + align_up(B * 4);
   L.total = static_cast<std::size_t>(config.num_layers) * (L.layer_bytes + L.page_bytes) +
-            L.sparsity_bytes + L.scratch_bytes;
+            L.sparsity_bytes + L.means_bytes + L.scratch_bytes;
   return L;
 }
 
@@ -153,6 +155,18 @@ void prompt_rows(const void* src, void* dst, DType dtype, std::int64_t batch, st
         static_cast<const bf16_t*>(src), static_cast<bf16_t*>(dst), n, first, chunk, H, D, total);
   }
   KVSIFT_CUDA_CHECK(cudaGetLastError());
+}
+
+// Per (L* layer i, sequence b) of this step: the mean of its q_heads sparsities, summed in double
+// in head order and divided as the host does (ThinKV::observe_query), so the value is the host's
+// bit for bit. sparsity [n = L* · batch, q_heads] -> means [n].
+__global__ void step_means_kernel(const float* __restrict__ sparsity, int n, int q_heads,
+                                  float* __restrict__ means) {
+  const int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= n) return;
+  double total = 0.0;
+  for (int q = 0; q < q_heads; ++q) total += sparsity[static_cast<std::int64_t>(r) * q_heads + q];
+  means[r] = static_cast<float>(total / q_heads);
 }
 
 void check_kv(const void* keys, const void* values, DType dtype, const char* fn) {
@@ -199,6 +213,15 @@ DeviceThinKV::DeviceThinKV(const ThinKVConfig& config, std::int32_t batch, void*
     devices_.back().initialize(stream_);
   }
   sparsity_ = carver.take<float>(L.sparsity_bytes / sizeof(float));
+  means_ = carver.take<float>(L.means_bytes / sizeof(float));
+  // The ring of the interval's per-step means: pinned, so their copies stay asynchronous.
+  means_per_step_ = static_cast<std::int64_t>(config_.calibrated_layers.size()) * batch_;
+  float* ring = nullptr;
+  KVSIFT_CUDA_CHECK(cudaMallocHost(
+      &ring, std::max<std::size_t>(1, static_cast<std::size_t>(config_.refresh) *
+                                          static_cast<std::size_t>(means_per_step_)) *
+                 sizeof(float)));
+  host_means_.reset(ring);
   scratch_ = carver.take<std::uint8_t>(L.scratch_bytes);
   scratch_bytes_ = L.scratch_bytes;
   page_bytes_ = L.page_bytes;
@@ -319,41 +342,64 @@ std::vector<EvictionStep> DeviceThinKV::end_step() {
                  "cuda::DeviceThinKV::end_step: calibrated layer ", l, " was not observed in step ",
                  steps(), " (observe_query)");
   }
-  // 2. The sparsities: one wait.
-  const std::size_t per_layer = static_cast<std::size_t>(batch_) * config_.q_heads;
-  std::vector<float> sparsity(observed_.size() * per_layer);
-  if (!sparsity.empty()) {
-    KVSIFT_CUDA_CHECK(cudaMemcpyAsync(sparsity.data(), sparsity_, sparsity.size() * sizeof(float),
+  // 2. This step's sparsity per (L* layer, sequence): the mean over query heads, in double, as
+  // ThinKV::observe_query takes it, computed on the device and copied into this step's slot of
+  // the pinned ring. Only the step that closes a refresh interval waits for the ring and reports
+  // the interval to the classifiers (§3.1: the other steps' labels do not depend on it).
+  const std::int64_t slot = static_cast<std::int64_t>(pending_layers_.size());
+  if (!observed_.empty()) {
+    const int n = static_cast<int>(observed_.size()) * batch_;
+    step_means_kernel<<<(n + 127) / 128, 128, 0, stream_>>>(sparsity_, n, config_.q_heads, means_);
+    KVSIFT_CUDA_CHECK(cudaGetLastError());
+    KVSIFT_CUDA_CHECK(cudaMemcpyAsync(host_means_.get() + slot * means_per_step_, means_,
+                                      static_cast<std::size_t>(n) * sizeof(float),
                                       cudaMemcpyDeviceToHost, stream_));
   }
-  KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  for (std::size_t i = 0; i < observed_.size(); ++i) {
-    for (std::int32_t b = 0; b < batch_; ++b) {
-      for (int q = 0; q < config_.q_heads; ++q) {
-        const float s = sparsity[i * per_layer + static_cast<std::size_t>(b) * config_.q_heads + q];
-        KVSIFT_CHECK(!std::isnan(s), "cuda::DeviceThinKV::end_step: layer ", observed_[i],
-                     " sequence ", b, " query head ", q,
-                     ": no resident key, a NaN logit or an infinite one (non-finite queries?)");
+  pending_layers_.push_back(observed_);
+  observed_.clear();
+  std::vector<EvictionStep> steps(static_cast<std::size_t>(batch_));
+  if (!schedules_[0].closes_interval()) {  // all sequences step together
+    for (std::int32_t b = 0; b < batch_; ++b) steps[b] = schedules_[b].end_step_deferred();
+  } else {
+    KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    const std::int64_t first = schedules_[0].steps() - slot;  // the step in ring slot 0
+    for (std::size_t k = 0; k < pending_layers_.size(); ++k) {
+      const std::vector<int>& layers = pending_layers_[k];
+      const float* m = host_means_.get() + static_cast<std::int64_t>(k) * means_per_step_;
+      for (std::size_t i = 0; i < layers.size(); ++i) {
+        for (std::int32_t b = 0; b < batch_; ++b) {
+          KVSIFT_CHECK(!std::isnan(m[i * batch_ + b]), "cuda::DeviceThinKV::end_step: step ",
+                       first + static_cast<std::int64_t>(k), " layer ", layers[i], " sequence ", b,
+                       ": a query head without a resident key, or a NaN or infinite logit "
+                       "(non-finite queries?)");
+        }
       }
     }
-  }
-  // 3. Label the step and run TBE per sequence (ThinKV::observe_query's mean, in double).
-  std::vector<EvictionStep> steps(static_cast<std::size_t>(batch_));
-  for (std::int32_t b = 0; b < batch_; ++b) {
-    for (std::size_t i = 0; i < observed_.size(); ++i) {
-      double total = 0.0;
-      for (int q = 0; q < config_.q_heads; ++q)
-        total += sparsity[i * per_layer + static_cast<std::size_t>(b) * config_.q_heads + q];
-      schedules_[b].classifier().observe_layer(observed_[i],
-                                               static_cast<float>(total / config_.q_heads));
+    // 3. Label the interval's steps and run TBE on this one.
+    std::vector<float> obs;
+    for (std::int32_t b = 0; b < batch_; ++b) {
+      ThoughtClassifier& c = schedules_[b].classifier();
+      for (std::size_t k = 0; k < pending_layers_.size(); ++k) {
+        const std::vector<int>& layers = pending_layers_[k];
+        const float* m = host_means_.get() + static_cast<std::int64_t>(k) * means_per_step_;
+        obs.assign(layers.size(), 0.0f);
+        for (std::size_t i = 0; i < layers.size(); ++i) obs[i] = m[i * batch_ + b];
+        if (k + 1 < pending_layers_.size()) {
+          c.settle_step(layers.data(), obs.data(), static_cast<int>(layers.size()));
+        } else {
+          for (std::size_t i = 0; i < layers.size(); ++i) c.observe_layer(layers[i], obs[i]);
+        }
+      }
+      steps[b] = schedules_[b].end_step();
     }
-    steps[b] = schedules_[b].end_step();
+    pending_layers_.clear();
+  }
+  for (std::int32_t b = 0; b < batch_; ++b) {
     const std::size_t segments = schedules_[b].evictor().segments().size();
     KVSIFT_CHECK(static_cast<std::int32_t>(segments) == tables_[0].num_segments(b),
                  "cuda::DeviceThinKV::end_step: internal error: TBE has ", segments,
                  " segments but the block table has ", tables_[0].num_segments(b));
   }
-  observed_.clear();
   // 4. Demotions: every (sequence, change, layer, KV head), survivors by k-means on the device.
   std::vector<Problem> problems;
   for (std::int32_t b = 0; b < batch_; ++b) {

@@ -1,5 +1,6 @@
 // ThoughtClassifier (ThinKV, docs/algorithms.md §3.1): the θ rule at its boundaries, the τ refresh
 // that labels the NEXT interval, R before the first refresh, and averaging over L*.
+#include <limits>
 #include <vector>
 
 #include "catch.hpp"
@@ -109,4 +110,68 @@ TEST_CASE("ThoughtClassifierConfig validation names the values", "[thought][erro
   REQUIRE_THROWS_WITH(config(0.1f, 0.5f, 128, {3, -1}).validate(), Contains("layers[1] = -1"));
   REQUIRE_THROWS_WITH(config(0.1f, 0.5f, 128, {3, 4, 3}).validate(),
                       Contains("layer 3 is listed twice"));
+}
+
+TEST_CASE("deferred steps, settled before the interval closes, give the synchronous labels",
+          "[thought]") {
+  // Two L* layers, refresh 5, three intervals of sparsities chosen so the labels go E, T, R.
+  // `sync` observes every step; `deferred` ends steps 0-3 of each interval unobserved and reports
+  // them at step 4, as cuda::DeviceThinKV does. Equal labels after every step and a bit-equal
+  // interval mean show the replay does the same sums in the same order.
+  const std::vector<int> layers = {3, 7};
+  ThoughtClassifier sync(config(0.3f, 0.7f, 5, layers)), deferred(config(0.3f, 0.7f, 5, layers));
+  const std::vector<std::vector<float>> interval_values = {
+      {0.1f, 0.2f, 0.05f, 0.3f, 0.15f, 0.1f, 0.2f, 0.25f, 0.1f, 0.0f},
+      {0.9f, 0.8f, 0.75f, 0.95f, 0.7f, 0.85f, 0.8f, 0.9f, 1.0f, 0.65f},
+      {0.5f, 0.4f, 0.45f, 0.55f, 0.6f, 0.35f, 0.5f, 0.5f, 0.4f, 0.6f}};
+  for (const std::vector<float>& v : interval_values) {
+    for (int s = 0; s < 5; ++s) {
+      const float a = v[2 * s], b = v[2 * s + 1];
+      sync.observe_layer(3, a);
+      sync.observe_layer(7, b);
+      const ThoughtType want = sync.end_step();
+      ThoughtType got;
+      if (s < 4) {
+        got = deferred.end_step_deferred();
+      } else {
+        for (int k = 0; k < 4; ++k) {
+          const float obs[2] = {v[2 * k], v[2 * k + 1]};
+          deferred.settle_step(layers.data(), obs, 2);
+        }
+        CHECK(deferred.pending_steps() == 0);
+        deferred.observe_layer(3, a);
+        deferred.observe_layer(7, b);
+        got = deferred.end_step();
+        CHECK(deferred.last_step_sparsity() == sync.last_step_sparsity());
+        CHECK(deferred.last_interval_sparsity() == sync.last_interval_sparsity());
+      }
+      CHECK(got == want);
+      CHECK(deferred.label() == sync.label());
+      CHECK(deferred.steps() == sync.steps());
+    }
+  }
+  CHECK(sync.label() == R);  // the third interval's mean, 0.485, lies between θ1 and θ2
+}
+
+TEST_CASE("deferred steps: the errors, and nothing changes on one", "[thought]") {
+  ThoughtClassifier c(config(0.3f, 0.7f, 3, {0}));
+  c.observe_layer(0, 0.5f);
+  CHECK_THROWS_WITH(c.end_step_deferred(), Contains("has observed layers"));
+  c.end_step();                                                                     // step 0
+  c.end_step_deferred();                                                            // step 1
+  CHECK_THROWS_WITH(c.end_step_deferred(), Contains("closes a refresh interval"));  // step 2
+  c.observe_layer(0, 0.5f);
+  CHECK_THROWS_WITH(c.end_step(), Contains("deferred steps not settled"));
+  const int layer = 0;
+  const float nan = std::numeric_limits<float>::quiet_NaN(), bad = 1.5f;
+  ThoughtClassifier d(config(0.3f, 0.7f, 3, {0}));
+  CHECK_THROWS_WITH(d.settle_step(&layer, &bad, 1), Contains("without a deferred step"));
+  d.end_step_deferred();
+  CHECK_THROWS_WITH(d.settle_step(&layer, &nan, 1), Contains("outside [0, 1]"));
+  CHECK_THROWS_WITH(d.settle_step(&layer, &bad, 0), Contains("observed 0 of the 1"));
+  CHECK(d.pending_steps() == 1);  // the refused reports changed nothing
+  const float ok = 0.9f;
+  d.settle_step(&layer, &ok, 1);
+  CHECK(d.pending_steps() == 0);
+  CHECK(d.last_step_sparsity() == 0.9f);
 }

@@ -2,8 +2,10 @@
 // kvsift::ThinKV per sequence) on the same random prompt, tokens and queries. Query scales change
 // from one refresh interval to the next so that the classifier labels E, R and T segments, Rule 1
 // (a new T segment) and Rule 2 (over budget) both demote. After every step:
-//   - the same TBE step per sequence (segment, kept before/after) and the same step sparsity, bit
-//     for bit (the device computes it over the resident keys as stored);
+//   - the same TBE step per sequence (segment, kept before/after) and the same label; at each step
+//     closing a refresh interval (where the device reads the interval's sparsities) the same step
+//     and interval sparsity, bit for bit (the device computes them over the resident keys as
+//     stored);
 //   - every layer's device blocks equal the CPU table's block_storage() bit for bit (codes sealed
 //     on the device with fresh scales), masks, slot positions and staged rows equal;
 //   - the resident tokens (addresses, positions, segments) of every (layer, KV head) are the CPU's:
@@ -15,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -161,8 +164,17 @@ void run_lockstep(const ThinKVConfig& config, std::int32_t batch, std::int64_t p
     for (std::int32_t b = 0; b < batch; ++b) {
       const EvictionStep want = cpu[b].end_step();
       INFO("step " << step << " sequence " << b);
-      REQUIRE(dev.schedule(b).classifier().last_step_sparsity() ==
-              cpu[b].classifier().last_step_sparsity());
+      // The device reports an interval's sparsities at the step that closes it (end_step waits
+      // only there): then its last step's and the interval's means are the CPU's bit for bit.
+      if ((step + 1) % dev.config().refresh == 0) {
+        REQUIRE(dev.schedule(b).classifier().pending_steps() == 0);
+        REQUIRE(dev.schedule(b).classifier().last_step_sparsity() ==
+                cpu[b].classifier().last_step_sparsity());
+        REQUIRE(dev.schedule(b).classifier().last_interval_sparsity() ==
+                cpu[b].classifier().last_interval_sparsity());
+      } else {
+        REQUIRE(dev.schedule(b).classifier().pending_steps() == (step + 1) % dev.config().refresh);
+      }
       REQUIRE(dev.schedule(b).label() == cpu[b].label());
       REQUIRE(got[b].changes.size() == want.changes.size());
       for (std::size_t c = 0; c < want.changes.size(); ++c) {
@@ -241,5 +253,27 @@ TEST_CASE("DeviceThinKV refuses what it cannot do", "[thinkv][cuda]") {
     REQUIRE(dev.end_step().size() == 1);
     REQUIRE(dev.steps() == 1);
     REQUIRE_THROWS_WITH(dev.append(0, k.get(), v.get(), DType::f16), Contains("f32 or bf16"));
+  }
+  SECTION("a NaN sparsity is reported at the step closing its interval, naming its step") {
+    DeviceBuffer<std::uint8_t> memory(cuda::DeviceThinKV::memory_bytes(c, 1));
+    cuda::DeviceThinKV dev(c, 1, memory.get(), memory.size(), nullptr);
+    std::mt19937 rng(9);
+    DeviceBuffer<float> k(normal(rng, c.kv_heads * c.head_dim));
+    DeviceBuffer<float> v(normal(rng, c.kv_heads * c.head_dim));
+    DeviceBuffer<float> q(normal(rng, c.q_heads * c.head_dim));
+    std::vector<float> bad = normal(rng, c.q_heads * c.head_dim);
+    bad[5] = std::numeric_limits<float>::quiet_NaN();
+    DeviceBuffer<float> qnan(bad);
+    for (int step = 0; step < c.refresh; ++step) {
+      for (int l = 0; l < c.num_layers; ++l) {
+        dev.append(l, k.get(), v.get(), DType::f32);
+        dev.observe_query(l, (step == 3 && l == 2 ? qnan : q).get());
+      }
+      if (step + 1 < c.refresh) {
+        REQUIRE(dev.end_step().size() == 1);  // deferred: nothing waits, nothing is checked yet
+      } else {
+        REQUIRE_THROWS_WITH(dev.end_step(), Contains("step 3 layer 2 sequence 0"));
+      }
+    }
   }
 }

@@ -7,8 +7,9 @@
 // Division of labour (docs/thinkv.md §9): the host keeps what is metadata — per sequence a
 // ThinKVSchedule (classifier, TBE), per layer a metadata-only ThoughtBlockTable that places every
 // token — and the device keeps every K/V byte (one DevicePagedTable per layer, all sequences
-// sharing its pools). Per step the host downloads only the L* layers' sparsities ([batch,
-// q_heads] floats each) and, when TBE demotes a segment, the k-means survivors' indices. The
+// sharing its pools). The host downloads only the L* layers' sparsities (their means over query
+// heads, [batch] floats per layer and step, collected asynchronously and read once per refresh
+// interval) and, when TBE demotes a segment, the k-means survivors' indices. The
 // decisions are those of the CPU pipeline (ThinKV) by construction — the same schedule, the same
 // placement rule, keys decoded with the CPU's codec, sparsities and k-means computed bit for bit
 // as on the CPU — and tests/cuda/test_thinkv_pipeline_cuda.cpp checks it: block codes
@@ -20,7 +21,8 @@
 // pipeline, shared) plus a bounded scratch — and the constructor takes that one buffer.
 // attention() takes its own workspace (attention_workspace_bytes), as the other decode kernels.
 //
-// All calls enqueue on the stream given at construction; end_step() waits for it once.
+// All calls enqueue on the stream given at construction; end_step() waits for it only at a step
+// closing a refresh interval and when TBE demotes.
 // Limits (kvsift::Error at construction): refresh <= 128 tokens per segment, head_dim <= 256 and
 // retention targets <= 64 (the device k-means' limits), no prompt eviction (a prompt may exceed
 // 128 tokens), the default refill rule, staging in bf16 (cuda::PagedStaging).
@@ -30,6 +32,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "kvsift/backend/cuda/paged_table.hpp"
@@ -71,8 +74,11 @@ class DeviceThinKV {
   bool observe_query(int layer, const float* queries);
   // Closes the step for every sequence (every layer appended, every L* layer observed): labels,
   // TBE, and each demotion applied to every (layer, KV head) as eviction bits on the host table
-  // and the device table. Waits for the stream once (sparsities, then survivors when TBE acts).
-  // Returns TBE's step of each sequence, [batch].
+  // and the device table. The step's sparsities are copied to the host asynchronously; only the
+  // step that closes a refresh interval waits for them and reports the interval's steps to the
+  // classifiers (a step's label is its interval's, §3.1), throwing if one of them was NaN (no
+  // resident key, non-finite queries), naming that step. It waits again for the survivors when
+  // TBE acts. Returns TBE's step of each sequence, [batch].
   std::vector<EvictionStep> end_step();
 
   // --- attention -------------------------------------------------------------------------------
@@ -114,8 +120,16 @@ class DeviceThinKV {
   std::vector<ThoughtBlockTable> tables_;  // [num_layers] metadata only
   std::vector<DevicePagedTable> devices_;  // [num_layers]
   float* sparsity_ = nullptr;              // device [L*, batch, q_heads] this step's sparsities
+  float* means_ = nullptr;                 // device [L*, batch] their means over query heads
   std::vector<int> observed_;              // L* layers observed this step, in order
-  std::uint8_t* scratch_ = nullptr;        // device, scratch_bytes_
+  struct FreeHost {
+    void operator()(float* p) const { cudaFreeHost(p); }
+  };
+  // Pinned host [refresh, L*, batch]: the means of the interval's steps, slot k = its k-th step.
+  std::unique_ptr<float[], FreeHost> host_means_;
+  std::int64_t means_per_step_ = 0;               // L* · batch
+  std::vector<std::vector<int>> pending_layers_;  // the interval's steps so far: layers observed
+  std::uint8_t* scratch_ = nullptr;               // device, scratch_bytes_
   std::size_t scratch_bytes_ = 0;
   struct PageTables {  // one layer's uploaded page tables
     PagedBatch view;

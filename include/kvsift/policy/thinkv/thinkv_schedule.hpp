@@ -64,14 +64,17 @@ class ThinKVSchedule {
   // returned changes are the driver's to apply to every (layer, KV head).
   EvictionStep end_step() {
     check_complete();
-    const ThoughtType step_label = classifier_.end_step();
-    EvictionStep step = evictor_->append_token(step_label);
-    counter_.record_step(step, num_layers_);
-    appended_.assign(appended_.size(), false);
-    opened_.assign(opened_.size(), false);
-    ++steps_;
-    return step;
+    return finish_step(classifier_.end_step());
   }
+  // The same for a step whose sparsities the driver reports later
+  // (ThoughtClassifier::end_step_deferred: not the step that closes a refresh interval). TBE's
+  // decisions need only the label, which the step already has.
+  EvictionStep end_step_deferred() {
+    check_complete();
+    return finish_step(classifier_.end_step_deferred());
+  }
+  // Whether the step now open closes a refresh interval (its sparsities cannot be deferred).
+  bool closes_interval() const { return (classifier_.steps() + 1) % refresh_ == 0; }
 
   // --- state -----------------------------------------------------------------------------------
   ThoughtClassifier& classifier() { return classifier_; }
@@ -86,6 +89,15 @@ class ThinKVSchedule {
   const EvictionCounter& eviction_counter() const { return counter_; }
 
  private:
+  EvictionStep finish_step(ThoughtType step_label) {
+    EvictionStep step = evictor_->append_token(step_label);
+    counter_.record_step(step, num_layers_);
+    appended_.assign(appended_.size(), false);
+    opened_.assign(opened_.size(), false);
+    ++steps_;
+    return step;
+  }
+
   int num_layers_;
   int refresh_;
   SegmentEvictorConfig evictor_config_;

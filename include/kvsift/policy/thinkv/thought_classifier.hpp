@@ -1,5 +1,5 @@
-// ThoughtClassifier: ThinKV's thought decomposition (docs/algorithms.md §3.1). Every decode step the
-// engine reports the attention sparsity of the calibrated layers L*; their mean is the step's
+// ThoughtClassifier: ThinKV's thought decomposition (docs/algorithms.md §3.1). Every decode step
+// the engine reports the attention sparsity of the calibrated layers L*; their mean is the step's
 // sparsity. Every `refresh` (τ = 128) steps the mean sparsity of the interval just finished labels
 // the NEXT interval (our choice; the paper is ambiguous): s < θ1 → E, θ1 ≤ s < θ2 → R, s ≥ θ2 → T.
 // Before the first refresh the label is R. One classifier per sequence.
@@ -11,8 +11,8 @@
 #include <limits>
 #include <vector>
 
-#include "kvsift/core/error.hpp"
 #include "kvsift/config/thought_type.hpp"
+#include "kvsift/core/error.hpp"
 
 namespace kvsift {
 
@@ -79,17 +79,12 @@ class ThoughtClassifier {
 
   // Closes the step: its sparsity is the mean over the observed L* layers (all of L* must have
   // been reported). Returns the label of the interval this step belongs to; label() afterwards
-  // is the label of the next step (different only right after a refresh).
+  // is the label of the next step (different only right after a refresh). Every deferred step
+  // must be settled first.
   ThoughtType end_step() {
-    KVSIFT_CHECK(!seen_.empty(), "ThoughtClassifier: step ", steps_,
-                 " ended with no layer observed");
-    KVSIFT_CHECK(config_.layers.empty() || seen_.size() == config_.layers.size(),
-                 "ThoughtClassifier: step ", steps_, " observed ", seen_.size(), " of the ",
-                 config_.layers.size(), " calibrated layers");
-    last_step_sparsity_ = static_cast<float>(step_sum_ / static_cast<double>(seen_.size()));
-    interval_sum_ += last_step_sparsity_;
-    seen_.clear();
-    step_sum_ = 0.0;
+    KVSIFT_CHECK(pending_ == 0, "ThoughtClassifier: step ", steps_, " ends with ", pending_,
+                 " deferred steps not settled (settle_step)");
+    close_step_sums();
     const ThoughtType this_step = label_;
     ++steps_;
     if (steps_ % config_.refresh == 0) {
@@ -100,6 +95,49 @@ class ThoughtClassifier {
     return this_step;
   }
 
+  // --- deferred observation --------------------------------------------------------------------
+  // For a driver that reads the sparsities asynchronously (cuda::DeviceThinKV): a step's label
+  // is its interval's, which only the step closing the interval changes, so the other steps can
+  // end before their sparsities are known. end_step_deferred() ends such a step (nothing may be
+  // observed in it, and it must not close an interval); settle_step() reports the oldest deferred
+  // step's sparsities later, in the order they were observed, with exactly the sums of
+  // observe_layer + end_step. The closing step is observed and ended as usual, after every
+  // deferred step is settled.
+  ThoughtType end_step_deferred() {
+    KVSIFT_CHECK(seen_.empty(), "ThoughtClassifier: step ", steps_,
+                 " has observed layers; end it with end_step()");
+    KVSIFT_CHECK((steps_ + 1) % config_.refresh != 0, "ThoughtClassifier: step ", steps_,
+                 " closes a refresh interval; observe it and end it with end_step()");
+    ++pending_;
+    ++steps_;
+    return label_;
+  }
+  //   layers, sparsity  [n] the step's observations, in observation order
+  // Throws, changing nothing, on a value outside [0, 1] (NaN included) or a layer set that
+  // end_step would refuse.
+  void settle_step(const int* layers, const float* sparsity, int n) {
+    const std::int64_t step = steps_ - pending_;  // the oldest deferred step
+    KVSIFT_CHECK(pending_ > 0, "ThoughtClassifier: settle_step without a deferred step");
+    KVSIFT_CHECK(seen_.empty(), "ThoughtClassifier: settle_step while step ", steps_,
+                 " has observed layers");
+    std::vector<int> used;
+    for (int i = 0; i < n; ++i) {
+      KVSIFT_CHECK(sparsity[i] >= 0.0f && sparsity[i] <= 1.0f, "ThoughtClassifier: step ", step,
+                   ": sparsity of layer ", layers[i], " is ", sparsity[i], ", outside [0, 1]");
+      if (!uses_layer(layers[i])) continue;
+      KVSIFT_CHECK(std::find(used.begin(), used.end(), layers[i]) == used.end(),
+                   "ThoughtClassifier: layer ", layers[i], " reported twice in step ", step);
+      used.push_back(layers[i]);
+    }
+    KVSIFT_CHECK(!used.empty() && (config_.layers.empty() || used.size() == config_.layers.size()),
+                 "ThoughtClassifier: step ", step, " observed ", used.size(), " of the ",
+                 config_.layers.size(), " calibrated layers");
+    for (int i = 0; i < n; ++i) observe_layer(layers[i], sparsity[i]);
+    close_step_sums();
+    --pending_;
+  }
+  std::int64_t pending_steps() const { return pending_; }  // deferred, not yet settled
+
   ThoughtType label() const { return label_; }  // label of the next step's interval
   std::int64_t steps() const { return steps_; }
   float last_step_sparsity() const { return last_step_sparsity_; }
@@ -107,6 +145,19 @@ class ThoughtClassifier {
   float last_interval_sparsity() const { return last_interval_sparsity_; }
 
  private:
+  // The step's mean over its observed layers into the interval's sum (end_step, settle_step).
+  void close_step_sums() {
+    KVSIFT_CHECK(!seen_.empty(), "ThoughtClassifier: step ", steps_,
+                 " ended with no layer observed");
+    KVSIFT_CHECK(config_.layers.empty() || seen_.size() == config_.layers.size(),
+                 "ThoughtClassifier: step ", steps_, " observed ", seen_.size(), " of the ",
+                 config_.layers.size(), " calibrated layers");
+    last_step_sparsity_ = static_cast<float>(step_sum_ / static_cast<double>(seen_.size()));
+    interval_sum_ += last_step_sparsity_;
+    seen_.clear();
+    step_sum_ = 0.0;
+  }
+
   ThoughtClassifierConfig config_;
   ThoughtType label_ = ThoughtType::reasoning;
   std::int64_t steps_ = 0;
@@ -115,6 +166,7 @@ class ThoughtClassifier {
   double interval_sum_ = 0.0;
   float last_step_sparsity_ = std::numeric_limits<float>::quiet_NaN();
   float last_interval_sparsity_ = std::numeric_limits<float>::quiet_NaN();
+  std::int64_t pending_ = 0;  // deferred steps not yet settled
 };
 
 }  // namespace kvsift
