@@ -815,9 +815,10 @@ __device__ __forceinline__ float block_reduce128(float x, Op op, float* scratch 
 // Grid (q_heads, batch), 128 threads: out = Σ_p acc_p·e^{m_p − m} / Σ_p l_p·e^{m_p − m}; zero
 // without a live slot. Partials with l = 0 are skipped (their acc was never written). The max and
 // the denominator are block reductions over the parts; each part's weight e^{m_p − m} is computed
-// once into shared memory (kMergeChunk parts at a time), so the loop over the parts per channel
-// issues only independent loads of acc.
+// once into shared memory (kMergeChunk parts at a time, the denominator summed on the way), so the
+// loop over the parts per channel issues only independent loads of acc.
 constexpr int kMergeThreads = 128, kMergeChunk = 1024;
+static_assert(kMergeChunk % kMergeThreads == 0, "each thread keeps its parts' order across chunks");
 __global__ void __launch_bounds__(kMergeThreads)
     merge_partials_kernel(const float* __restrict__ part_acc,
                           const float* __restrict__ part_ml,  // [.., parts, group, 2]
@@ -836,20 +837,17 @@ __global__ void __launch_bounds__(kMergeThreads)
   }
   m = block_reduce128(
       m, [](float x, float y) { return fmaxf(x, y); }, scratch);
+  // Thread t sees parts t, t + 128, ... in order across the chunks (kMergeChunk is a multiple of
+  // kMergeThreads), so its share of the denominator is summed in a fixed order.
   float denom = 0.0f;
-  for (int p = threadIdx.x; p < parts; p += kMergeThreads) {
-    const float l = ml(p, 1);
-    if (l > 0.0f) denom += l * expf(ml(p, 0) - m);
-  }
-  denom = block_reduce128(
-      denom, [](float x, float y) { return x + y; }, scratch);
-  const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
-  float* o = out + (static_cast<std::int64_t>(b) * kv_heads * group + qh) * head_dim;
   float acc[2] = {0.0f, 0.0f};  // channels threadIdx.x and + 128 (head_dim <= 256)
   for (int c0 = 0; c0 < parts; c0 += kMergeChunk) {
     const int n = min(kMergeChunk, parts - c0);
     for (int k = threadIdx.x; k < n; k += kMergeThreads) {
-      sw[k] = ml(c0 + k, 1) > 0.0f ? expf(ml(c0 + k, 0) - m) : 0.0f;
+      const float l = ml(c0 + k, 1);
+      const float w = l > 0.0f ? expf(ml(c0 + k, 0) - m) : 0.0f;
+      sw[k] = w;
+      denom += l * w;
     }
     __syncthreads();
     for (int j = 0; j < 2; ++j) {
@@ -866,6 +864,10 @@ __global__ void __launch_bounds__(kMergeThreads)
     }
     __syncthreads();  // sw is rewritten by the next chunk
   }
+  denom = block_reduce128(
+      denom, [](float x, float y) { return x + y; }, scratch);
+  const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
+  float* o = out + (static_cast<std::int64_t>(b) * kv_heads * group + qh) * head_dim;
   for (int j = 0; j < 2; ++j) {
     const int d = threadIdx.x + j * kMergeThreads;
     if (d < head_dim) o[d] = acc[j] * inv;
@@ -923,9 +925,10 @@ __global__ void __launch_bounds__(kThreads) staged_partial_kernel(StagedArgs a) 
     }
 #pragma unroll
     for (int g = 0; g < kMaxGroup; ++g) {
+      if (g >= G) break;  // G is the same for the whole warp: no padding head is reduced
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) dot[g] += __shfl_xor_sync(0xffffffffu, dot[g], o);
-      if (g < G && lane == 0) sx[g][k] = dot[g] * a.softmax_scale;
+      if (lane == 0) sx[g][k] = dot[g] * a.softmax_scale;
     }
   }
   __syncthreads();
