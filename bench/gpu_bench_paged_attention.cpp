@@ -22,8 +22,8 @@
 //          device-to-device copy bandwidth
 //          measured by cudaMemcpyAsync in this run (read + write bytes per second).
 // Also printed: max |new − dense| and |new − old| over the outputs, the device append cost per
-// token, and the pool bytes that differ before and after eviction (must be 0: eviction only sets
-// mask bits).
+// token, the pool bytes that differ before and after eviction (must be 0: eviction only sets
+// mask bits), and the time of cuda::paged_attention_sparsity (ThinKV §3.1) over the same batch.
 //
 // Usage: gpu_bench_paged_attention [--fp8-reasoning] [--batch 1,8,64] [--min-tiles 1,2,4]
 //                                  [tokens ...]
@@ -45,6 +45,7 @@
 
 #include "gpu_timing.hpp"
 #include "kvsift/backend/cuda/check.hpp"
+#include "kvsift/backend/cuda/paged_reads.hpp"
 #include "kvsift/backend/cuda/paged_table.hpp"
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/paged/thought_block_table.hpp"
@@ -290,6 +291,14 @@ void run(int tokens, const Options& opt, double copy_bw, cudaStream_t stream) {
           }
         },
         stream, kWarmup, kReps);
+    // ThinKV's attention sparsity (§3.1) over the same batch: one launch, two sweeps of the keys.
+    DeviceArray<float> sparsity(static_cast<std::size_t>(batch) * kQHeads);
+    const float sparsity_ms = bench::median_ms(
+        [&] {
+          cuda::paged_attention_sparsity(dev, view, dq.get(), kQHeads, scale, sparsity.get(),
+                                         stream);
+        },
+        stream, kWarmup, kReps);
     for (int tiles : opt.min_tiles) {
       cuda::DecodeAttentionConfig ac;
       ac.min_tiles_per_warp = tiles;
@@ -319,13 +328,13 @@ void run(int tokens, const Options& opt, double copy_bw, cudaStream_t stream) {
       const double floor_us = paged_bytes / copy_bw * 1e6;
       std::printf(
           "%6d %5d %5d %6lld %9.1f %9.1f %9.1f %9.1f %9.2f %9.2f %9.1f %9.1f %9.1f %8.5f %8.5f "
-          "%8.2f %6lld\n",
+          "%8.2f %6lld %9.1f\n",
           tokens, batch, tiles, static_cast<long long>(n), new_ms * 1e3, old_ms * 1e3,
           dense_ms * 1e3, floor_us, new_ms * 1e3 / (dense_ms * 1e3), new_ms * 1e3 / floor_us,
           paged_bytes / 1e6, dense_bytes / 1e6, paged_bytes / (new_ms * 1e-3) / 1e9,
           max_abs_diff(on, od), max_abs_diff(on, oo),
           append_ms * 1e3 / (static_cast<double>(tokens) * max_batch),
-          static_cast<long long>(moved));
+          static_cast<long long>(moved), sparsity_ms * 1e3);
       std::fflush(stdout);
     }
   }
@@ -377,10 +386,10 @@ int main(int argc, char** argv) {
   std::printf(
       "new = split-sequence paged kernel (batch API), old = tiled paged kernel per sequence, dense "
       "= split-sequence bf16 kernel over the kept tokens, floor = paged bytes / copy bandwidth\n");
-  std::printf("%6s %5s %5s %6s %9s %9s %9s %9s %9s %9s %9s %9s %9s %8s %8s %8s %6s\n", "tokens",
+  std::printf("%6s %5s %5s %6s %9s %9s %9s %9s %9s %9s %9s %9s %9s %8s %8s %8s %6s %9s\n", "tokens",
               "batch", "tiles", "kept", "new_us", "old_us", "dense_us", "floor_us", "new/dense",
               "new/floor", "paged_MB", "dense_MB", "new_GB/s", "d(n,dns)", "d(n,old)", "app_us/t",
-              "moved");
+              "moved", "sparsity_us");
   for (int t : opt.lengths) run(t, opt, copy_bw, stream);
   KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
   return 0;

@@ -801,77 +801,77 @@ __global__ void __launch_bounds__(kThreads, 2) dense_split_kernel(DenseArgs a) {
                    g, G, t, 1.0f, m2, l, acc);
 }
 
-// Block-wide reductions of the 128-thread merge and staged kernels (every thread gets the result).
-template <class Op>
-__device__ __forceinline__ float block_reduce128(float x, Op op, float* scratch /* [4] */) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x = op(x, __shfl_xor_sync(0xffffffffu, x, o));
-  __syncthreads();  // scratch is free (a previous reduction has been read)
-  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
-  __syncthreads();
-  return op(op(scratch[0], scratch[1]), op(scratch[2], scratch[3]));
-}
-
-// Grid (q_heads, batch), 128 threads: out = Σ_p acc_p·e^{m_p − m} / Σ_p l_p·e^{m_p − m}; zero
-// without a live slot. Partials with l = 0 are skipped (their acc was never written). The max and
-// the denominator are block reductions over the parts; each part's weight e^{m_p − m} is computed
-// once into shared memory (kMergeChunk parts at a time, the denominator summed on the way), so the
-// loop over the parts per channel issues only independent loads of acc.
-constexpr int kMergeThreads = 128, kMergeChunk = 1024;
-static_assert(kMergeChunk % kMergeThreads == 0, "each thread keeps its parts' order across chunks");
+// One warp per query head (4 per CTA): out = Σ_p acc_p·e^{m_p − m} / Σ_p l_p·e^{m_p − m}; zero
+// without a live slot. Partials with l = 0 are skipped (their acc was never written). Lane j takes
+// the parts j, j + 32, ... for the max and, 32 parts at a time, computes its part's weight
+// e^{m_p − m} once and adds l_p times it to its share of the denominator; the weights are then
+// broadcast by shuffles while every lane sums acc_p over its channels 4j.. 4j + 3 (+ 128) in part
+// order: a fixed order, so the result is the same on every run, with no block barrier.
+constexpr int kMergeThreads = 128, kMergeHeadsPerCta = kMergeThreads / 32;
 __global__ void __launch_bounds__(kMergeThreads)
     merge_partials_kernel(const float* __restrict__ part_acc,
                           const float* __restrict__ part_ml,  // [.., parts, group, 2]
                           int kv_heads, int group, int parts, int head_dim,
                           float* __restrict__ out) {  // [batch, q_heads, D]
-  __shared__ float sw[kMergeChunk];                   // the chunk's weights, 0 for parts with l = 0
-  __shared__ float scratch[4];
-  const int qh = blockIdx.x, b = blockIdx.y, h = qh / group, g = qh % group;
+  const int lane = threadIdx.x % 32, b = blockIdx.y;
+  const int qh = blockIdx.x * kMergeHeadsPerCta + threadIdx.x / 32;
+  if (qh >= kv_heads * group) return;
+  const int h = qh / group, g = qh % group;
   const std::int64_t first = (static_cast<std::int64_t>(b) * kv_heads + h) * parts * group + g;
   const auto ml = [&](int p, int i) {
     return part_ml[(first + static_cast<std::int64_t>(p) * group) * 2 + i];
   };
   float m = -INFINITY;
-  for (int p = threadIdx.x; p < parts; p += kMergeThreads) {
+  for (int p = lane; p < parts; p += 32) {
     if (ml(p, 1) > 0.0f) m = fmaxf(m, ml(p, 0));
   }
-  m = block_reduce128(
-      m, [](float x, float y) { return fmaxf(x, y); }, scratch);
-  // Thread t sees parts t, t + 128, ... in order across the chunks (kMergeChunk is a multiple of
-  // kMergeThreads), so its share of the denominator is summed in a fixed order.
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
   float denom = 0.0f;
-  float acc[2] = {0.0f, 0.0f};  // channels threadIdx.x and + 128 (head_dim <= 256)
-  for (int c0 = 0; c0 < parts; c0 += kMergeChunk) {
-    const int n = min(kMergeChunk, parts - c0);
-    for (int k = threadIdx.x; k < n; k += kMergeThreads) {
-      const float l = ml(c0 + k, 1);
-      const float w = l > 0.0f ? expf(ml(c0 + k, 0) - m) : 0.0f;
-      sw[k] = w;
-      denom += l * w;
-    }
-    __syncthreads();
-    for (int j = 0; j < 2; ++j) {
-      const int d = threadIdx.x + j * kMergeThreads;
-      if (d >= head_dim) break;
-      const float* src = part_acc + (first + static_cast<std::int64_t>(c0) * group) * head_dim + d;
-      float s = 0.0f;
-#pragma unroll 8
-      for (int k = 0; k < n; ++k) {  // a fixed order: the result is the same on every run
-        const float w = sw[k];
-        if (w != 0.0f) s += src[static_cast<std::int64_t>(k) * group * head_dim] * w;
+  float4 acc[2] = {};  // channels 4·lane .. + 3 and 128 + 4·lane .. + 3 (head_dim <= 256)
+  for (int c0 = 0; c0 < parts; c0 += 32) {
+    const int n = min(32, parts - c0);
+    const float l = lane < n ? ml(c0 + lane, 1) : 0.0f;
+    const float wl = l > 0.0f ? expf(ml(c0 + lane, 0) - m) : 0.0f;
+    denom += l * wl;
+    const float* src = part_acc + (first + static_cast<std::int64_t>(c0) * group) * head_dim;
+    for (int k = 0; k < n; ++k) {
+      const float w = __shfl_sync(0xffffffffu, wl, k);
+      if (w == 0.0f) continue;
+      const float* row = src + static_cast<std::int64_t>(k) * group * head_dim;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int d = 4 * lane + 128 * j;
+        if (d >= head_dim) break;
+        const float4 x = *reinterpret_cast<const float4*>(row + d);
+        acc[j].x += x.x * w;
+        acc[j].y += x.y * w;
+        acc[j].z += x.z * w;
+        acc[j].w += x.w * w;
       }
-      acc[j] += s;
     }
-    __syncthreads();  // sw is rewritten by the next chunk
   }
-  denom = block_reduce128(
-      denom, [](float x, float y) { return x + y; }, scratch);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) denom += __shfl_xor_sync(0xffffffffu, denom, o);
   const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
   float* o = out + (static_cast<std::int64_t>(b) * kv_heads * group + qh) * head_dim;
+#pragma unroll
   for (int j = 0; j < 2; ++j) {
-    const int d = threadIdx.x + j * kMergeThreads;
-    if (d < head_dim) o[d] = acc[j] * inv;
+    const int d = 4 * lane + 128 * j;
+    if (d >= head_dim) break;
+    *reinterpret_cast<float4*>(o + d) =
+        make_float4(acc[j].x * inv, acc[j].y * inv, acc[j].z * inv, acc[j].w * inv);
   }
+}
+
+void launch_merge(const float* part_acc, const float* part_ml, int kv_heads, int group, int parts,
+                  int head_dim, std::int64_t batch, float* out, cudaStream_t stream) {
+  const int q_heads = kv_heads * group;
+  const dim3 grid(static_cast<unsigned>((q_heads + kMergeHeadsPerCta - 1) / kMergeHeadsPerCta),
+                  static_cast<unsigned>(batch));
+  merge_partials_kernel<<<grid, kMergeThreads, 0, stream>>>(part_acc, part_ml, kv_heads, group,
+                                                            parts, head_dim, out);
+  KVSIFT_CUDA_CHECK(cudaGetLastError());
 }
 
 // Grid (KV heads, batch), kThreads threads: the partial of the sequence's staged tokens (at most
@@ -1229,10 +1229,8 @@ void paged_decode_attention_batch(const DevicePagedTable& table, const PagedBatc
                                static_cast<unsigned>(batch.batch)),
                           kThreads, 0, stream>>>(staged);
   KVSIFT_CUDA_CHECK(cudaGetLastError());
-  const dim3 grid(static_cast<unsigned>(q_heads), static_cast<unsigned>(batch.batch));
-  merge_partials_kernel<<<grid, kMergeThreads, 0, stream>>>(
-      part_acc, part_ml, tc.kv_heads, args.group, plan.parts, static_cast<int>(head_dim), out);
-  KVSIFT_CUDA_CHECK(cudaGetLastError());
+  launch_merge(part_acc, part_ml, tc.kv_heads, args.group, plan.parts, static_cast<int>(head_dim),
+               batch.batch, out, stream);
 }
 
 // --- the single-sequence entry point: the split kernel where it applies -------------------------
@@ -1407,11 +1405,8 @@ void dense_split_decode_attention_bf16(const bf16_t* keys, const bf16_t* values,
       launch_dense<256>(args, plan, nb, stream);
       break;
   }
-  const dim3 grid(static_cast<unsigned>(q_heads), static_cast<unsigned>(batch));
-  merge_partials_kernel<<<grid, kMergeThreads, 0, stream>>>(args.part_acc, args.part_ml,
-                                                            args.kv_heads, args.group, plan.parts,
-                                                            static_cast<int>(head_dim), out);
-  KVSIFT_CUDA_CHECK(cudaGetLastError());
+  launch_merge(args.part_acc, args.part_ml, args.kv_heads, args.group, plan.parts,
+               static_cast<int>(head_dim), batch, out, stream);
 }
 
 }  // namespace kvsift::cuda

@@ -2,10 +2,11 @@
 // tokens (k-means on a demoted segment, §3.3) and the step's attention sparsity (§3.1). See
 // include/kvsift/backend/cuda/paged_reads.hpp.
 //
-// Both decode keys exactly as the CPU table does (dequantize_group of the whole 16-slot key group,
-// one channel per thread), so the fp32 keys are the CPU's bit for bit, and the sparsity kernel
-// sums every dot product over head_dim in index order with __fmul_rn / __fadd_rn, as the host
-// loop q[d] * k[d] does. Max and integer counts do not depend on the order of the tokens.
+// Both decode keys with the CPU codec's arithmetic (the gather kernel through dequantize_group
+// itself, the sparsity kernel through decode_channel: the same products of the same factors, one
+// 16-slot key group per thread), so the fp32 keys are the CPU's bit for bit, and the sparsity
+// kernel sums every dot product over head_dim in index order with __fmul_rn / __fadd_rn, as the
+// host loop q[d] * k[d] does. Max and integer counts do not depend on the order of the tokens.
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -14,7 +15,11 @@
 #include "kvsift/backend/cuda/check.hpp"
 #include "kvsift/backend/cuda/paged_reads.hpp"
 #include "kvsift/backend/cuda/workspace.hpp"
+#include "kvsift/quant/e2m1.hpp"
+#include "kvsift/quant/e4m3.hpp"
+#include "kvsift/quant/e8m0.hpp"
 #include "kvsift/quant/group_codec.hpp"
+#include "kvsift/quant/ternary.hpp"
 #include "mma.cuh"
 #include "paged_batch_refs.cuh"
 
@@ -25,16 +30,35 @@ using detail::PagedHeadLayout;
 using detail::PagedLayouts;
 
 constexpr int kGatherThreads = 128;
-constexpr int kSparsityThreads = 128;                 // 16 slots x 8 query heads per pass
-constexpr int kHeadsPerPass = kSparsityThreads / 16;  // query heads one pass serves
-constexpr int kMaxHeadsPerThread = 8;                 // GQA group <= 64
 
-// Shared memory of paged_sparsity_kernel: the query [G, D] and one unit's keys [16, D + 1] in
-// fp32, then (16-byte aligned) two stages of raw key bytes.
-__host__ __device__ constexpr std::size_t sparsity_stage_offset(int G, int D) {
-  return ((static_cast<std::size_t>(G) * D + 16 * static_cast<std::size_t>(D + 1)) * 4 + 15) / 16 *
-         16;
-}
+// paged_sparsity_kernel: 128 threads decode kRoundUnits = 2 16-slot units (32 slots) per round;
+// lane s of warp w takes slot s of the round for the query heads 4w .. 4w + 3 of the current block
+// of 16, so each key row read from shared memory serves 4 dot products and each query read is a
+// broadcast. Two units per round (not 4 or 8) keeps the CTA at 34 KB of shared memory, 6 per SM:
+// measured fastest at batch 64 and 800 (docs/thinkv.md §10, bench/RESULTS.md run 55).
+constexpr int kSparsityThreads = 128;
+constexpr int kRoundUnits = 2;
+constexpr int kRoundSlots = kRoundUnits * 16;  // one warp's lanes
+constexpr int kHeadsPerThread = 4;
+constexpr int kHeadsPerBlock = (kSparsityThreads / kRoundSlots) * kHeadsPerThread;  // 16
+constexpr int kMaxSparsityGroup = 64;
+static_assert(kRoundSlots == 32, "a warp's lanes are a round's slots (warp-only reductions)");
+
+// Bytes of one unit's stage: the largest quantized unit (FP8: 16 code bytes per channel) plus
+// its scales.
+__host__ __device__ constexpr int unit_stage_bytes(int D) { return 17 * D; }
+
+// Dynamic shared memory of paged_sparsity_kernel, in this order: the head block's queries
+// [16, D] f32, the round's keys [32, D + 4] f32 (rows 16-byte aligned for float4 reads; a row
+// stride of 4 banks mod 32 keeps 8 consecutive rows on distinct banks), two stages of raw key
+// bytes [2, kRoundUnits, 17·D].
+struct SparsityShared {
+  std::size_t keys, stages, bytes;
+  __host__ __device__ constexpr explicit SparsityShared(int D)
+      : keys(static_cast<std::size_t>(kHeadsPerBlock) * D * 4),
+        stages(keys + static_cast<std::size_t>(kRoundSlots) * (D + 4) * 4),
+        bytes(stages + 2 * static_cast<std::size_t>(kRoundUnits) * unit_stage_bytes(D)) {}
+};
 
 // Element `slot % 16` of key channel c of a quantized (block, head) at `base`: the whole group is
 // decoded as the CPU does, so the value is the CPU's bit for bit.
@@ -87,10 +111,7 @@ struct SparsityArgs {
 };
 
 // Units are the 16-slot groups of the sequence's blocks in page-table order, then its three
-// staging streams. Their descriptions are read kSparsityThreads at a time (one per thread) into
-// shared memory; the raw key bytes of a quantized unit (codes and scales, D · code bytes + D) are
-// copied by cp.async into one of two shared stages while the previous unit's logits are computed,
-// so no thread waits on a load issued for the unit it is about to decode.
+// staging streams; a quantized unit's raw key bytes are D · code bytes of codes + D scales.
 constexpr int kStagedUnit = -1;  // UnitRef::format of a staging stream
 
 struct UnitRef {
@@ -123,9 +144,6 @@ __device__ UnitRef unit_ref(const SparsityArgs& a, int seq, int first, int block
   return r;
 }
 
-// Bytes of one stage: the largest quantized unit (FP8: 16 code bytes per channel) plus its scales.
-__host__ __device__ constexpr int unit_stage_bytes(int D) { return 17 * D; }
-
 // Issues the copies of unit r's key codes (at st) and scales (at st + 16·D) when it is a live
 // quantized unit; staged and f32 units are read directly by unit_keys.
 __device__ void stage_unit(const SparsityArgs& a, const UnitRef& r, std::uint8_t* st) {
@@ -147,12 +165,46 @@ __device__ void stage_unit(const SparsityArgs& a, const UnitRef& r, std::uint8_t
   }
 }
 
-// Unit r's 16 keys -> sK [16, head_dim + 1]: quantized ones decoded from their stage `st` as the
-// CPU table decodes them (dequantize_group of the whole group, one channel per thread), staged
-// and f32 ones read from global memory.
+// The 16 values of one channel's key group, out[i · stride] = value of slot i: the CPU codec's
+// products of the same exact factors (dequantize_group: the same floats), but from one vector load
+// of the group's codes (NVFP4 8 bytes, FP8 16, ternary 4: aligned, as the stage is) and fully
+// unrolled, the E2M1 values read from a 16-entry table (e2m1[c] = e2m1_to_float(c), -0 included).
+__device__ __forceinline__ void decode_channel(QuantFormat q, const std::uint8_t* codes,
+                                               std::uint8_t scale_code, float global_factor,
+                                               const float* e2m1, float* out, int stride) {
+  if (q == QuantFormat::nvfp4) {
+    const float step = e4m3_to_float(scale_code) / global_factor;
+    const uint2 w = *reinterpret_cast<const uint2*>(codes);  // value i: bits 4i of the 64
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      out[i * stride] = e2m1[((i < 8 ? w.x : w.y) >> (4 * (i % 8))) & 0xfu] * step;
+    }
+  } else if (q == QuantFormat::fp8) {
+    const float scale = e8m0_to_float(scale_code);
+    const uint4 w = *reinterpret_cast<const uint4*>(codes);
+    const unsigned words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      out[i * stride] =
+          e4m3_to_float(static_cast<std::uint8_t>(words[i / 4] >> (8 * (i % 4)))) * scale;
+    }
+  } else {
+    const float alpha = e4m3_to_float(scale_code);
+    const unsigned w = *reinterpret_cast<const unsigned*>(codes);  // value i: bits 2i
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const unsigned c = (w >> (2 * i)) & 0x3u;
+      const float sign = c == kTernaryPlus ? 1.0f : c == kTernaryMinus ? -1.0f : 0.0f;
+      out[i * stride] = sign * alpha;
+    }
+  }
+}
+
+// Unit r's 16 keys -> sK [16, Dp]: quantized ones decoded from their stage `st` (decode_channel,
+// one channel per thread), staged and f32 ones read from global memory.
 __device__ void unit_keys(const SparsityArgs& a, const UnitRef& r, const std::uint8_t* st, int h,
-                          float* sK) {
-  const int D = a.head_dim, Dp = D + 1;
+                          int Dp, const float* e2m1, float* sK) {
+  const int D = a.head_dim;
   if (r.format == kStagedUnit) {
     const PagedStaging* k = a.staged_keys + r.base * 16 * D;
     for (int e = threadIdx.x; e < 16 * D; e += blockDim.x)
@@ -169,93 +221,146 @@ __device__ void unit_keys(const SparsityArgs& a, const UnitRef& r, const std::ui
   const int cb = a.t.layouts.by_format[r.format].code_bytes;
   const float gf = a.t.global_factors[h];
   for (int c = threadIdx.x; c < D; c += blockDim.x) {
-    dequantize_group(q, st + c * cb, st[16 * D + c], gf, 16, sK + c, Dp);
+    decode_channel(q, st + c * cb, st[16 * D + c], gf, e2m1, sK + c, Dp);
   }
 }
 
-// CTA (KV head, sequence); thread (g0, i) = (threadIdx.x / 16, threadIdx.x % 16) takes slot i of
-// every unit for query heads g0, g0 + 8, ... of the group. Two passes over the keys (max, then
-// the count below max + ln 0.01): recomputing the logits costs less than a scratch buffer sized
-// for the longest sequence.
+// Issues the copies of round r's units (refs [r·kRoundUnits, ...) below `run`) into stage r % 2
+// and commits them as one group (possibly empty: one group per round keeps the count).
+__device__ void stage_round(const SparsityArgs& a, const UnitRef* refs, int r, int run,
+                            std::uint8_t* stages) {
+  std::uint8_t* st = stages + (r % 2) * kRoundUnits * unit_stage_bytes(a.head_dim);
+  for (int k = 0; k < kRoundUnits && r * kRoundUnits + k < run; ++k) {
+    stage_unit(a, refs[r * kRoundUnits + k], st + k * unit_stage_bytes(a.head_dim));
+  }
+  detail::cp_async_commit();
+}
+
+// x reduced over the warp (every lane gets the result).
+template <class T, class Op>
+__device__ T warp_reduce(T x, Op op) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = op(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+
+// CTA (KV head, sequence). For each block of 16 query heads: two sweeps over the units (the max
+// logit, then the count below max + ln 0.01): recomputing the logits costs less than a scratch
+// buffer sized for the longest sequence. A sweep reads the unit descriptions kSparsityThreads at
+// a time (one per thread) and copies a round's raw key bytes with cp.async into one of two
+// stages while the previous round's logits are computed. Each dot product is summed over head_dim
+// in index order with __fmul_rn / __fadd_rn, as the host loop dot += q[d] * k[d] does.
 __global__ void __launch_bounds__(kSparsityThreads) paged_sparsity_kernel(SparsityArgs a) {
   extern __shared__ __align__(16) float smem[];
-  const int h = blockIdx.x, b = blockIdx.y, D = a.head_dim, G = a.group, Dp = D + 1;
-  float* sQ = smem;          // [G, D]
-  float* sK = smem + G * D;  // [16, D + 1]
-  std::uint8_t* stages = reinterpret_cast<std::uint8_t*>(smem) + sparsity_stage_offset(G, D);
-  __shared__ UnitRef refs[kSparsityThreads];  // the current run of unit descriptions
-  const float* q = a.query + (static_cast<std::int64_t>(b) * a.q_heads + h * G) * D;
-  for (int e = threadIdx.x; e < G * D; e += blockDim.x) sQ[e] = q[e];
+  const int h = blockIdx.x, b = blockIdx.y, D = a.head_dim, G = a.group, Dp = D + 4;
+  const SparsityShared lay(D);
+  float* sQ = smem;                                                                // [16, D]
+  float* sK = reinterpret_cast<float*>(reinterpret_cast<char*>(smem) + lay.keys);  // [32, Dp]
+  std::uint8_t* stages = reinterpret_cast<std::uint8_t*>(smem) + lay.stages;
+  __shared__ UnitRef refs[kSparsityThreads];
+  __shared__ float e2m1[16];  // read after the first run's barriers
+  if (threadIdx.x < 16) e2m1[threadIdx.x] = e2m1_to_float(static_cast<std::uint8_t>(threadIdx.x));
   const int seq = a.t.seq_ids[b], first = a.t.block_begin[b];
   const int block_units = (a.t.block_begin[b + 1] - first) * (a.t.block_size / 16);
   const int units = block_units + kPagedThoughtTypes;
-  const int i = threadIdx.x % 16, g0 = threadIdx.x / 16;
-  float mx[kMaxHeadsPerThread], cut[kMaxHeadsPerThread];
-  int count[kMaxHeadsPerThread];
-  bool nan = false;
-  int n = 0;
-  for (int k = 0; k < kMaxHeadsPerThread; ++k) {
-    mx[k] = -INFINITY;
-    count[k] = 0;
-  }
-  for (int pass = 0; pass < 2; ++pass) {
-    for (int u0 = 0; u0 < units; u0 += kSparsityThreads) {
-      const int run = min(kSparsityThreads, units - u0);
-      __syncthreads();  // the previous run's descriptions and stages are no longer read
-      if (threadIdx.x < run)
-        refs[threadIdx.x] = unit_ref(a, seq, first, block_units, u0 + threadIdx.x, h);
-      __syncthreads();
-      stage_unit(a, refs[0], stages);
-      detail::cp_async_commit();
-      for (int j = 0; j < run; ++j) {
-        if (j + 1 < run) stage_unit(a, refs[j + 1], stages + ((j + 1) % 2) * unit_stage_bytes(D));
-        detail::cp_async_commit();   // possibly empty: one group per unit keeps the count
-        detail::cp_async_wait<1>();  // unit j's bytes have landed (this thread's copies)
-        __syncthreads();             // ... everyone's; and sK is no longer read
-        const UnitRef r = refs[j];
-        if (r.live != 0) unit_keys(a, r, stages + (j % 2) * unit_stage_bytes(D), h, sK);
+  const int warp = threadIdx.x / 32, s = threadIdx.x % 32;  // slot s of the round
+  const int su = s / 16, si = s % 16;                       // unit of the round, slot of the unit
+  int n = 0;  // live slots of the head (counted in the first sweep)
+  for (int g0 = 0; g0 < G; g0 += kHeadsPerBlock) {
+    const int gh = g0 + warp * kHeadsPerThread;  // this thread's first query head
+    const bool has_heads = gh < G;               // the same for the whole warp
+    __syncthreads();                             // sQ is no longer read
+    const float* q = a.query + (static_cast<std::int64_t>(b) * a.q_heads + h * G + g0) * D;
+    for (int e = threadIdx.x; e < kHeadsPerBlock * D; e += blockDim.x) {
+      sQ[e] = g0 + e / D < G ? q[e] : 0.0f;
+    }
+    float mx[kHeadsPerThread], cut[kHeadsPerThread];
+    int count[kHeadsPerThread];
+    unsigned nan = 0;  // bit j: a NaN logit of head gh + j
+#pragma unroll
+    for (int j = 0; j < kHeadsPerThread; ++j) {
+      mx[j] = -INFINITY;
+      count[j] = 0;
+    }
+    for (int pass = 0; pass < 2; ++pass) {
+      const bool counting_n = pass == 0 && g0 == 0;
+      for (int u0 = 0; u0 < units; u0 += kSparsityThreads) {
+        const int run = min(kSparsityThreads, units - u0);
+        const int rounds = (run + kRoundUnits - 1) / kRoundUnits;
+        __syncthreads();  // the previous run's descriptions and stages are no longer read
+        if (threadIdx.x < run)
+          refs[threadIdx.x] = unit_ref(a, seq, first, block_units, u0 + threadIdx.x, h);
         __syncthreads();
-        if (!((r.live >> i) & 1u)) continue;
-        if (pass == 0) ++n;  // every 16-lane group counts the live slots itself
-        for (int g = g0, k = 0; g < G; g += kHeadsPerPass, ++k) {
-          const float* qg = sQ + g * D;
-          const float* kr = sK + i * Dp;
-          float dot = 0.0f;
-          for (int d = 0; d < D; ++d) dot = __fadd_rn(dot, __fmul_rn(qg[d], kr[d]));
-          const float logit = __fmul_rn(dot, a.scale);
-          if (pass == 0) {
-            nan = nan || isnan(logit);
-            mx[k] = fmaxf(mx[k], logit);
-          } else {
-            count[k] += logit < cut[k] ? 1 : 0;
+        stage_round(a, refs, 0, run, stages);
+        for (int r = 0; r < rounds; ++r) {
+          stage_round(a, refs, r + 1, run, stages);  // nothing past the run
+          detail::cp_async_wait<1>();  // round r's bytes have landed (this thread's copies)
+          __syncthreads();             // ... everyone's; and sK is no longer read
+          const std::uint8_t* st = stages + (r % 2) * kRoundUnits * unit_stage_bytes(D);
+          for (int k = 0; k < kRoundUnits && r * kRoundUnits + k < run; ++k) {
+            const UnitRef& ref = refs[r * kRoundUnits + k];
+            if (ref.live != 0)
+              unit_keys(a, ref, st + k * unit_stage_bytes(D), h, Dp, e2m1, sK + k * 16 * Dp);
+          }
+          __syncthreads();
+          const int ui = r * kRoundUnits + su;
+          if (ui >= run || !((refs[ui].live >> si) & 1u)) continue;
+          if (counting_n) ++n;
+          if (!has_heads) continue;
+          const float4* kr = reinterpret_cast<const float4*>(sK + s * Dp);
+          const float4* qr = reinterpret_cast<const float4*>(sQ + warp * kHeadsPerThread * D);
+          float dot[kHeadsPerThread] = {};
+#pragma unroll 2
+          for (int d4 = 0; d4 < D / 4; ++d4) {
+            const float4 k = kr[d4];
+#pragma unroll
+            for (int j = 0; j < kHeadsPerThread; ++j) {
+              const float4 x = qr[j * (D / 4) + d4];
+              dot[j] = __fadd_rn(dot[j], __fmul_rn(x.x, k.x));
+              dot[j] = __fadd_rn(dot[j], __fmul_rn(x.y, k.y));
+              dot[j] = __fadd_rn(dot[j], __fmul_rn(x.z, k.z));
+              dot[j] = __fadd_rn(dot[j], __fmul_rn(x.w, k.w));
+            }
+          }
+#pragma unroll
+          for (int j = 0; j < kHeadsPerThread; ++j) {
+            const float logit = __fmul_rn(dot[j], a.scale);
+            if (pass == 0) {
+              nan |= isnan(logit) ? 1u << j : 0u;
+              mx[j] = fmaxf(mx[j], logit);
+            } else {
+              count[j] += logit < cut[j] ? 1 : 0;
+            }
           }
         }
+        detail::cp_async_wait<0>();
       }
-      detail::cp_async_wait<0>();
-    }
-    // The 16 threads of one g0 are 16 consecutive lanes of a warp.
-    for (int k = 0; k < kMaxHeadsPerThread; ++k) {
-      for (int off = 8; off > 0; off >>= 1) {
+      // Max and integer counts do not depend on the order of the slots.
+      const auto fmax_op = [](float x, float y) { return fmaxf(x, y); };
+      const auto add_op = [](int x, int y) { return x + y; };
+#pragma unroll
+      for (int j = 0; j < kHeadsPerThread; ++j) {
         if (pass == 0) {
-          mx[k] = fmaxf(mx[k], __shfl_xor_sync(0xffffffffu, mx[k], off));
+          mx[j] = warp_reduce(mx[j], fmax_op);
+          cut[j] = __fadd_rn(mx[j], a.log_ratio);
         } else {
-          count[k] += __shfl_xor_sync(0xffffffffu, count[k], off);
+          count[j] = warp_reduce(count[j], add_op);
         }
       }
-      if (pass == 0) cut[k] = __fadd_rn(mx[k], a.log_ratio);
+      if (pass == 0) {
+        nan = static_cast<unsigned>(
+            warp_reduce(static_cast<int>(nan), [](int x, int y) { return x | y; }));
+        if (g0 == 0) n = warp_reduce(n, add_op);  // each warp saw every slot once
+      }
     }
-  }
-  for (int off = 8; off > 0; off >>= 1) {
-    n += __shfl_xor_sync(0xffffffffu, n, off);
-    nan = __shfl_xor_sync(0xffffffffu, static_cast<int>(nan), off) != 0 || nan;
-  }
-  // Every lane of a 16-lane group now holds the sequence's live count n (each group counted
-  // every live slot once, whatever its query heads).
-  if (i != 0) return;
-  for (int g = g0, k = 0; g < G; g += kHeadsPerPass, ++k) {
-    const bool bad = nan || n == 0 || !isfinite(mx[k]);
-    a.out[static_cast<std::int64_t>(b) * a.q_heads + h * G + g] =
-        bad ? NAN : __fdiv_rn(static_cast<float>(count[k]), static_cast<float>(n));
+    if (s != 0 || !has_heads) continue;
+#pragma unroll
+    for (int j = 0; j < kHeadsPerThread; ++j) {
+      if (gh + j >= G) break;
+      const bool bad = ((nan >> j) & 1u) != 0 || n == 0 || !isfinite(mx[j]);
+      a.out[static_cast<std::int64_t>(b) * a.q_heads + h * G + gh + j] =
+          bad ? NAN : __fdiv_rn(static_cast<float>(count[j]), static_cast<float>(n));
+    }
   }
 }
 
@@ -305,10 +410,10 @@ void paged_attention_sparsity(const DevicePagedTable& table, const PagedBatch& b
   KVSIFT_CHECK(batch.batch >= 1 && batch.block_begin != nullptr, fn, ": the batch (", batch.batch,
                " sequences) was not uploaded (upload_paged_batch)");
   KVSIFT_CHECK(query != nullptr && out != nullptr, fn, ": query and out must not be null");
-  KVSIFT_CHECK(q_heads > 0 && q_heads % tc.kv_heads == 0 &&
-                   q_heads / tc.kv_heads <= kHeadsPerPass * kMaxHeadsPerThread,
-               fn, ": q_heads (", q_heads, ") must be a positive multiple of kv_heads (",
-               tc.kv_heads, ") with a GQA group of at most ", kHeadsPerPass * kMaxHeadsPerThread);
+  KVSIFT_CHECK(
+      q_heads > 0 && q_heads % tc.kv_heads == 0 && q_heads / tc.kv_heads <= kMaxSparsityGroup, fn,
+      ": q_heads (", q_heads, ") must be a positive multiple of kv_heads (", tc.kv_heads,
+      ") with a GQA group of at most ", kMaxSparsityGroup);
   KVSIFT_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0.0f, fn, ": softmax_scale (",
                softmax_scale, ") must be positive and finite");
   KVSIFT_CHECK(table.pending_tokens() == 0, fn, ": ", table.pending_tokens(),
@@ -325,11 +430,31 @@ void paged_attention_sparsity(const DevicePagedTable& table, const PagedBatch& b
   a.head_dim = tc.head_dim;
   a.scale = softmax_scale;
   a.log_ratio = std::log(kSparsityRatio);  // the host's constant, as sparsity_from_logits uses it
-  const std::size_t smem = sparsity_stage_offset(a.group, tc.head_dim) +
-                           2 * static_cast<std::size_t>(unit_stage_bytes(tc.head_dim));
-  const std::size_t limit = 48 * 1024 - kSparsityThreads * sizeof(UnitRef);  // minus the static
-  KVSIFT_CHECK(smem <= limit, fn, ": GQA group ", a.group, " x head_dim ", tc.head_dim, " needs ",
-               smem, " bytes of dynamic shared memory (at most ", limit, ")");
+  // 58 KB at head_dim 128 (3 CTAs per SM), 112 KB at 256: above the 48 KB default, so the
+  // kernel is allowed the device's whole opt-in size once per device and thread (the same value
+  // every time, so concurrent callers cannot lower it for each other).
+  // 34 KB at head_dim 128 and 67 KB at 256 (above the 48 KB default): the kernel is allowed the
+  // device's whole opt-in size once per device and thread (the same value every time, so
+  // concurrent callers cannot lower it for each other).
+  const std::size_t smem = SparsityShared(tc.head_dim).bytes;
+  static thread_local int device_done = -1;
+  static thread_local std::size_t limit = 0;
+  int device = 0;
+  KVSIFT_CUDA_CHECK(cudaGetDevice(&device));
+  if (device != device_done) {
+    int optin = 0;
+    KVSIFT_CUDA_CHECK(
+        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    cudaFuncAttributes attr{};
+    KVSIFT_CUDA_CHECK(cudaFuncGetAttributes(&attr, paged_sparsity_kernel));
+    limit = static_cast<std::size_t>(optin) - attr.sharedSizeBytes;  // less the static arrays
+    KVSIFT_CUDA_CHECK(cudaFuncSetAttribute(paged_sparsity_kernel,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(limit)));
+    device_done = device;
+  }
+  KVSIFT_CHECK(smem <= limit, fn, ": head_dim ", tc.head_dim, " needs ", smem,
+               " bytes of dynamic shared memory, the device allows ", limit);
   const dim3 grid(static_cast<unsigned>(tc.kv_heads), static_cast<unsigned>(batch.batch));
   paged_sparsity_kernel<<<grid, kSparsityThreads, smem, stream>>>(a);
   KVSIFT_CUDA_CHECK(cudaGetLastError());

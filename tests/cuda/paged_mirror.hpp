@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -234,6 +235,61 @@ inline void evict_both(ThoughtBlockTable& cpu, PagedMirror& dev, std::int32_t se
   DeviceBuffer<std::uint8_t> ws(dev.table.evict_workspace_bytes(addresses.size()));
   dev.table.evict(seq, head, addresses, ws.get(), ws.size(), nullptr);
   KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+// Appends `lengths[i]` random tokens to sequence i of both tables (segments of 80 tokens of
+// random thought types, or of `types` in turn when given, so every type leaves staged tokens),
+// then evicts about 40 % of each head's tokens at random (staged ones included), and every token
+// of blocks [0, 8) of head 0 of sequence 0. Returns the sequence ids.
+inline std::vector<std::int32_t> fill_random(ThoughtBlockTable& cpu, PagedMirror& dev,
+                                             const std::vector<int>& lengths, std::mt19937& rng,
+                                             const std::vector<int>& types = {}) {
+  const std::int32_t H = cpu.config().kv_heads, D = cpu.config().head_dim;
+  std::normal_distribution<float> normal;
+  std::vector<std::int32_t> seqs;
+  std::vector<float> k(static_cast<std::size_t>(H) * D), v(k.size()), bk, bv;
+  std::vector<SlotAddress> where(static_cast<std::size_t>(H));
+  auto flush = [&] {
+    if (dev.table.pending_tokens() == 0) return;
+    DeviceBuffer<float> dk(bk), dv(bv);
+    DeviceBuffer<std::uint8_t> ws(dev.table.append_workspace_bytes());
+    dev.table.append(dk.get(), dv.get(), DType::f32, ws.get(), ws.size(), nullptr);
+    KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+    bk.clear();
+    bv.clear();
+  };
+  for (int len : lengths) {
+    const std::int32_t seq = cpu.create_sequence();
+    seqs.push_back(seq);
+    for (int t = 0; t < len; ++t) {
+      if (t % 80 == 0) {
+        const int type = types.empty() ? static_cast<int>(rng() % 3)
+                                       : types[static_cast<std::size_t>(t / 80) % types.size()];
+        cpu.open_segment(seq, static_cast<ThoughtType>(type));
+      }
+      for (float& x : k) x = 1.5f * normal(rng);
+      for (float& x : v) x = normal(rng);
+      cpu.append(seq, k.data(), v.data(), H, D, where.data());
+      dev.table.record_append(cpu, seq, where.data());
+      bk.insert(bk.end(), k.begin(), k.end());
+      bv.insert(bv.end(), v.begin(), v.end());
+      if (dev.table.pending_tokens() == 64) flush();
+    }
+    flush();
+  }
+  for (std::size_t i = 0; i < seqs.size(); ++i) {
+    for (std::int32_t h = 0; h < H; ++h) {
+      std::vector<SlotAddress> victims;
+      for (const ResidentToken& t : cpu.resident_tokens(seqs[i], h)) {
+        const bool masked_run = i == 0 && h == 0 && t.address.block >= 0 && t.address.block < 8;
+        if (masked_run || rng() % 5 < 2) victims.push_back(t.address);
+      }
+      evict_both(cpu, dev, seqs[i], h, victims);
+    }
+  }
+  for (std::int32_t s : seqs) require_same_table(cpu, dev, s);
+  require_same_bytes(cpu, dev);
+  return seqs;
 }
 
 }  // namespace kvsift::test

@@ -12,7 +12,7 @@
 // slot evicted in one head (whole splits without a live slot), a head with at most one live slot
 // per 16-slot group (whole dead groups inside live tiles), one sequence with no live token in a
 // head, splits forced from few to many, and warps walking more than 64 tiles; the merge of more
-// than 1,024 partials (through the dense kernel, which shares it). head_dim 32 and the
+// than 1,000 partials (through the dense kernel, which shares it). head_dim 32 and the
 // other shapes the kernel does not take are checked on the tiled fallback.
 #include <algorithm>
 #include <cmath>
@@ -33,61 +33,6 @@ using test::DeviceBuffer;
 namespace {
 
 using Mirror = test::PagedMirror;
-
-// Appends `lengths[i]` random tokens to sequence i of both tables (segments of 80 tokens with
-// random thought types, so every type leaves staged tokens), then evicts about 40 % of each head's
-// tokens at random (staged ones included), and every token of blocks [0, 8) of head 0 of
-// sequence 0.
-// Segments of 80 tokens, of random thought types, or of `types` in turn when given.
-std::vector<std::int32_t> fill(ThoughtBlockTable& cpu, Mirror& dev, const std::vector<int>& lengths,
-                               std::mt19937& rng, const std::vector<int>& types = {}) {
-  const std::int32_t H = cpu.config().kv_heads, D = cpu.config().head_dim;
-  std::normal_distribution<float> normal;
-  std::vector<std::int32_t> seqs;
-  std::vector<float> k(static_cast<std::size_t>(H) * D), v(k.size()), bk, bv;
-  std::vector<SlotAddress> where(static_cast<std::size_t>(H));
-  auto flush = [&] {
-    if (dev.table.pending_tokens() == 0) return;
-    DeviceBuffer<float> dk(bk), dv(bv);
-    DeviceBuffer<std::uint8_t> ws(dev.table.append_workspace_bytes());
-    dev.table.append(dk.get(), dv.get(), DType::f32, ws.get(), ws.size(), nullptr);
-    KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
-    bk.clear();
-    bv.clear();
-  };
-  for (int len : lengths) {
-    const std::int32_t seq = cpu.create_sequence();
-    seqs.push_back(seq);
-    for (int t = 0; t < len; ++t) {
-      if (t % 80 == 0) {
-        const int type = types.empty() ? static_cast<int>(rng() % 3)
-                                       : types[static_cast<std::size_t>(t / 80) % types.size()];
-        cpu.open_segment(seq, static_cast<ThoughtType>(type));
-      }
-      for (float& x : k) x = 1.5f * normal(rng);
-      for (float& x : v) x = normal(rng);
-      cpu.append(seq, k.data(), v.data(), H, D, where.data());
-      dev.table.record_append(cpu, seq, where.data());
-      bk.insert(bk.end(), k.begin(), k.end());
-      bv.insert(bv.end(), v.begin(), v.end());
-      if (dev.table.pending_tokens() == 64) flush();
-    }
-    flush();
-  }
-  for (std::size_t i = 0; i < seqs.size(); ++i) {
-    for (std::int32_t h = 0; h < H; ++h) {
-      std::vector<SlotAddress> victims;
-      for (const ResidentToken& t : cpu.resident_tokens(seqs[i], h)) {
-        const bool masked_run = i == 0 && h == 0 && t.address.block >= 0 && t.address.block < 8;
-        if (masked_run || rng() % 5 < 2) victims.push_back(t.address);
-      }
-      test::evict_both(cpu, dev, seqs[i], h, victims);
-    }
-  }
-  for (std::int32_t s : seqs) test::require_same_table(cpu, dev, s);
-  test::require_same_bytes(cpu, dev);
-  return seqs;
-}
 
 // Dense softmax attention in double over the live slots of every block, each block dequantized
 // by the CPU codec. query [q_heads, D] -> [q_heads, D]; zeros for a KV head without live slots.
@@ -178,7 +123,7 @@ TEST_CASE("split paged attention: ternary blocks equal dense attention over dequ
   std::mt19937 rng(11);
   ThoughtBlockTable cpu(cfg);
   Mirror dev(cfg, 3);
-  const std::vector<std::int32_t> seqs = fill(cpu, dev, {700, 333, 1100}, rng);
+  const std::vector<std::int32_t> seqs = test::fill_random(cpu, dev, {700, 333, 1100}, rng);
   // Sanity of the scenario itself: blocks 0-7 of head 0 of sequence 0 are all evicted, and some
   // tokens are still staged (not yet quantized) in every sequence.
   for (std::int32_t b = 0; b < 8; ++b) {
@@ -223,7 +168,7 @@ TEST_CASE("split paged attention: a head without live tokens gives zeros") {
   std::mt19937 rng(5);
   ThoughtBlockTable cpu(cfg);
   Mirror dev(cfg, 1);
-  const std::vector<std::int32_t> seqs = fill(cpu, dev, {200}, rng);
+  const std::vector<std::int32_t> seqs = test::fill_random(cpu, dev, {200}, rng);
   std::vector<SlotAddress> all;
   for (const ResidentToken& t : cpu.resident_tokens(seqs[0], 1)) all.push_back(t.address);
   test::evict_both(cpu, dev, seqs[0], 1, all);
@@ -251,7 +196,7 @@ TEST_CASE("split paged attention: NVFP4 and ternary blocks with global factors")
     std::mt19937 rng(static_cast<std::uint32_t>(block_size));
     ThoughtBlockTable cpu(cfg);
     Mirror dev(cfg, 2);
-    const std::vector<std::int32_t> seqs = fill(cpu, dev, {900, 517}, rng);
+    const std::vector<std::int32_t> seqs = test::fill_random(cpu, dev, {900, 517}, rng);
     std::normal_distribution<float> normal;
     std::vector<float> query(seqs.size() * static_cast<std::size_t>(q_heads) * 64);
     for (float& x : query) x = normal(rng);
@@ -287,7 +232,7 @@ TEST_CASE("split paged attention: head_dim 128 and 256, GQA groups 1, 2, 8, spar
   std::mt19937 rng(static_cast<std::uint32_t>(head_dim + group));
   ThoughtBlockTable cpu(cfg);
   Mirror dev(cfg, 2);
-  const std::vector<std::int32_t> seqs = fill(cpu, dev, {620, 290}, rng);
+  const std::vector<std::int32_t> seqs = test::fill_random(cpu, dev, {620, 290}, rng);
   std::vector<SlotAddress> sparse;
   for (const ResidentToken& t : cpu.resident_tokens(seqs[0], 1)) {
     if (t.address.block >= 0 && t.address.slot % 16 != 3) sparse.push_back(t.address);
@@ -333,7 +278,7 @@ TEST_CASE("split paged attention: runs of more than 64 tiles per warp, dead tile
   std::mt19937 rng(77);
   ThoughtBlockTable cpu(cfg);
   Mirror dev(cfg, 2);
-  const std::vector<std::int32_t> seqs = fill(cpu, dev, {10000, 200}, rng);
+  const std::vector<std::int32_t> seqs = test::fill_random(cpu, dev, {10000, 200}, rng);
   std::vector<SlotAddress> run;
   for (const ResidentToken& t : cpu.resident_tokens(seqs[0], 1)) {
     if (t.address.block >= 120 && t.address.block < 136) run.push_back(t.address);
@@ -369,7 +314,7 @@ TEST_CASE("split paged attention: shapes it does not take run the tiled kernel")
   Mirror dev(cfg, 2);
   // Whole 80-token segments of the first type (its format `first`), so that sealed groups of
   // that format sit in blocks, not only in the 16-bit staging.
-  const std::vector<std::int32_t> seqs = fill(cpu, dev, {300, 170}, rng, {0, 1, 0, 2});
+  const std::vector<std::int32_t> seqs = test::fill_random(cpu, dev, {300, 170}, rng, {0, 1, 0, 2});
   std::int32_t first_blocks = 0;
   for (std::int32_t s : seqs)
     for (std::int32_t k = 0; k < dev.table.num_blocks(s); ++k)
@@ -480,9 +425,10 @@ TEST_CASE("dense split attention (the benchmark's baseline) equals a double orac
   }
 }
 
-TEST_CASE("merge of more than 1024 partials per query head (its chunked loop)") {
+TEST_CASE("merge of 1,252 partials per query head (40 chunks of 32 weights)") {
   // One sequence, one KV head, 40,000 tokens: 1,250 tiles, one per warp, 313 splits of 4 warps,
-  // so the merge folds 1,252 partials in two chunks of at most 1,024 weights.
+  // so the merge folds 1,252 partials in 39 full chunks of 32 weights and a last one of 4; the two
+  // query heads leave two of the merge CTA's four warps without a head.
   const std::int64_t B = 1, H = 1, G = 2, D = 64, T = 40000;
   const float scale = 0.125f;
   std::mt19937 rng(31);
