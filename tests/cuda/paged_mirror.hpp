@@ -237,6 +237,21 @@ inline void evict_both(ThoughtBlockTable& cpu, PagedMirror& dev, std::int32_t se
   KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
+// A table config with the given shape and thought formats (R, E, T), the other fields default.
+inline ThoughtBlockTableConfig table_config(int kv_heads, int head_dim, int block_size,
+                                            BlockFormat r, BlockFormat e, BlockFormat t,
+                                            int num_blocks) {
+  ThoughtBlockTableConfig c;
+  c.kv_heads = kv_heads;
+  c.head_dim = head_dim;
+  c.block_size = block_size;
+  c.num_blocks = num_blocks;
+  c.reasoning = r;
+  c.execution = e;
+  c.transition = t;
+  return c;
+}
+
 // Appends `lengths[i]` random tokens to sequence i of both tables (segments of 80 tokens of
 // random thought types, or of `types` in turn when given, so every type leaves staged tokens),
 // then evicts about 40 % of each head's tokens at random (staged ones included), and every token

@@ -101,24 +101,11 @@ std::vector<float> run_batch(Mirror& dev, const std::vector<std::int32_t>& seqs,
   return out.download();
 }
 
-ThoughtBlockTableConfig make_config(int kv_heads, int head_dim, int block_size, BlockFormat r,
-                                    BlockFormat e, BlockFormat t, int num_blocks) {
-  ThoughtBlockTableConfig c;
-  c.kv_heads = kv_heads;
-  c.head_dim = head_dim;
-  c.block_size = block_size;
-  c.num_blocks = num_blocks;
-  c.reasoning = r;
-  c.execution = e;
-  c.transition = t;
-  return c;
-}
-
 }  // namespace
 
 TEST_CASE("split paged attention: ternary blocks equal dense attention over dequantized tokens") {
-  const ThoughtBlockTableConfig cfg = make_config(2, 128, 32, BlockFormat::ternary,
-                                                  BlockFormat::ternary, BlockFormat::ternary, 128);
+  const ThoughtBlockTableConfig cfg = test::table_config(
+      2, 128, 32, BlockFormat::ternary, BlockFormat::ternary, BlockFormat::ternary, 128);
   const std::int64_t q_heads = 8;  // GQA group 4
   std::mt19937 rng(11);
   ThoughtBlockTable cpu(cfg);
@@ -163,8 +150,8 @@ TEST_CASE("split paged attention: ternary blocks equal dense attention over dequ
 }
 
 TEST_CASE("split paged attention: a head without live tokens gives zeros") {
-  const ThoughtBlockTableConfig cfg =
-      make_config(2, 64, 32, BlockFormat::ternary, BlockFormat::nvfp4, BlockFormat::ternary, 32);
+  const ThoughtBlockTableConfig cfg = test::table_config(
+      2, 64, 32, BlockFormat::ternary, BlockFormat::nvfp4, BlockFormat::ternary, 32);
   std::mt19937 rng(5);
   ThoughtBlockTable cpu(cfg);
   Mirror dev(cfg, 1);
@@ -189,8 +176,8 @@ TEST_CASE("split paged attention: a head without live tokens gives zeros") {
 TEST_CASE("split paged attention: NVFP4 and ternary blocks with global factors") {
   // (FP8 blocks take the tiled kernel: see split_kernel_takes in cuda/paged_attention_split.cu.)
   for (int block_size : {32, 48}) {
-    ThoughtBlockTableConfig cfg = make_config(2, 64, block_size, BlockFormat::nvfp4,
-                                              BlockFormat::ternary, BlockFormat::nvfp4, 128);
+    ThoughtBlockTableConfig cfg = test::table_config(2, 64, block_size, BlockFormat::nvfp4,
+                                                     BlockFormat::ternary, BlockFormat::nvfp4, 128);
     cfg.global_factors = {300.0f, 0.7f};
     const std::int64_t q_heads = 16;  // GQA group 8
     std::mt19937 rng(static_cast<std::uint32_t>(block_size));
@@ -225,8 +212,8 @@ TEST_CASE("split paged attention: head_dim 128 and 256, GQA groups 1, 2, 8, spar
   // slots and some 16-slot groups of a live tile are entirely dead (skipped by the kernel).
   const int head_dim = GENERATE(128, 256);
   const std::int64_t group = GENERATE(1, 2, 8);
-  ThoughtBlockTableConfig cfg = make_config(2, head_dim, 48, BlockFormat::nvfp4,
-                                            BlockFormat::ternary, BlockFormat::nvfp4, 64);
+  ThoughtBlockTableConfig cfg = test::table_config(2, head_dim, 48, BlockFormat::nvfp4,
+                                                   BlockFormat::ternary, BlockFormat::nvfp4, 64);
   cfg.global_factors = {300.0f, 0.7f};
   const std::int64_t q_heads = 2 * group;
   std::mt19937 rng(static_cast<std::uint32_t>(head_dim + group));
@@ -271,8 +258,8 @@ TEST_CASE("split paged attention: runs of more than 64 tiles per warp, dead tile
   // descriptions are read in three runs of 32 and the copy of tile it + 1 into the other stage
   // crosses each run boundary. In head 1, blocks 120-135 (tiles 30-33 of every warp) are evicted
   // entirely: tiles skipped on either side of the boundary at 32.
-  ThoughtBlockTableConfig cfg =
-      make_config(2, 64, 32, BlockFormat::nvfp4, BlockFormat::ternary, BlockFormat::nvfp4, 400);
+  ThoughtBlockTableConfig cfg = test::table_config(2, 64, 32, BlockFormat::nvfp4,
+                                                   BlockFormat::ternary, BlockFormat::nvfp4, 400);
   cfg.global_factors = {40.0f, 1.0f};
   const std::int64_t q_heads = 8;  // GQA group 4
   std::mt19937 rng(77);
@@ -308,7 +295,7 @@ TEST_CASE("split paged attention: shapes it does not take run the tiled kernel")
   // 64, 128 and 256): the batch entry point falls back per sequence.
   const BlockFormat first = GENERATE(BlockFormat::f32, BlockFormat::fp8, BlockFormat::ternary);
   ThoughtBlockTableConfig cfg =
-      make_config(1, 32, 32, first, BlockFormat::nvfp4, BlockFormat::ternary, 64);
+      test::table_config(1, 32, 32, first, BlockFormat::nvfp4, BlockFormat::ternary, 64);
   std::mt19937 rng(3);
   ThoughtBlockTable cpu(cfg);
   Mirror dev(cfg, 2);

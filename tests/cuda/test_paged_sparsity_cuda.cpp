@@ -85,19 +85,6 @@ void require_same(const std::vector<float>& got, const std::vector<float>& want,
   }
 }
 
-ThoughtBlockTableConfig config(int kv_heads, int head_dim, int block_size, BlockFormat r,
-                               BlockFormat e, BlockFormat t, int num_blocks) {
-  ThoughtBlockTableConfig c;
-  c.kv_heads = kv_heads;
-  c.head_dim = head_dim;
-  c.block_size = block_size;
-  c.num_blocks = num_blocks;
-  c.reasoning = r;
-  c.execution = e;
-  c.transition = t;
-  return c;
-}
-
 std::vector<float> random_query(std::size_t n, float sigma, std::mt19937& rng) {
   std::normal_distribution<float> normal(0.0f, sigma);
   std::vector<float> q(n);
@@ -134,30 +121,30 @@ void check_against_cpu(const ThoughtBlockTableConfig& cfg, const std::vector<int
 
 TEST_CASE("paged sparsity equals the CPU table's, bit for bit", "[cuda][thinkv]") {
   SECTION("NVFP4 / FP8 / ternary, head_dim 128, blocks of 32, GQA 1, 4, 5, 12 and 20") {
-    // 2,600 tokens: 82 blocks = 164 units + 3 staging streams, two runs of descriptions.
-    const ThoughtBlockTableConfig cfg =
-        config(2, 128, 32, BlockFormat::nvfp4, BlockFormat::fp8, BlockFormat::ternary, 400);
+    // 2,600 tokens: over 80 blocks, 160+ units and 3 staging streams: two runs of descriptions.
+    const ThoughtBlockTableConfig cfg = test::table_config(
+        2, 128, 32, BlockFormat::nvfp4, BlockFormat::fp8, BlockFormat::ternary, 400);
     const std::int64_t group = GENERATE(1, 4, 5, 12, 20);
     INFO("GQA group " << group);
     check_against_cpu(cfg, {700, 333, 2600, 45}, 2 * group, 5);
   }
   SECTION("f32 / NVFP4 with global factors / FP8, head_dim 256, blocks of 48, GQA 8") {
     ThoughtBlockTableConfig cfg =
-        config(2, 256, 48, BlockFormat::f32, BlockFormat::nvfp4, BlockFormat::fp8, 200);
+        test::table_config(2, 256, 48, BlockFormat::f32, BlockFormat::nvfp4, BlockFormat::fp8, 200);
     cfg.global_factors = {300.0f, 0.7f};
     check_against_cpu(cfg, {900, 517}, 16, 6);
   }
   SECTION("ternary, head_dim 64, blocks of 16, GQA 3") {
-    const ThoughtBlockTableConfig cfg =
-        config(3, 64, 16, BlockFormat::ternary, BlockFormat::ternary, BlockFormat::ternary, 300);
+    const ThoughtBlockTableConfig cfg = test::table_config(
+        3, 64, 16, BlockFormat::ternary, BlockFormat::ternary, BlockFormat::ternary, 300);
     check_against_cpu(cfg, {1000, 130}, 9, 7);
   }
 }
 
 TEST_CASE("paged sparsity: NaN for a head without live tokens and for a NaN query only",
           "[cuda][thinkv]") {
-  const ThoughtBlockTableConfig cfg =
-      config(2, 64, 32, BlockFormat::nvfp4, BlockFormat::fp8, BlockFormat::ternary, 100);
+  const ThoughtBlockTableConfig cfg = test::table_config(
+      2, 64, 32, BlockFormat::nvfp4, BlockFormat::fp8, BlockFormat::ternary, 100);
   const std::int64_t q_heads = 8, D = 64;  // GQA 4
   std::mt19937 rng(8);
   ThoughtBlockTable cpu(cfg);
@@ -186,7 +173,7 @@ TEST_CASE("paged sparsity: NaN for a head without live tokens and for a NaN quer
 
 TEST_CASE("paged sparsity rejects bad arguments", "[cuda][thinkv]") {
   const ThoughtBlockTableConfig cfg =
-      config(2, 64, 32, BlockFormat::nvfp4, BlockFormat::fp8, BlockFormat::ternary, 20);
+      test::table_config(2, 64, 32, BlockFormat::nvfp4, BlockFormat::fp8, BlockFormat::ternary, 20);
   std::mt19937 rng(9);
   ThoughtBlockTable cpu(cfg);
   test::PagedMirror dev(cfg, 1);
