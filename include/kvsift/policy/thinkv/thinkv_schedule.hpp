@@ -74,7 +74,7 @@ class ThinKVSchedule {
     return finish_step(classifier_.end_step_deferred());
   }
   // Whether the step now open closes a refresh interval (its sparsities cannot be deferred).
-  bool closes_interval() const { return (classifier_.steps() + 1) % refresh_ == 0; }
+  bool closes_interval() const { return classifier_.closes_interval(); }
 
   // --- state -----------------------------------------------------------------------------------
   ThoughtClassifier& classifier() { return classifier_; }

@@ -106,7 +106,7 @@ class ThoughtClassifier {
   ThoughtType end_step_deferred() {
     KVSIFT_CHECK(seen_.empty(), "ThoughtClassifier: step ", steps_,
                  " has observed layers; end it with end_step()");
-    KVSIFT_CHECK((steps_ + 1) % config_.refresh != 0, "ThoughtClassifier: step ", steps_,
+    KVSIFT_CHECK(!closes_interval(), "ThoughtClassifier: step ", steps_,
                  " closes a refresh interval; observe it and end it with end_step()");
     ++pending_;
     ++steps_;
@@ -137,6 +137,8 @@ class ThoughtClassifier {
     --pending_;
   }
   std::int64_t pending_steps() const { return pending_; }  // deferred, not yet settled
+  // Whether the step now open closes a refresh interval (it cannot be deferred).
+  bool closes_interval() const { return (steps_ + 1) % config_.refresh == 0; }
 
   ThoughtType label() const { return label_; }  // label of the next step's interval
   std::int64_t steps() const { return steps_; }
