@@ -79,6 +79,9 @@ def parse_args(argv=None):
                    help="instead of the table: N decode steps of each (context, method, budget, "
                    "batch) under torch.profiler; prints wall vs GPU-busy time per step and the "
                    "top CPU and CUDA operators (where a step's time goes)")
+    p.add_argument("--trace", metavar="PREFIX",
+                   help="with --profile: also keep each profiled window's torch.profiler trace "
+                   "as PREFIX-<method>-<batch>.json.gz (chrome://tracing, Perfetto)")
     p.add_argument("--out", help="also write the markdown table here (rows appended as measured)")
     args = p.parse_args(argv)
     if args.quick:
@@ -308,6 +311,63 @@ def fmt_row(position, method, budget, batch, r, note=""):
         position, method, budget, batch, r["tok_s"], r["ms_step"], r["peak_gib"], share, comps)
 
 
+def busy_union(intervals):
+    """Sorted (start, end) intervals -> (total covered length, the idle gaps between them)."""
+    busy, gaps = 0.0, []
+    cur_s, cur_e = intervals[0]
+    for s, e in intervals[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            gaps.append(s - cur_e)
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    return busy + cur_e - cur_s, gaps
+
+
+def print_timeline(prof, n, keep=None):
+    """The profiled steps as a timeline: the time some kernel or copy runs on the GPU (the union
+    of their intervals over both streams, so overlap counts once) against the span from the first
+    to the last, the idle gaps between them, and the host time spent inside CUDA runtime calls (a
+    long cudaMemcpyAsync or cudaStreamSynchronize is the host waiting for the GPU)."""
+    import collections
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+        if keep:
+            import gzip
+            import shutil
+            with open(path, "rb") as src, gzip.open(keep, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    device = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events
+                    if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    if not device:
+        print("timeline: no device events recorded", flush=True)
+        return
+    busy, gaps = busy_union(device)
+    span = device[-1][1] - device[0][0]
+    big = [g for g in gaps if g >= 50]
+    print("timeline (µs per step): GPU busy %.0f of a %.0f span (%.0f %%); idle %.0f, of it %.0f "
+          "in %.1f gaps >= 50 µs (largest %.0f)" % (
+              busy / n, span / n, 100 * busy / span, (span - busy) / n, sum(big) / n,
+              len(big) / n, max(gaps, default=0)), flush=True)
+    runtime = collections.defaultdict(lambda: [0.0, 0])
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver"):
+            r = runtime[e["name"]]
+            r[0] += e.get("dur", 0)
+            r[1] += 1
+    top = sorted(runtime.items(), key=lambda kv: -kv[1][0])[:8]
+    print("host time in CUDA API calls (µs per step, calls per step): " + "; ".join(
+        "%s %.0f (%.0f)" % (name, t / n, c / n) for name, (t, c) in top), flush=True)
+
+
 def profile(model, method, budget, batch, position, args):
     """--profile: where a decode step's time goes. Wall time per step (CUDA events around the N
     steps) against the GPU's busy time per step (the sum of the kernels' durations the profiler
@@ -333,6 +393,7 @@ def profile(model, method, budget, batch, position, args):
     print("\n### profile: context %d, %s, budget %s, batch %d — wall %.2f ms/step, GPU busy %.2f "
           "ms/step (%.0f %%)" % (position, method, budget or "-", batch, 1e3 * secs / n,
                                   gpu_us / 1e3 / n, 100 * gpu_us / 1e6 / secs), flush=True)
+    print_timeline(prof, n, args.trace and "%s-%s-%d.json.gz" % (args.trace, method, batch))
     print(events.table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
     print(events.table(sort_by="self_device_time_total", row_limit=8), flush=True)
     # The host side by Python function (kvsift's ctypes calls count as their Python wrappers):

@@ -315,6 +315,8 @@ DevicePagedTable::DevicePagedTable(const ThoughtBlockTableConfig& cfg, std::int3
   staged_positions_.assign(static_cast<std::size_t>(max_sequences) * kPagedThoughtTypes *
                                cfg_.kv_heads * kQuantGroupSize,
                            -1);
+  staged_bits_.assign(static_cast<std::size_t>(max_sequences) * kPagedThoughtTypes * cfg_.kv_heads,
+                      0);
   task_of_stream_.assign(
       static_cast<std::size_t>(max_sequences) * kPagedThoughtTypes * cfg_.kv_heads, -1);
 }
@@ -344,13 +346,7 @@ void DevicePagedTable::check_seq(std::int32_t seq, const char* fn) const {
 }
 
 std::uint32_t DevicePagedTable::staged_mask(std::int64_t stream) const {
-  std::uint32_t m = 0;
-  for (int r = 0; r < kQuantGroupSize; ++r) {
-    if (staged_positions_[static_cast<std::size_t>(stream) * kQuantGroupSize + r] >= 0) {
-      m |= 1u << r;
-    }
-  }
-  return m;
+  return staged_bits_[static_cast<std::size_t>(stream)];
 }
 
 void DevicePagedTable::record_append(const ThoughtBlockTable& table, std::int32_t seq,
@@ -473,9 +469,14 @@ void DevicePagedTable::record_append(const ThoughtBlockTable& table, std::int32_
     }
     const std::int64_t stream = stream_index(seq, static_cast<int>(type), h);
     std::int32_t* rows = &staged_positions_[static_cast<std::size_t>(stream) * kQuantGroupSize];
-    PagedStreamOp op{token, 0, -1};
-    while (rows[op.row] >= 0) ++op.row;  // the lowest free row (one exists: < 16 staged)
-    rows[op.row] = position;
+    std::uint32_t& bits = staged_bits_[static_cast<std::size_t>(stream)];
+    // The lowest free row (one exists: < 16 staged); kept in a register, not in `op`, until the
+    // op is complete.
+    std::int32_t row = 0;
+    while ((bits >> row) & 1u) ++row;
+    rows[row] = position;
+    bits |= 1u << row;
+    std::int32_t sealed = -1;
     if (a.block != kStagedBlock) {  // the 16th token: the group is sealed into its run
       const BlockRef& ref = st.pages[static_cast<std::size_t>(a.block)];
       PagedSeal seal{};
@@ -488,8 +489,9 @@ void DevicePagedTable::record_append(const ThoughtBlockTable& table, std::int32_
                 [&](std::int32_t x, std::int32_t y) { return rows[x] < rows[y]; });
       for (int i = 0; i < kQuantGroupSize; ++i) seal.positions[i] = rows[seal.order[i]];
       std::fill_n(rows, kQuantGroupSize, -1);
+      bits = 0;
       host_mask(ref.frame, h)[seal.first_slot / 64] &= ~(0xffffull << (seal.first_slot % 64));
-      op.seal = static_cast<std::int32_t>(seals_.size());
+      sealed = static_cast<std::int32_t>(seals_.size());
       seals_.push_back(seal);
     }
     // A dense stream -> task index instead of a map: no allocation per recorded token.
@@ -499,7 +501,7 @@ void DevicePagedTable::record_append(const ThoughtBlockTable& table, std::int32_
       task_streams_.push_back(stream);
     }
     op_task_.push_back(task);
-    ops_.push_back(op);
+    ops_.push_back(PagedStreamOp{token, row, sealed});
   }
 }
 
@@ -520,42 +522,49 @@ void DevicePagedTable::append(const void* key, const void* value, DType dtype, v
   const std::size_t need = append_workspace_bytes();
   KVSIFT_CHECK(workspace_bytes >= need, "DevicePagedTable::append: workspace of ", workspace_bytes,
                " bytes is too small (", need, " needed)");
-  // Each stream's ops contiguous, in recording order (a counting sort by task).
-  std::vector<PagedStreamTask> tasks(task_streams_.size());
-  for (std::size_t t = 0; t < tasks.size(); ++t) {
-    const std::int64_t s = task_streams_[t];
-    tasks[t] =
-        PagedStreamTask{s, static_cast<std::int32_t>(s % cfg_.kv_heads), 0, 0, staged_mask(s)};
-  }
-  for (const std::int32_t t : op_task_) ++tasks[static_cast<std::size_t>(t)].count;
-  for (std::size_t t = 1; t < tasks.size(); ++t)
-    tasks[t].first = tasks[t - 1].first + tasks[t - 1].count;
-  std::vector<PagedStreamOp> ops(ops_.size());
-  {
-    std::vector<std::int32_t> next(tasks.size());
-    for (std::size_t t = 0; t < tasks.size(); ++t) next[t] = tasks[t].first;
-    for (std::size_t o = 0; o < ops_.size(); ++o) ops[next[op_task_[o]]++] = ops_[o];
-  }
+  const detail::PagedAppendPlan& plan = take_append_plan();
   WorkspaceCarver carver(workspace, workspace_bytes, "DevicePagedTable::append");
-  const PagedFreshFrame* d_fresh = upload(carver, fresh_, stream);
-  const PagedRowWrite* d_rows = upload(carver, rows_, stream);
-  const PagedStreamTask* d_tasks = upload(carver, tasks, stream);
-  const PagedStreamOp* d_ops = upload(carver, ops, stream);
-  const PagedSeal* d_seals = upload(carver, seals_, stream);
-  if (!fresh_.empty()) {
-    init_frames_kernel<<<static_cast<unsigned>(fresh_.size()), kThreads, 0, stream>>>(
+  const PagedFreshFrame* d_fresh = upload(carver, plan.fresh, stream);
+  const PagedRowWrite* d_rows = upload(carver, plan.rows, stream);
+  const PagedStreamTask* d_tasks = upload(carver, plan.tasks, stream);
+  const PagedStreamOp* d_ops = upload(carver, plan.ops, stream);
+  const PagedSeal* d_seals = upload(carver, plan.seals, stream);
+  if (!plan.fresh.empty()) {
+    init_frames_kernel<<<static_cast<unsigned>(plan.fresh.size()), kThreads, 0, stream>>>(
         mem_.storage, mem_.free_masks, mem_.positions, mem_.frame_offsets, cfg_.kv_heads,
         cfg_.block_size, sizes_.mask_words, detail::paged_layouts(cfg_), d_fresh);
     KVSIFT_CUDA_CHECK(cudaGetLastError());
   }
-  const int n_tasks = static_cast<int>(tasks.size());
+  const int n_tasks = static_cast<int>(plan.tasks.size());
   if (dtype == DType::f32) {
-    launch_append(*this, static_cast<const float*>(key), static_cast<const float*>(value), rows_,
-                  d_rows, n_tasks, d_tasks, d_ops, d_seals, stream);
+    launch_append(*this, static_cast<const float*>(key), static_cast<const float*>(value),
+                  plan.rows, d_rows, n_tasks, d_tasks, d_ops, d_seals, stream);
   } else {
-    launch_append(*this, static_cast<const bf16_t*>(key), static_cast<const bf16_t*>(value), rows_,
-                  d_rows, n_tasks, d_tasks, d_ops, d_seals, stream);
+    launch_append(*this, static_cast<const bf16_t*>(key), static_cast<const bf16_t*>(value),
+                  plan.rows, d_rows, n_tasks, d_tasks, d_ops, d_seals, stream);
   }
+}
+
+const detail::PagedAppendPlan& DevicePagedTable::take_append_plan() {
+  detail::PagedAppendPlan& p = plan_;
+  // Each stream's ops contiguous, in recording order (a counting sort by task).
+  p.tasks.resize(task_streams_.size());
+  for (std::size_t t = 0; t < p.tasks.size(); ++t) {
+    const std::int64_t s = task_streams_[t];
+    p.tasks[t] =
+        PagedStreamTask{s, static_cast<std::int32_t>(s % cfg_.kv_heads), 0, 0, staged_mask(s)};
+  }
+  for (const std::int32_t t : op_task_) ++p.tasks[static_cast<std::size_t>(t)].count;
+  for (std::size_t t = 1; t < p.tasks.size(); ++t)
+    p.tasks[t].first = p.tasks[t - 1].first + p.tasks[t - 1].count;
+  p.ops.resize(ops_.size());
+  next_op_.resize(p.tasks.size());
+  for (std::size_t t = 0; t < p.tasks.size(); ++t) next_op_[t] = p.tasks[t].first;
+  for (std::size_t o = 0; o < ops_.size(); ++o) p.ops[next_op_[op_task_[o]]++] = ops_[o];
+  // The rest moves over as recorded; the recording keeps the plan's old buffers, emptied.
+  p.fresh.swap(fresh_);
+  p.rows.swap(rows_);
+  p.seals.swap(seals_);
   pending_tokens_ = 0;
   fresh_.clear();
   rows_.clear();
@@ -564,6 +573,7 @@ void DevicePagedTable::append(const void* key, const void* value, DType dtype, v
   ops_.clear();
   op_task_.clear();
   seals_.clear();
+  return p;
 }
 
 std::size_t DevicePagedTable::evict_workspace_bytes(std::size_t count) const {
@@ -636,6 +646,7 @@ void DevicePagedTable::evict(std::int32_t seq, std::int32_t head,
   std::vector<PagedStagedMask> masks;
   for (const auto& sr : staged) {
     staged_positions_[static_cast<std::size_t>(sr.first) * kQuantGroupSize + sr.second] = -1;
+    staged_bits_[static_cast<std::size_t>(sr.first)] &= ~(1u << sr.second);
   }
   for (const auto& sr : staged) {
     bool listed = false;
@@ -683,6 +694,7 @@ void DevicePagedTable::release_sequence(std::int32_t seq, cudaStream_t stream) {
   const std::int64_t first = stream_index(seq, 0, 0);
   const std::int64_t streams = static_cast<std::int64_t>(kPagedThoughtTypes) * cfg_.kv_heads;
   std::fill_n(staged_positions_.begin() + first * kQuantGroupSize, streams * kQuantGroupSize, -1);
+  std::fill_n(staged_bits_.begin() + first, streams, 0u);
   KVSIFT_CUDA_CHECK(
       cudaMemsetAsync(mem_.staged_masks + first, 0, static_cast<std::size_t>(streams) * 4, stream));
 }

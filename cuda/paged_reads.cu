@@ -32,10 +32,12 @@ using detail::PagedLayouts;
 constexpr int kGatherThreads = 128;
 
 // paged_sparsity_kernel: 128 threads decode kRoundUnits = 2 16-slot units (32 slots) per round;
-// lane s of warp w takes slot s of the round for the query heads 4w .. 4w + 3 of the current block
-// of 16, so each key row read from shared memory serves 4 dot products and each query read is a
-// broadcast. Two units per round (not 4 or 8) keeps the CTA at 34 KB of shared memory, 6 per SM:
-// measured fastest at batch 64 and 800 (docs/thinkv.md §10, bench/RESULTS.md run 55).
+// lane s of warp w takes slot s of the round for the query heads w, w + 4, w + 8, w + 12 of the
+// current block of 16 (those below the GQA group), so each key row read from shared memory serves
+// up to 4 dot products, each query read is a broadcast, and a group of 4 (R1-Llama-8B) keeps all
+// four warps busy with one head each. Two units per round (not 4 or 8) keeps the CTA at 34 KB of
+// shared memory, 6 per SM: measured fastest at batch 64 and 800 (docs/thinkv.md §10,
+// bench/RESULTS.md run 55).
 constexpr int kSparsityThreads = 128;
 constexpr int kRoundUnits = 2;
 constexpr int kRoundSlots = kRoundUnits * 16;  // one warp's lanes
@@ -106,9 +108,35 @@ struct SparsityArgs {
   const std::uint32_t* staged_masks;  // [max_sequences, 3, kv_heads]
   const float* query;                 // [batch, q_heads, head_dim]
   float* out;                         // [batch, q_heads]
+  float* logits;                      // [batch, q_heads, max_slots] or null
+  long long max_slots;
   int q_heads, group, head_dim;
   float scale, log_ratio;
 };
+
+// The logits of one key row (sK, [D] f32) for NH query heads w, w + 4, ... of the block's queries
+// sQ [16, D]: each dot product summed over head_dim in index order with __fmul_rn / __fadd_rn, as
+// the host loop dot += q[d] * k[d] does.
+template <int NH>
+__device__ __forceinline__ void row_logits(const float* kr, const float* sQ, int warp, int D,
+                                           float scale, float* logit) {
+  const float4* k4 = reinterpret_cast<const float4*>(kr);
+  float dot[NH] = {};
+#pragma unroll 2
+  for (int d4 = 0; d4 < D / 4; ++d4) {
+    const float4 k = k4[d4];
+#pragma unroll
+    for (int j = 0; j < NH; ++j) {
+      const float4 x = reinterpret_cast<const float4*>(sQ + (warp + 4 * j) * D)[d4];
+      dot[j] = __fadd_rn(dot[j], __fmul_rn(x.x, k.x));
+      dot[j] = __fadd_rn(dot[j], __fmul_rn(x.y, k.y));
+      dot[j] = __fadd_rn(dot[j], __fmul_rn(x.z, k.z));
+      dot[j] = __fadd_rn(dot[j], __fmul_rn(x.w, k.w));
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < NH; ++j) logit[j] = __fmul_rn(dot[j], scale);
+}
 
 // Units are the 16-slot groups of the sequence's blocks in page-table order, then its three
 // staging streams; a quantized unit's raw key bytes are D · code bytes of codes + D scales.
@@ -173,7 +201,7 @@ __device__ __forceinline__ void decode_channel(QuantFormat q, const std::uint8_t
                                                std::uint8_t scale_code, float global_factor,
                                                const float* e2m1, float* out, int stride) {
   if (q == QuantFormat::nvfp4) {
-    const float step = e4m3_to_float(scale_code) / global_factor;
+    const float step = nvfp4_step(scale_code, global_factor);
     const uint2 w = *reinterpret_cast<const uint2*>(codes);  // value i: bits 4i of the 64
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
@@ -193,9 +221,7 @@ __device__ __forceinline__ void decode_channel(QuantFormat q, const std::uint8_t
     const unsigned w = *reinterpret_cast<const unsigned*>(codes);  // value i: bits 2i
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
-      const unsigned c = (w >> (2 * i)) & 0x3u;
-      const float sign = c == kTernaryPlus ? 1.0f : c == kTernaryMinus ? -1.0f : 0.0f;
-      out[i * stride] = sign * alpha;
+      out[i * stride] = ternary_sign(static_cast<std::uint8_t>((w >> (2 * i)) & 0x3u)) * alpha;
     }
   }
 }
@@ -244,12 +270,13 @@ __device__ T warp_reduce(T x, Op op) {
   return x;
 }
 
-// CTA (KV head, sequence). For each block of 16 query heads: two sweeps over the units (the max
-// logit, then the count below max + ln 0.01): recomputing the logits costs less than a scratch
-// buffer sized for the longest sequence. A sweep reads the unit descriptions kSparsityThreads at
-// a time (one per thread) and copies a round's raw key bytes with cp.async into one of two
-// stages while the previous round's logits are computed. Each dot product is summed over head_dim
-// in index order with __fmul_rn / __fadd_rn, as the host loop dot += q[d] * k[d] does.
+// CTA (KV head, sequence). For each block of 16 query heads: a sweep over the units computes every
+// logit and the maximum; with the logits scratch (and a sequence within max_slots) each thread
+// keeps its logits there and counts them below max + ln 0.01 from it, otherwise a second sweep
+// recomputes them. A sweep reads the unit descriptions kSparsityThreads at a time (one per thread)
+// and copies a round's raw key bytes with cp.async into one of two stages while the previous
+// round's logits are computed. Lane s owns slot s of every round, i.e. the sequence's slots
+// s, s + 32, ...: the same ones in every sweep, so a head's reductions stay within one warp.
 __global__ void __launch_bounds__(kSparsityThreads) paged_sparsity_kernel(SparsityArgs a) {
   extern __shared__ __align__(16) float smem[];
   const int h = blockIdx.x, b = blockIdx.y, D = a.head_dim, G = a.group, Dp = D + 4;
@@ -263,26 +290,33 @@ __global__ void __launch_bounds__(kSparsityThreads) paged_sparsity_kernel(Sparsi
   const int seq = a.t.seq_ids[b], first = a.t.block_begin[b];
   const int block_units = (a.t.block_begin[b + 1] - first) * (a.t.block_size / 16);
   const int units = block_units + kPagedThoughtTypes;
+  const bool single = a.logits != nullptr && static_cast<long long>(units) * 16 <= a.max_slots;
   const int warp = threadIdx.x / 32, s = threadIdx.x % 32;  // slot s of the round
   const int su = s / 16, si = s % 16;                       // unit of the round, slot of the unit
   int n = 0;  // live slots of the head (counted in the first sweep)
   for (int g0 = 0; g0 < G; g0 += kHeadsPerBlock) {
-    const int gh = g0 + warp * kHeadsPerThread;  // this thread's first query head
-    const bool has_heads = gh < G;               // the same for the whole warp
-    __syncthreads();                             // sQ is no longer read
+    // This warp's heads g0 + warp + 4j, j < nh (the same for the whole warp).
+    const int nh = max(0, min(kHeadsPerThread, (G - g0 - warp + 3) / 4));
+    __syncthreads();  // sQ is no longer read
     const float* q = a.query + (static_cast<std::int64_t>(b) * a.q_heads + h * G + g0) * D;
     for (int e = threadIdx.x; e < kHeadsPerBlock * D; e += blockDim.x) {
       sQ[e] = g0 + e / D < G ? q[e] : 0.0f;
     }
+    float* kept[kHeadsPerThread];  // this thread's logits of head j in the scratch
     float mx[kHeadsPerThread], cut[kHeadsPerThread];
     int count[kHeadsPerThread];
-    unsigned nan = 0;  // bit j: a NaN logit of head gh + j
+    unsigned nan = 0;  // bit j: a NaN logit of head j
 #pragma unroll
     for (int j = 0; j < kHeadsPerThread; ++j) {
+      kept[j] =
+          single
+              ? a.logits + (static_cast<std::int64_t>(b) * a.q_heads + h * G + g0 + warp + 4 * j) *
+                               a.max_slots
+              : nullptr;
       mx[j] = -INFINITY;
       count[j] = 0;
     }
-    for (int pass = 0; pass < 2; ++pass) {
+    for (int pass = 0; pass < (single ? 1 : 2); ++pass) {
       const bool counting_n = pass == 0 && g0 == 0;
       for (int u0 = 0; u0 < units; u0 += kSparsityThreads) {
         const int run = min(kSparsityThreads, units - u0);
@@ -304,32 +338,46 @@ __global__ void __launch_bounds__(kSparsityThreads) paged_sparsity_kernel(Sparsi
           }
           __syncthreads();
           const int ui = r * kRoundUnits + su;
-          if (ui >= run || !((refs[ui].live >> si) & 1u)) continue;
-          if (counting_n) ++n;
-          if (!has_heads) continue;
-          const float4* kr = reinterpret_cast<const float4*>(sK + s * Dp);
-          const float4* qr = reinterpret_cast<const float4*>(sQ + warp * kHeadsPerThread * D);
-          float dot[kHeadsPerThread] = {};
-#pragma unroll 2
-          for (int d4 = 0; d4 < D / 4; ++d4) {
-            const float4 k = kr[d4];
+          if (ui >= run) continue;
+          const long long slot = static_cast<long long>(u0 + ui) * 16 + si;
+          float logit[kHeadsPerThread];
+          const bool live = (refs[ui].live >> si) & 1u;
+          if (!live) {
+            if (single) {  // a dead slot is never counted (NaN < cut is false)
 #pragma unroll
-            for (int j = 0; j < kHeadsPerThread; ++j) {
-              const float4 x = qr[j * (D / 4) + d4];
-              dot[j] = __fadd_rn(dot[j], __fmul_rn(x.x, k.x));
-              dot[j] = __fadd_rn(dot[j], __fmul_rn(x.y, k.y));
-              dot[j] = __fadd_rn(dot[j], __fmul_rn(x.z, k.z));
-              dot[j] = __fadd_rn(dot[j], __fmul_rn(x.w, k.w));
+              for (int j = 0; j < kHeadsPerThread; ++j) {
+                if (j < nh) kept[j][slot] = NAN;
+              }
             }
+            continue;
+          }
+          if (counting_n) ++n;
+          const float* kr = sK + s * Dp;
+          switch (nh) {
+            case 1:
+              row_logits<1>(kr, sQ, warp, D, a.scale, logit);
+              break;
+            case 2:
+              row_logits<2>(kr, sQ, warp, D, a.scale, logit);
+              break;
+            case 3:
+              row_logits<3>(kr, sQ, warp, D, a.scale, logit);
+              break;
+            case 4:
+              row_logits<4>(kr, sQ, warp, D, a.scale, logit);
+              break;
+            default:
+              continue;  // no head of this block in this warp
           }
 #pragma unroll
           for (int j = 0; j < kHeadsPerThread; ++j) {
-            const float logit = __fmul_rn(dot[j], a.scale);
+            if (j >= nh) break;
             if (pass == 0) {
-              nan |= isnan(logit) ? 1u << j : 0u;
-              mx[j] = fmaxf(mx[j], logit);
+              nan |= isnan(logit[j]) ? 1u << j : 0u;
+              mx[j] = fmaxf(mx[j], logit[j]);
+              if (single) kept[j][slot] = logit[j];
             } else {
-              count[j] += logit < cut[j] ? 1 : 0;
+              count[j] += logit[j] < cut[j] ? 1 : 0;
             }
           }
         }
@@ -353,12 +401,23 @@ __global__ void __launch_bounds__(kSparsityThreads) paged_sparsity_kernel(Sparsi
         if (g0 == 0) n = warp_reduce(n, add_op);  // each warp saw every slot once
       }
     }
-    if (s != 0 || !has_heads) continue;
+    if (single) {  // the count from the kept logits: this thread's own writes
+      for (long long slot = s; slot < static_cast<long long>(units) * 16; slot += 32) {
+#pragma unroll
+        for (int j = 0; j < kHeadsPerThread; ++j) {
+          if (j < nh) count[j] += kept[j][slot] < cut[j] ? 1 : 0;
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kHeadsPerThread; ++j)
+        count[j] = warp_reduce(count[j], [](int x, int y) { return x + y; });
+    }
+    if (s != 0) continue;
 #pragma unroll
     for (int j = 0; j < kHeadsPerThread; ++j) {
-      if (gh + j >= G) break;
+      if (j >= nh) break;
       const bool bad = ((nan >> j) & 1u) != 0 || n == 0 || !isfinite(mx[j]);
-      a.out[static_cast<std::int64_t>(b) * a.q_heads + h * G + gh + j] =
+      a.out[static_cast<std::int64_t>(b) * a.q_heads + h * G + g0 + warp + 4 * j] =
           bad ? NAN : __fdiv_rn(static_cast<float>(count[j]), static_cast<float>(n));
     }
   }
@@ -404,7 +463,8 @@ void paged_gather_keys(const DevicePagedTable& table, const PagedKeySource* sour
 
 void paged_attention_sparsity(const DevicePagedTable& table, const PagedBatch& batch,
                               const float* query, std::int64_t q_heads, float softmax_scale,
-                              float* out, cudaStream_t stream) {
+                              float* out, cudaStream_t stream, float* logits,
+                              std::int64_t max_slots) {
   const char* fn = "cuda::paged_attention_sparsity";
   const ThoughtBlockTableConfig& tc = table.config();
   KVSIFT_CHECK(batch.batch >= 1 && batch.block_begin != nullptr, fn, ": the batch (", batch.batch,
@@ -423,16 +483,17 @@ void paged_attention_sparsity(const DevicePagedTable& table, const PagedBatch& b
   a.t = detail::paged_batch_refs(table, batch);
   a.staged_keys = m.staged_keys;
   a.staged_masks = m.staged_masks;
+  KVSIFT_CHECK(logits == nullptr || max_slots > 0, fn, ": max_slots (", max_slots,
+               ") must be positive with a logits scratch");
   a.query = query;
   a.out = out;
+  a.logits = logits;
+  a.max_slots = logits == nullptr ? 0 : max_slots;
   a.q_heads = static_cast<int>(q_heads);
   a.group = static_cast<int>(q_heads / tc.kv_heads);
   a.head_dim = tc.head_dim;
   a.scale = softmax_scale;
   a.log_ratio = std::log(kSparsityRatio);  // the host's constant, as sparsity_from_logits uses it
-  // 58 KB at head_dim 128 (3 CTAs per SM), 112 KB at 256: above the 48 KB default, so the
-  // kernel is allowed the device's whole opt-in size once per device and thread (the same value
-  // every time, so concurrent callers cannot lower it for each other).
   // 34 KB at head_dim 128 and 67 KB at 256 (above the 48 KB default): the kernel is allowed the
   // device's whole opt-in size once per device and thread (the same value every time, so
   // concurrent callers cannot lower it for each other).

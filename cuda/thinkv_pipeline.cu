@@ -4,6 +4,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <exception>
+#include <future>
+#include <memory>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -63,6 +67,8 @@ struct Layout {
   std::size_t page_bytes = 0;      // one layer's uploaded page tables (paged_batch_bytes at most)
   std::size_t sparsity_bytes = 0;  // [L*, batch, q_heads] f32
   std::size_t means_bytes = 0;     // [L*, batch] f32: the step's per-layer means
+  std::int64_t logit_slots = 0;    // slots per head the sparsity's logits scratch holds
+  std::size_t logits_bytes = 0;    // [batch, q_heads, logit_slots] f32
   std::size_t scratch_bytes = 0;
   std::size_t total = 0;
 };
@@ -103,6 +109,13 @@ Layout layout_of(const ThinKVConfig& config, std::int32_t batch) {
   L.sparsity_bytes = align_up(config.calibrated_layers.size() * B *
                               static_cast<std::size_t>(config.q_heads) * sizeof(float));
   L.means_bytes = align_up(config.calibrated_layers.size() * B * sizeof(float));
+  // The sparsity computes each logit once for sequences whose blocks span up to twice
+  // budget + refresh tokens (holes left by evictions included); longer ones compute twice.
+  const std::int64_t span = 2 * (static_cast<std::int64_t>(config.budget) + config.refresh);
+  L.logit_slots =
+      paged_sparsity_slots((span + config.block_size - 1) / config.block_size, config.block_size);
+  L.logits_bytes = align_up(B * static_cast<std::size_t>(config.q_heads) *
+                            static_cast<std::size_t>(L.logit_slots) * sizeof(float));
   // Append: the recorded plan (append_workspace_bytes' terms, each bounded per token and head)
   // and the prompt rows transposed into token order.
   const std::size_t T = static_cast<std::size_t>(per_sequence_chunk(batch)) * B;
@@ -125,7 +138,7 @@ Layout layout_of(const ThinKVConfig& config, std::int32_t batch) {
   const std::size_t blocks = static_cast<std::size_t>(tc.num_blocks);
   L.page_bytes = 2 * align_up(blocks * 4) + align_up((B + 1) * 4) + align_up(B * 4);
   L.total = static_cast<std::size_t>(config.num_layers) * (L.layer_bytes + L.page_bytes) +
-            L.sparsity_bytes + L.means_bytes + L.scratch_bytes;
+            L.sparsity_bytes + L.means_bytes + L.logits_bytes + L.scratch_bytes;
   return L;
 }
 
@@ -214,6 +227,8 @@ DeviceThinKV::DeviceThinKV(const ThinKVConfig& config, std::int32_t batch, void*
   }
   sparsity_ = carver.take<float>(L.sparsity_bytes / sizeof(float));
   means_ = carver.take<float>(L.means_bytes / sizeof(float));
+  logits_ = carver.take<float>(L.logits_bytes / sizeof(float));
+  logit_slots_ = L.logit_slots;
   // The ring of the interval's per-step means: pinned, so their copies stay asynchronous.
   means_per_step_ = static_cast<std::int64_t>(config_.calibrated_layers.size()) * batch_;
   float* ring = nullptr;
@@ -226,6 +241,8 @@ DeviceThinKV::DeviceThinKV(const ThinKVConfig& config, std::int32_t batch, void*
   scratch_bytes_ = L.scratch_bytes;
   page_bytes_ = L.page_bytes;
   pages_.resize(static_cast<std::size_t>(config_.num_layers));
+  placed_.assign(static_cast<std::size_t>(config_.num_layers), 0);
+  placing_.resize(static_cast<std::size_t>(config_.num_layers));
   for (PageTables& p : pages_) p.memory = carver.take<std::uint8_t>(page_bytes_);
 }
 
@@ -285,12 +302,103 @@ void DeviceThinKV::prefill(int layer, const void* keys, const void* values, DTyp
   }
 }
 
+// One layer of the step placed: its sequences' new segments opened and their tokens recorded.
+// Touches that layer's table and mirror only, and reads the step's openings and labels.
+void DeviceThinKV::place_layer(int layer, const char* fn) {
+  ThoughtBlockTable& t = tables_[static_cast<std::size_t>(layer)];
+  const std::size_t B = static_cast<std::size_t>(batch_);
+  for (std::int32_t b = 0; b < batch_; ++b) {
+    if (step_opens_[static_cast<std::size_t>(layer) * B + b]) t.open_segment(b, step_labels_[b]);
+  }
+  record_tokens(layer, 1, fn);
+}
+
+int DeviceThinKV::placement_threads() const {
+  if (placement_threads_ >= 0) return placement_threads_;
+  // ~0.5 µs of host work per sequence and layer: background threads only where they pay.
+  if (static_cast<std::int64_t>(batch_) * config_.num_layers < 4096) return 0;
+  return static_cast<int>(std::min(4u, std::max(1u, std::thread::hardware_concurrency())));
+}
+
+void DeviceThinKV::place_step(const char* fn) {
+  finish_placement();  // the last step's threads (their layers were all awaited)
+  std::vector<int> layers;
+  for (int l = 0; l < config_.num_layers; ++l) {
+    if (!placed_[static_cast<std::size_t>(l)]) layers.push_back(l);
+  }
+  // Every layer's pool is checked before any table changes (record_tokens checks again).
+  for (int l : layers) {
+    const ThoughtBlockTable& t = tables_[static_cast<std::size_t>(l)];
+    KVSIFT_CHECK(t.free_blocks() >= batch_, "cuda::DeviceThinKV::", fn, ": layer ", l, " has ",
+                 t.free_blocks(), " free blocks; a token of each of ", batch_,
+                 " sequences may take up to ", batch_, " (raise pool_blocks)");
+  }
+  // Which sequences open a segment in which layer, with which label: read from the schedules
+  // and marked in them here, on the calling thread; the placers read only these copies.
+  const std::size_t B = static_cast<std::size_t>(batch_);
+  step_opens_.assign(static_cast<std::size_t>(config_.num_layers) * B, 0);
+  step_labels_.resize(B);
+  for (std::int32_t b = 0; b < batch_; ++b) step_labels_[b] = schedules_[b].label();
+  for (int l : layers) {
+    for (std::int32_t b = 0; b < batch_; ++b) {
+      const bool opens = schedules_[b].opens_segment(l);
+      step_opens_[static_cast<std::size_t>(l) * B + b] = opens;
+      if (opens) schedules_[b].segment_opened(l);
+    }
+    placed_[static_cast<std::size_t>(l)] = 1;
+  }
+  const int threads = std::min(placement_threads(), static_cast<int>(layers.size()));
+  if (threads == 0) {
+    for (int l : layers) place_layer(l, fn);
+    return;
+  }
+  // Placer w takes layers w, w + threads, ... in order, so the first layers are ready first; each
+  // layer's future reports its end (or its error) to the call that needs the layer.
+  auto promises = std::make_shared<std::vector<std::promise<void>>>(layers.size());
+  for (std::size_t i = 0; i < layers.size(); ++i)
+    placing_[static_cast<std::size_t>(layers[i])] = (*promises)[i].get_future();
+  for (int w = 0; w < threads; ++w) {
+    placers_.emplace_back([this, layers, promises, w, threads, fn] {
+      for (std::size_t i = static_cast<std::size_t>(w); i < layers.size();
+           i += static_cast<std::size_t>(threads)) {
+        try {
+          place_layer(layers[i], fn);
+          (*promises)[i].set_value();
+        } catch (...) {
+          (*promises)[i].set_exception(std::current_exception());
+        }
+      }
+    });
+  }
+}
+
+void DeviceThinKV::await_layer(int layer) const {
+  std::future<void>& f = placing_[static_cast<std::size_t>(layer)];
+  if (f.valid()) f.get();  // rethrows the placer's error, once
+}
+
+void DeviceThinKV::finish_placement() const {
+  for (std::future<void>& f : placing_) {
+    if (f.valid()) f.wait();
+  }
+  for (std::thread& t : placers_) t.join();
+  placers_.clear();
+}
+
+DeviceThinKV::~DeviceThinKV() { finish_placement(); }
+
+void DeviceThinKV::set_placement_threads(int threads) {
+  KVSIFT_CHECK(threads >= 0 && threads <= 64,
+               "cuda::DeviceThinKV::set_placement_threads: threads (", threads,
+               ") outside [0, 64]");
+  placement_threads_ = threads;
+}
+
 void DeviceThinKV::append(int layer, const void* keys, const void* values, DType dtype) {
   const char* fn = "append";
   check_layer(layer, fn);
   check_kv(keys, values, dtype, "cuda::DeviceThinKV::append");
-  std::vector<bool> opens(static_cast<std::size_t>(batch_));
-  for (std::int32_t b = 0; b < batch_; ++b) opens[b] = schedules_[b].opens_segment(layer);
+  (void)schedules_[0].opens_segment(layer);  // throws if the layer already has its token
   if (!schedules_[0].started()) {
     // The prompt is complete: every layer must hold the same one.
     const std::int32_t prompt = tables_[0].length(0);
@@ -302,13 +410,8 @@ void DeviceThinKV::append(int layer, const void* keys, const void* values, DType
     }
     for (ThinKVSchedule& s : schedules_) s.start(prompt);
   }
-  ThoughtBlockTable& t = tables_[static_cast<std::size_t>(layer)];
-  for (std::int32_t b = 0; b < batch_; ++b) {
-    if (!opens[b]) continue;
-    t.open_segment(b, schedules_[b].label());
-    schedules_[b].segment_opened(layer);
-  }
-  record_tokens(layer, 1, fn);
+  if (!placed_[static_cast<std::size_t>(layer)]) place_step(fn);
+  await_layer(layer);
   devices_[static_cast<std::size_t>(layer)].append(keys, values, dtype, scratch_, scratch_bytes_,
                                                    stream_);
   for (ThinKVSchedule& s : schedules_) s.appended(layer);
@@ -329,7 +432,8 @@ bool DeviceThinKV::observe_query(int layer, const float* queries) {
   const PagedBatch& pb = page_tables(layer);
   float* out = sparsity_ + observed_.size() * static_cast<std::size_t>(batch_) * config_.q_heads;
   paged_attention_sparsity(dev, pb, queries, config_.q_heads,
-                           1.0f / std::sqrt(static_cast<float>(config_.head_dim)), out, stream_);
+                           1.0f / std::sqrt(static_cast<float>(config_.head_dim)), out, stream_,
+                           logits_, logit_slots_);
   observed_.push_back(layer);
   return true;
 }
@@ -337,6 +441,7 @@ bool DeviceThinKV::observe_query(int layer, const float* queries) {
 std::vector<EvictionStep> DeviceThinKV::end_step() {
   // 1. Validate before anything changes: every layer has its token, every L* layer is observed.
   schedules_[0].check_complete();  // all sequences append together
+  finish_placement();              // every layer was appended, so its placement awaited
   for (int l : config_.calibrated_layers) {
     KVSIFT_CHECK(std::find(observed_.begin(), observed_.end(), l) != observed_.end(),
                  "cuda::DeviceThinKV::end_step: calibrated layer ", l, " was not observed in step ",
@@ -394,6 +499,7 @@ std::vector<EvictionStep> DeviceThinKV::end_step() {
     }
     pending_layers_.clear();
   }
+  placed_.assign(placed_.size(), 0);  // with the schedules' step: the next step places anew
   for (std::int32_t b = 0; b < batch_; ++b) {
     const std::size_t segments = schedules_[b].evictor().segments().size();
     KVSIFT_CHECK(static_cast<std::int32_t>(segments) == tables_[0].num_segments(b),
@@ -531,6 +637,7 @@ void DeviceThinKV::evict(const Problem& p) {
 
 const PagedBatch& DeviceThinKV::page_tables(int layer) const {
   check_layer(layer, "page_tables");
+  await_layer(layer);
   const DevicePagedTable& dev = devices_[static_cast<std::size_t>(layer)];
   PageTables& p = pages_[static_cast<std::size_t>(layer)];
   if (!p.current || p.version != dev.page_version()) {
@@ -567,19 +674,25 @@ const ThinKVSchedule& DeviceThinKV::schedule(std::int32_t seq) const {
   return schedules_[static_cast<std::size_t>(seq)];
 }
 
-std::int32_t DeviceThinKV::length() const { return tables_[0].length(0); }
+std::int32_t DeviceThinKV::length() const {
+  await_layer(0);
+  return tables_[0].length(0);
+}
 
 const ThoughtBlockTable& DeviceThinKV::table(int layer) const {
   check_layer(layer, "table");
+  await_layer(layer);
   return tables_[static_cast<std::size_t>(layer)];
 }
 
 const DevicePagedTable& DeviceThinKV::device_table(int layer) const {
   check_layer(layer, "device_table");
+  await_layer(layer);
   return devices_[static_cast<std::size_t>(layer)];
 }
 
 TableBytes DeviceThinKV::resident_bytes() const {
+  for (int l = 0; l < config_.num_layers; ++l) await_layer(l);
   TableBytes sum;
   for (int l = 0; l < config_.num_layers; ++l)
     sum +=

@@ -361,9 +361,12 @@ std::int32_t ThoughtBlockTable::append(std::int32_t seq, const float* key, const
   const std::size_t H = static_cast<std::size_t>(config_.kv_heads);
   // Where each head's write goes: f32 blocks take the token now, in the lowest free slot;
   // quantized ones stage it and, in heads where it completes a group, need a free 16-slot run.
-  std::vector<SlotAddress> chosen(H);
-  std::vector<bool> writes(H, false);
-  std::vector<int> regroup_free(H, 0);  // > 0: this head regroups a pinned run (refill = regroup)
+  std::vector<SlotAddress>& chosen = append_chosen_;
+  std::vector<bool>& writes = append_writes_;
+  std::vector<int>& regroup_free = append_regroup_free_;  // > 0: regroups a pinned run
+  chosen.assign(H, SlotAddress{});
+  writes.assign(H, false);
+  regroup_free.assign(H, 0);
   bool need_block = false;
   for (std::int32_t h = 0; h < config_.kv_heads; ++h) {
     const bool completes =

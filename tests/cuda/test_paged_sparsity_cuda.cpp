@@ -61,17 +61,31 @@ std::vector<float> cpu_sparsity(const ThoughtBlockTable& cpu, std::int32_t seq, 
   return out;
 }
 
+// Where the kernel keeps its logits: no scratch (two sweeps), a scratch every sequence fits in
+// (one sweep), or one that only the shorter half fits in (both in one launch).
+enum class Scratch { none, all, some };
+
 // The kernel over `seqs` (in that order) with NaN-poisoned output: [seqs, q_heads].
 std::vector<float> gpu_sparsity(test::PagedMirror& dev, const std::vector<std::int32_t>& seqs,
-                                const std::vector<float>& query, std::int64_t q_heads,
-                                float scale) {
+                                const std::vector<float>& query, std::int64_t q_heads, float scale,
+                                Scratch scratch) {
   const auto n = static_cast<std::int32_t>(seqs.size());
   DeviceBuffer<std::uint8_t> view_ws(cuda::paged_batch_bytes(dev.table, seqs.data(), n));
   const cuda::PagedBatch batch =
       cuda::upload_paged_batch(dev.table, seqs.data(), n, view_ws.get(), view_ws.size(), nullptr);
   DeviceBuffer<float> q(query), out(seqs.size() * static_cast<std::size_t>(q_heads));
   KVSIFT_CUDA_CHECK(cudaMemset(out.get(), 0xff, out.size() * 4));
-  cuda::paged_attention_sparsity(dev.table, batch, q.get(), q_heads, scale, out.get(), nullptr);
+  std::vector<std::int64_t> slots;
+  for (std::int32_t seq : seqs)
+    slots.push_back(
+        cuda::paged_sparsity_slots(dev.table.num_blocks(seq), dev.table.config().block_size));
+  std::sort(slots.begin(), slots.end());
+  const std::int64_t max_slots = scratch == Scratch::all ? slots.back() : slots[(n - 1) / 2];
+  // Poisoned with -1.7e38: a slot the kernel did not write would be counted below the cut.
+  DeviceBuffer<float> logits(scratch == Scratch::none ? 1 : n * q_heads * max_slots);
+  KVSIFT_CUDA_CHECK(cudaMemset(logits.get(), 0xfe, logits.size() * 4));
+  cuda::paged_attention_sparsity(dev.table, batch, q.get(), q_heads, scale, out.get(), nullptr,
+                                 scratch == Scratch::none ? nullptr : logits.get(), max_slots);
   KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
   return out.download();
 }
@@ -104,16 +118,19 @@ void check_against_cpu(const ThoughtBlockTableConfig& cfg, const std::vector<int
   // sigma 2: peaked enough that some logits fall below max + ln 0.01, flat enough that not all do.
   const std::vector<float> query = random_query(seqs.size() * q_heads * D, 2.0f, rng);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  const std::vector<float> got = gpu_sparsity(dev, seqs, query, q_heads, scale);
-  for (std::size_t i = 0; i < seqs.size(); ++i) {
-    INFO("batch item " << i << " (sequence " << seqs[i] << ")");
-    const std::vector<float> want =
-        cpu_sparsity(cpu, seqs[i], query.data() + i * q_heads * D, q_heads, scale);
-    for (float w : want) {
-      REQUIRE(w > 0.0f);  // the scenario's own check: each head has tokens on both sides of the cut
-      REQUIRE(w < 1.0f);
+  for (const Scratch scratch : {Scratch::none, Scratch::all, Scratch::some}) {
+    const std::vector<float> got = gpu_sparsity(dev, seqs, query, q_heads, scale, scratch);
+    for (std::size_t i = 0; i < seqs.size(); ++i) {
+      INFO("scratch " << static_cast<int>(scratch) << ", batch item " << i << " (sequence "
+                      << seqs[i] << ")");
+      const std::vector<float> want =
+          cpu_sparsity(cpu, seqs[i], query.data() + i * q_heads * D, q_heads, scale);
+      for (float w : want) {
+        REQUIRE(w > 0.0f);  // the scenario's own check: tokens on both sides of the cut
+        REQUIRE(w < 1.0f);
+      }
+      require_same(got, want, i * static_cast<std::size_t>(q_heads));
     }
-    require_same(got, want, i * static_cast<std::size_t>(q_heads));
   }
 }
 
@@ -156,7 +173,7 @@ TEST_CASE("paged sparsity: NaN for a head without live tokens and for a NaN quer
   std::vector<float> query = random_query(2 * q_heads * D, 2.0f, rng);
   query[1 * D + 7] = std::nanf("");  // query head 1 of the first sequence
   const float scale = 0.125f;
-  const std::vector<float> got = gpu_sparsity(dev, seqs, query, q_heads, scale);
+  const std::vector<float> got = gpu_sparsity(dev, seqs, query, q_heads, scale, Scratch::all);
   for (std::size_t i = 0; i < 2; ++i) {
     INFO("batch item " << i);
     const std::vector<float> want =
@@ -195,4 +212,7 @@ TEST_CASE("paged sparsity rejects bad arguments", "[cuda][thinkv]") {
   REQUIRE_THROWS_WITH(
       cuda::paged_attention_sparsity(dev.table, batch, nullptr, 4, 0.125f, out.get(), nullptr),
       Contains("query and out must not be null"));
+  REQUIRE_THROWS_WITH(cuda::paged_attention_sparsity(dev.table, batch, q.get(), 4, 0.125f,
+                                                     out.get(), nullptr, out.get(), 0),
+                      Contains("max_slots (0) must be positive with a logits scratch"));
 }

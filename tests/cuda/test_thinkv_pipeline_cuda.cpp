@@ -66,7 +66,7 @@ std::vector<float> normal(std::mt19937& rng, std::size_t n, float scale = 1.0f) 
 }
 
 void run_lockstep(const ThinKVConfig& config, std::int32_t batch, std::int64_t prompt,
-                  std::int64_t steps, DType input_dtype) {
+                  std::int64_t steps, DType input_dtype, int placement_threads = 0) {
   const std::int64_t H = config.kv_heads, D = config.head_dim, Q = config.q_heads;
   const std::int64_t L = config.num_layers;
   std::mt19937 rng(1234);
@@ -75,6 +75,7 @@ void run_lockstep(const ThinKVConfig& config, std::int32_t batch, std::int64_t p
   for (std::int32_t b = 0; b < batch; ++b) cpu.emplace_back(config);
   DeviceBuffer<std::uint8_t> memory(cuda::DeviceThinKV::memory_bytes(config, batch));
   cuda::DeviceThinKV dev(config, batch, memory.get(), memory.size(), nullptr);
+  dev.set_placement_threads(placement_threads);
 
   // Inputs rounded to bf16 when the device takes bf16, so both sides see the same numbers.
   auto as_input = [&](std::vector<float> v) {
@@ -214,6 +215,9 @@ void run_lockstep(const ThinKVConfig& config, std::int32_t batch, std::int64_t p
 
 TEST_CASE("DeviceThinKV follows the CPU pipeline step by step", "[thinkv][cuda]") {
   SECTION("R4 E4 T2, f32 inputs, batch 3") { run_lockstep(small_config(), 3, 40, 200, DType::f32); }
+  SECTION("R4 E4 T2, batch 3, each layer placed on its own host thread") {
+    run_lockstep(small_config(), 3, 40, 200, DType::f32, 3);
+  }
   SECTION("bf16 inputs, FP8 execution blocks (tiled attention), batch 2") {
     ThinKVConfig c = small_config();
     c.execution = BlockFormat::fp8;
@@ -253,6 +257,41 @@ TEST_CASE("DeviceThinKV refuses what it cannot do", "[thinkv][cuda]") {
     REQUIRE(dev.end_step().size() == 1);
     REQUIRE(dev.steps() == 1);
     REQUIRE_THROWS_WITH(dev.append(0, k.get(), v.get(), DType::f16), Contains("f32 or bf16"));
+  }
+  SECTION("a step that may exhaust a layer's pool is refused before any layer changes") {
+    // f32 blocks: every token takes a slot, a block of 32 slots per 32 tokens, 3 blocks per
+    // sequence.
+    c.reasoning = c.execution = c.transition = BlockFormat::f32;
+    c.pool_blocks = 3;
+    DeviceBuffer<std::uint8_t> memory(cuda::DeviceThinKV::memory_bytes(c, 1));
+    cuda::DeviceThinKV dev(c, 1, memory.get(), memory.size(), nullptr);
+    dev.set_placement_threads(2);
+    REQUIRE_THROWS_WITH(dev.set_placement_threads(-1), Contains("threads (-1) outside [0, 64]"));
+    std::mt19937 rng(11);
+    DeviceBuffer<float> k(normal(rng, c.kv_heads * c.head_dim));
+    DeviceBuffer<float> v(normal(rng, c.kv_heads * c.head_dim));
+    DeviceBuffer<float> q(normal(rng, c.q_heads * c.head_dim));
+    std::int64_t refused_at = -1;
+    for (std::int64_t step = 0; step < 100 && refused_at < 0; ++step) {
+      try {
+        dev.append(0, k.get(), v.get(), DType::f32);
+      } catch (const Error& e) {
+        REQUIRE_THAT(e.what(),
+                     Contains("layer 0 has 0 free blocks") && Contains("raise pool_blocks"));
+        refused_at = step;
+        break;
+      }
+      for (int l = 1; l < c.num_layers; ++l) dev.append(l, k.get(), v.get(), DType::f32);
+      for (int l : c.calibrated_layers) dev.observe_query(l, q.get());
+      dev.end_step();
+    }
+    // Tokens 0, 32 and 64 took the three blocks; step 65 finds no free block (a step is refused
+    // unless each sequence could take one, whether or not its token needs it).
+    REQUIRE(refused_at == 65);
+    for (int l = 0; l < c.num_layers; ++l) {
+      REQUIRE(dev.table(l).length(0) == 65);
+      REQUIRE(dev.device_table(l).pending_tokens() == 0);
+    }
   }
   SECTION("a NaN sparsity is reported at the step closing its interval, naming its step") {
     DeviceBuffer<std::uint8_t> memory(cuda::DeviceThinKV::memory_bytes(c, 1));

@@ -265,6 +265,10 @@ class ThoughtBlockTable {
   std::vector<std::int32_t> free_frames_;  // pool, popped from the back (lowest id on top)
   std::vector<Sequence> sequences_;
   RefillStats refill_stats_;
+  // append()'s per-head choices, [kv_heads] each: reused, so a token costs no allocation.
+  std::vector<SlotAddress> append_chosen_;
+  std::vector<bool> append_writes_;
+  std::vector<int> append_regroup_free_;
 };
 
 }  // namespace kvsift

@@ -52,12 +52,18 @@ KVSIFT_HOST_DEVICE std::uint8_t nvfp4_quantize_group(const T* x,  // [count] wit
   return scale_code;
 }
 
+// One E2M1 unit of a group: x̂ = e2m1 value · step (the decoders that unpack codes their own way,
+// e.g. the device sparsity kernel's vector loads, use it to keep the same product).
+KVSIFT_HOST_DEVICE float nvfp4_step(std::uint8_t scale_code, float global_factor) {
+  return e4m3_to_float(scale_code) / global_factor;
+}
+
 template <class T>
 KVSIFT_HOST_DEVICE void nvfp4_dequantize_group(const std::uint8_t* codes,  // [8]
                                                std::uint8_t scale_code, float global_factor,
                                                int count, T* out,  // [count] with stride
                                                long stride) {
-  const float step = e4m3_to_float(scale_code) / global_factor;
+  const float step = nvfp4_step(scale_code, global_factor);
   for (int i = 0; i < count; ++i) {
     out[i * stride] = from_float<T>(e2m1_to_float(e2m1_unpack(codes, i)) * step);
   }

@@ -1,5 +1,6 @@
-// Ternary (T2) groups (docs/algorithms.md §3.2): 16 codes in {-1, 0, +1} times one scale α stored as
-// E4M3. For a fixed set of m kept elements the best α is their mean |x|, and the squared error is
+// Ternary (T2) groups (docs/algorithms.md §3.2): 16 codes in {-1, 0, +1} times one scale α stored
+// as E4M3. For a fixed set of m kept elements the best α is their mean |x|, and the squared error
+// is
 //   Σ x² − (Σ_{kept} |x|)² / m,
 // so the best set of size m is the m largest |x|, and the best m maximises (S_m)² / m where S_m is
 // the sum of the m largest |x|. Ties between equal |x| keep the lower index; ties between m keep
@@ -78,6 +79,11 @@ KVSIFT_HOST_DEVICE std::uint8_t ternary_quantize_group(const T* x,  // [count] w
   return alpha_code;
 }
 
+// A 2-bit code's sign, two's complement: 01 -> +1, 11 -> -1, 00 (and the invalid 10) -> 0.
+KVSIFT_HOST_DEVICE float ternary_sign(std::uint8_t code) {
+  return code == kTernaryPlus ? 1.0f : code == kTernaryMinus ? -1.0f : 0.0f;
+}
+
 template <class T>
 KVSIFT_HOST_DEVICE void ternary_dequantize_group(const std::uint8_t* codes,  // [4]
                                                  std::uint8_t alpha_code, int count,
@@ -85,10 +91,7 @@ KVSIFT_HOST_DEVICE void ternary_dequantize_group(const std::uint8_t* codes,  // 
                                                  long stride) {
   const float alpha = e4m3_to_float(alpha_code);
   for (int i = 0; i < count; ++i) {
-    const std::uint8_t c = ternary_code(codes, i);
-    // 2-bit two's complement: 01 -> +1, 11 -> -1, 00 (and the invalid 10) -> 0.
-    const float sign = c == kTernaryPlus ? 1.0f : c == kTernaryMinus ? -1.0f : 0.0f;
-    out[i * stride] = from_float<T>(sign * alpha);
+    out[i * stride] = from_float<T>(ternary_sign(ternary_code(codes, i)) * alpha);
   }
 }
 

@@ -30,9 +30,19 @@ void paged_gather_keys(const DevicePagedTable& table, const PagedKeySource* sour
 // slots and staged rows), and count(logit < max + ln 0.01) / count(live), written to
 // out[b · q_heads + q]. A head with no live token, a NaN logit or an infinite maximum gives NaN
 // (the CPU reference raises an error there; the caller does).
+// logits (optional): device scratch [batch, q_heads, max_slots] f32 where each logit is kept
+// between the maximum and the count, so it is computed once; a sequence whose page table spans
+// more than max_slots slots (paged_sparsity_slots) computes its logits twice instead, as without
+// the scratch. The result is the same either way.
 //   query device [batch, q_heads, head_dim] f32; out device [batch, q_heads] f32
 void paged_attention_sparsity(const DevicePagedTable& table, const PagedBatch& batch,
                               const float* query, std::int64_t q_heads, float softmax_scale,
-                              float* out, cudaStream_t stream);
+                              float* out, cudaStream_t stream, float* logits = nullptr,
+                              std::int64_t max_slots = 0);
+// The slots the sparsity kernel walks for a sequence of `blocks` blocks: every 16-slot group of
+// its blocks and the 16 rows of each of its three staging streams.
+inline std::int64_t paged_sparsity_slots(std::int64_t blocks, std::int32_t block_size) {
+  return blocks * block_size + kPagedThoughtTypes * 16;
+}
 
 }  // namespace kvsift::cuda

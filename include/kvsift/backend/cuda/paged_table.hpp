@@ -163,6 +163,14 @@ struct PagedStreamTask {  // every op of a batch on one (sequence, type, head), 
   std::int32_t head, first, count;
   std::uint32_t final_mask;  // the stream's staged rows after the batch
 };
+// The recorded batch as the append kernels take it (host arrays, reused from call to call).
+struct PagedAppendPlan {
+  std::vector<PagedFreshFrame> fresh;
+  std::vector<PagedRowWrite> rows;
+  std::vector<PagedStreamTask> tasks;  // one per stream with ops
+  std::vector<PagedStreamOp> ops;      // each task's ops contiguous, in recording order
+  std::vector<PagedSeal> seals;
+};
 struct PagedEviction {
   std::int32_t frame, head, slot;
 };
@@ -218,6 +226,10 @@ class DevicePagedTable {
   // key and value at 16 bits, and a completed group is quantized (fresh scales) into its slots.
   void append(const void* key, const void* value, DType dtype, void* workspace,
               std::size_t workspace_bytes, cudaStream_t stream);
+  // The host half of append(): the recorded batch in the kernels' order, and the recording
+  // cleared (pending_tokens() becomes 0; the plan stays valid until the next call). append() is
+  // this, the upload and the launches; bench_device_table_host times it without a GPU.
+  const detail::PagedAppendPlan& take_append_plan();
 
   // --- eviction ---------------------------------------------------------------------------------
   std::size_t evict_workspace_bytes(std::size_t count) const;
@@ -292,6 +304,7 @@ class DevicePagedTable {
   std::vector<std::int64_t> offsets_;           // [num_blocks] device byte offset, -1 unused
   std::vector<std::int32_t> pool_free_[4];      // free pool indices, lowest on top (back)
   std::vector<std::int32_t> staged_positions_;  // [max_sequences · 3 · kv_heads, 16], -1 free
+  std::vector<std::uint32_t> staged_bits_;      // [max_sequences · 3 · kv_heads] rows in use
   std::uint64_t page_version_ = 0;
   // The recorded batch.
   std::int32_t pending_tokens_ = 0;
@@ -302,6 +315,8 @@ class DevicePagedTable {
   std::vector<detail::PagedSeal> seals_;      // the groups completed by ops_
   std::vector<std::int64_t> task_streams_;    // the streams with ops, in order of first op
   std::vector<std::int32_t> task_of_stream_;  // [max_sequences · 3 · kv_heads] task, -1 none
+  detail::PagedAppendPlan plan_;              // take_append_plan()'s result
+  std::vector<std::int32_t> next_op_;         // [tasks] take_append_plan()'s counting sort
 };
 
 // Decode attention of one query token over a sequence of the device table (§3.4): per query head

@@ -22,7 +22,9 @@
 // attention() takes its own workspace (attention_workspace_bytes), as the other decode kernels.
 //
 // All calls enqueue on the stream given at construction; end_step() waits for it only at a step
-// closing a refresh interval and when TBE demotes.
+// closing a refresh interval and when TBE demotes. The first append of a decode step starts the
+// host-side placement of the step's token in every layer (place_step), on background threads at
+// large batches, so the engine's own host work between the layers hides it.
 // Limits (kvsift::Error at construction): refresh <= 128 tokens per segment, head_dim <= 256 and
 // retention targets <= 64 (the device k-means' limits), no prompt eviction (a prompt may exceed
 // 128 tokens), the default refill rule, staging in bf16 (cuda::PagedStaging).
@@ -32,7 +34,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <future>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include "kvsift/backend/cuda/paged_table.hpp"
@@ -51,6 +55,9 @@ class DeviceThinKV {
   // on `stream` (no wait).
   DeviceThinKV(const ThinKVConfig& config, std::int32_t batch, void* memory,
                std::size_t memory_bytes, cudaStream_t stream);
+  ~DeviceThinKV();                             // awaits a step's background placement
+  DeviceThinKV(const DeviceThinKV&) = delete;  // the placers hold `this`
+  DeviceThinKV& operator=(const DeviceThinKV&) = delete;
 
   const ThinKVConfig& config() const { return config_; }
   std::int32_t batch() const { return batch_; }
@@ -89,6 +96,11 @@ class DeviceThinKV {
   void attention(int layer, const float* queries, float* out, void* workspace,
                  std::size_t workspace_bytes) const;
 
+  // Host threads that place a decode step's tokens in the background (place_step): 0 places them
+  // on the calling thread at the step's first append; by default none below 4,096
+  // sequence-layers per step, else up to 4 (and the machine's cores).
+  void set_placement_threads(int threads);
+
   // --- state -----------------------------------------------------------------------------------
   const ThinKVSchedule& schedule(std::int32_t seq) const;
   std::int64_t steps() const { return schedules_[0].steps(); }
@@ -110,6 +122,16 @@ class DeviceThinKV {
   struct Problem;  // one demoted segment of one (sequence, layer, KV head)
   void check_layer(int layer, const char* fn) const;
   void record_tokens(int layer, std::int64_t tokens_per_sequence, const char* fn);
+  // The step's placement of every layer not placed yet — segment openings and one token per
+  // sequence in the layer's metadata table and device mirror; no K/V needed — started at the
+  // step's first append for all layers: on the calling thread, or on placement_threads()
+  // background threads while the engine runs its layers (each layer's table is its own, so the
+  // result is the serial one). Every call that reads a layer's table awaits its placement.
+  void place_step(const char* fn);
+  void place_layer(int layer, const char* fn);
+  int placement_threads() const;
+  void await_layer(int layer) const;  // rethrows the layer's placement error
+  void finish_placement() const;      // awaits every layer and joins the threads
   void select_survivors(std::vector<Problem>& problems);
   void evict(const Problem& p);
 
@@ -121,7 +143,15 @@ class DeviceThinKV {
   std::vector<DevicePagedTable> devices_;  // [num_layers]
   float* sparsity_ = nullptr;              // device [L*, batch, q_heads] this step's sparsities
   float* means_ = nullptr;                 // device [L*, batch] their means over query heads
-  std::vector<int> observed_;              // L* layers observed this step, in order
+  float* logits_ = nullptr;                // device [batch, q_heads, logit_slots_] scratch
+  std::int64_t logit_slots_ = 0;
+  std::vector<int> observed_;                       // L* layers observed this step, in order
+  std::vector<char> placed_;                        // [num_layers] this step's placement started
+  std::vector<char> step_opens_;                    // [num_layers, batch] the step opens a segment
+  std::vector<ThoughtType> step_labels_;            // [batch] the step's label
+  mutable std::vector<std::future<void>> placing_;  // [num_layers] valid: placed in background
+  mutable std::vector<std::thread> placers_;
+  int placement_threads_ = -1;  // set_placement_threads; -1 chooses
   struct FreeHost {
     void operator()(float* p) const { cudaFreeHost(p); }
   };
