@@ -7,6 +7,7 @@
 #include <exception>
 #include <future>
 #include <memory>
+#include <system_error>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -358,7 +359,7 @@ void DeviceThinKV::place_step(const char* fn) {
   for (std::size_t i = 0; i < layers.size(); ++i)
     placing_[static_cast<std::size_t>(layers[i])] = (*promises)[i].get_future();
   for (int w = 0; w < threads; ++w) {
-    placers_.emplace_back([this, layers, promises, w, threads, fn] {
+    const auto placer = [this, layers, promises, w, threads, fn] {
       for (std::size_t i = static_cast<std::size_t>(w); i < layers.size();
            i += static_cast<std::size_t>(threads)) {
         try {
@@ -368,7 +369,12 @@ void DeviceThinKV::place_step(const char* fn) {
           (*promises)[i].set_exception(std::current_exception());
         }
       }
-    });
+    };
+    try {
+      placers_.emplace_back(placer);
+    } catch (const std::system_error&) {
+      placer();  // no thread to be had: its layers are placed here, so no future is left unset
+    }
   }
 }
 
