@@ -255,9 +255,8 @@ void DeviceThinKV::check_layer(int layer, const char* fn) const {
 // Places `tokens_per_sequence` tokens of every sequence (sequence-major) in the host table and
 // records them on the device table. A new block per token is the most any token takes, so a pool
 // with fewer free blocks than that is refused before anything changes.
-void DeviceThinKV::record_tokens(int layer, std::int64_t tokens_per_sequence, const char* fn) {
-  ThoughtBlockTable& t = tables_[static_cast<std::size_t>(layer)];
-  DevicePagedTable& dev = devices_[static_cast<std::size_t>(layer)];
+void DeviceThinKV::check_pool(int layer, std::int64_t tokens_per_sequence, const char* fn) const {
+  const ThoughtBlockTable& t = tables_[static_cast<std::size_t>(layer)];
   // A sequence takes a new block only when a 16-token group seals (or an f32 token arrives)
   // with no free room of its type, and a block holds at least one group.
   const std::int64_t need =
@@ -267,6 +266,12 @@ void DeviceThinKV::record_tokens(int layer, std::int64_t tokens_per_sequence, co
                t.free_blocks(), " free blocks; writing ", tokens_per_sequence,
                " tokens of each of ", batch_, " sequences may take up to ", need,
                " (raise pool_blocks)");
+}
+
+void DeviceThinKV::record_tokens(int layer, std::int64_t tokens_per_sequence, const char* fn) {
+  ThoughtBlockTable& t = tables_[static_cast<std::size_t>(layer)];
+  DevicePagedTable& dev = devices_[static_cast<std::size_t>(layer)];
+  check_pool(layer, tokens_per_sequence, fn);
   std::vector<SlotAddress> where(static_cast<std::size_t>(config_.kv_heads));
   for (std::int32_t b = 0; b < batch_; ++b) {
     for (std::int64_t i = 0; i < tokens_per_sequence; ++i) {
@@ -328,12 +333,7 @@ void DeviceThinKV::place_step(const char* fn) {
     if (!placed_[static_cast<std::size_t>(l)]) layers.push_back(l);
   }
   // Every layer's pool is checked before any table changes (record_tokens checks again).
-  for (int l : layers) {
-    const ThoughtBlockTable& t = tables_[static_cast<std::size_t>(l)];
-    KVSIFT_CHECK(t.free_blocks() >= batch_, "cuda::DeviceThinKV::", fn, ": layer ", l, " has ",
-                 t.free_blocks(), " free blocks; a token of each of ", batch_,
-                 " sequences may take up to ", batch_, " (raise pool_blocks)");
-  }
+  for (int l : layers) check_pool(l, 1, fn);
   // Which sequences open a segment in which layer, with which label: read from the schedules
   // and marked in them here, on the calling thread; the placers read only these copies.
   const std::size_t B = static_cast<std::size_t>(batch_);

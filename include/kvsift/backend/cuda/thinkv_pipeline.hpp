@@ -121,6 +121,9 @@ class DeviceThinKV {
  private:
   struct Problem;  // one demoted segment of one (sequence, layer, KV head)
   void check_layer(int layer, const char* fn) const;
+  // Throws, naming the layer, unless its pool can take tokens_per_sequence tokens of every
+  // sequence whatever their blocks' room.
+  void check_pool(int layer, std::int64_t tokens_per_sequence, const char* fn) const;
   void record_tokens(int layer, std::int64_t tokens_per_sequence, const char* fn);
   // The step's placement of every layer not placed yet — segment openings and one token per
   // sequence in the layer's metadata table and device mirror; no K/V needed — started at the
