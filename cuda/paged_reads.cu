@@ -294,6 +294,8 @@ __global__ void __launch_bounds__(kSparsityThreads) paged_sparsity_kernel(Sparsi
   const int warp = threadIdx.x / 32, s = threadIdx.x % 32;  // slot s of the round
   const int su = s / 16, si = s % 16;                       // unit of the round, slot of the unit
   int n = 0;  // live slots of the head (counted in the first sweep)
+  const auto fmax_op = [](float x, float y) { return fmaxf(x, y); };
+  const auto add_op = [](int x, int y) { return x + y; };
   for (int g0 = 0; g0 < G; g0 += kHeadsPerBlock) {
     // This warp's heads g0 + warp + 4j, j < nh (the same for the whole warp).
     const int nh = max(0, min(kHeadsPerThread, (G - g0 - warp + 3) / 4));
@@ -384,8 +386,6 @@ __global__ void __launch_bounds__(kSparsityThreads) paged_sparsity_kernel(Sparsi
         detail::cp_async_wait<0>();
       }
       // Max and integer counts do not depend on the order of the slots.
-      const auto fmax_op = [](float x, float y) { return fmaxf(x, y); };
-      const auto add_op = [](int x, int y) { return x + y; };
 #pragma unroll
       for (int j = 0; j < kHeadsPerThread; ++j) {
         if (pass == 0) {
@@ -409,8 +409,7 @@ __global__ void __launch_bounds__(kSparsityThreads) paged_sparsity_kernel(Sparsi
         }
       }
 #pragma unroll
-      for (int j = 0; j < kHeadsPerThread; ++j)
-        count[j] = warp_reduce(count[j], [](int x, int y) { return x + y; });
+      for (int j = 0; j < kHeadsPerThread; ++j) count[j] = warp_reduce(count[j], add_op);
     }
     if (s != 0) continue;
 #pragma unroll
