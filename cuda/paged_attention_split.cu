@@ -43,10 +43,11 @@
 // Exactness of the 16-bit operands (why the MMAs lose nothing on the K/V side):
 //   - NVFP4: code (E2M1, 2 significant bits) × block scale (E4M3, 4 bits) has ≤ 6 significant
 //     bits and is a multiple of 2^-10, so code · scale · 2^-14 is an exact fp16 number (normal or
-//     subnormal). The bit trick (e2m1_pair) produces code · 2^-14 exactly; the E4M3 scale is
-//     exact in fp16, and the one __hmul2 by it is exact by the bound above. The factor 2^14 / g
-//     (g the NVFP4 global factor) is applied to the fp32 logits and folded into P.
-//   - ternary: c ∈ {−1, 0, 1} is produced exactly (ternary_pair), and c × E4M3 α is exact.
+//     subnormal). The bit trick (e2m1_bytes, e2m1_pair) produces code · 2^-14 exactly; the E4M3
+//     scale is exact in fp16, and the one __hmul2 by it is exact by the bound above. The factor
+//     2^14 / g (g the NVFP4 global factor) is applied to the fp32 logits and folded into P.
+//   - ternary: c × E4M3 α is produced exactly by one fused multiply-add (ternary_bits,
+//     ternary_scaled).
 //   - the query and P are the only rounded operands: each is split into an fp16 high half and the
 //     fp16 rounding of the remainder (split16, ~22 significant bits together); the products and
 //     sums are fp32 in the tensor cores. Logits, softmax and the partials are fp32.
@@ -134,23 +135,48 @@ __device__ __forceinline__ void split16(float x0, float x1, std::uint32_t& hi, s
 
 // --- register-direct fragment builders (mapping: see the file comment) --------------------------
 
-// Nibbles k and k + 4 of x (E2M1 codes) as the fp16 pair (code_k, code_k+4) · 2^-14, code_k in
-// the low half. Nibble s|e1 e0|m moved to bits 15..12 of a half becomes, with the e/m bits shifted
-// right by 3, the fp16 number 2^(e−15)(1 + m/2) (e > 0) or m · 2^-15 (e = 0): the E2M1 value
-// times 2^-14.
-__device__ __forceinline__ __half2 e2m1_pair(std::uint32_t x, int k) {
-  const std::uint32_t q = x << (12 - 4 * k);
-  return bits_h2((q & 0x80008000u) | ((q & 0x70007000u) >> 3));
+// The E2M1 codes of x as E5M2 bytes, each in its code's byte: an E2M1 code s|e1 e0|m becomes the
+// byte s|000|e1 e0|m|0, which as the high byte of an fp16 number (low byte 0) is, with the e/m bits
+// at fp16 bits 11..9, the number 2^(e−15)(1 + m/2) (e > 0) or m · 2^-15 (e = 0): the E2M1 value
+// times 2^-14. lo holds the low nibble of each byte, hi the high one. Seven operations for eight
+// codes; a pair then costs one byte permutation (e2m1_pair) instead of two shifts and two masks.
+struct E2m1Bytes {
+  std::uint32_t lo, hi;
+};
+__device__ __forceinline__ E2m1Bytes e2m1_bytes(std::uint32_t x) {
+  return {((x << 4) & 0x80808080u) | ((x << 1) & 0x0e0e0e0eu),
+          (x & 0x80808080u) | ((x >> 3) & 0x0e0e0e0eu)};
 }
 
-// 2-bit fields k and k + 8 of flipped = codes ^ 0xaaaaaaaa (ternary, two's complement) as the
-// exact fp16 pair (c_k, c_k+8). Flipping each code's high bit gives c + 2 in [1, 3]; or-ed into
-// the mantissa of 1024.0 it is 1024 + c + 2 exactly, and subtracting 1026 leaves c. (The invalid
-// code 10 would decode as −2 here and as 0 on the CPU; no encoder writes it, and never-written
-// slots are masked.) A zero code word decodes to zeros.
-__device__ __forceinline__ __half2 ternary_pair(std::uint32_t flipped, int k) {
-  const std::uint32_t bits = ((flipped >> (2 * k)) & 0x00030003u) | 0x64006400u;
-  return __hsub2(bits_h2(bits), __float2half2_rn(1026.0f));
+// Nibbles k and k + 4 of the x that e came from (k < 4: nibble k of each 16-bit half) as the fp16
+// pair (code_k, code_k+4) · 2^-14, code_k in the low half: bytes k / 2 and k / 2 + 2 of lo (k
+// even) or hi (k odd) moved to the high bytes of the two halves.
+__device__ __forceinline__ std::uint32_t e2m1_pair(const E2m1Bytes& e, int k) {
+  return __byte_perm(k & 1 ? e.hi : e.lo, 0u, k < 2 ? 0x2404u : 0x3414u);
+}
+
+// 2-bit fields k and k + 8 of flipped = codes ^ 0xaaaaaaaa (ternary, two's complement) in bits
+// 9..8 of the mantissa of 4.0: flipping each code's high bit gives f = c + 2 in [1, 3], and the
+// fp16 pair is (4 + f) exactly. (The invalid code 10 would decode as −2 here and as 0 on the CPU;
+// no encoder writes it, and never-written slots are masked.) The mask and the exponent are one LOP3
+// with the exponent in a register.
+__device__ __forceinline__ std::uint32_t ternary_bits(std::uint32_t flipped, int k) {
+  const std::uint32_t f = k < 4 ? flipped << (8 - 2 * k) : flipped >> (2 * k - 8);
+  std::uint32_t r;
+  asm("lop3.b32 %0, %1, 0x03000300, %2, 0xea;" : "=r"(r) : "r"(f), "r"(0x44004400u));
+  return r;  // (f & 0x03000300) | 0x44004400
+}
+
+// c · α from ternary_bits' (4 + c + 2) and the pair (α, −6α): (4 + f) · α − 6α is exact before
+// rounding (α, an E4M3 scale, has 4 significant bits, 6α at most 6), so the fused multiply-add
+// returns c · α exactly: the value the former (1024 + f − 1026) · α produced, in one instruction
+// instead of a subtraction and a multiplication (a zero may now be +0 where that gave −0).
+__device__ __forceinline__ std::uint32_t ternary_scaled(std::uint32_t bits, __half2 alpha,
+                                                        __half2 minus6alpha) {
+  return h2_bits(__hfma2(bits_h2(bits), alpha, minus6alpha));
+}
+__device__ __forceinline__ __half2 minus6(__half2 alpha) {
+  return __hmul2(alpha, __float2half2_rn(-6.0f));  // exact: 6α has ≤ 6 significant bits
 }
 
 // The two E4M3 bytes in the low 16 bits of x as fp16 (byte 0 in the low half): exact.
@@ -219,11 +245,26 @@ __device__ __forceinline__ void key_fragments(const std::uint8_t* codes, std::ui
     x = (zm | (zm >> 4)) ^ 0xaaaaaaaau;
   }
   const __half2 s01 = e4m3x2(scales), s23 = e4m3x2(scales >> 16);
+  if constexpr (kNvfp4) {
+    const E2m1Bytes e = e2m1_bytes(x);
 #pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const __half2 h = kNvfp4 ? e2m1_pair(x, k) : ternary_pair(x, k);
-    kb[k] = h2_bits(__hmul2(h, k < 2 ? s01 : s23));  // exact: see the file comment
+    for (int k = 0; k < 4; ++k)  // exact: see the file comment
+      kb[k] = h2_bits(__hmul2(bits_h2(e2m1_pair(e, k)), k < 2 ? s01 : s23));
+  } else {
+    const __half2 n01 = minus6(s01), n23 = minus6(s23);
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      kb[k] = ternary_scaled(ternary_bits(x, k), k < 2 ? s01 : s23, k < 2 ? n01 : n23);
   }
+}
+
+// 2^x on the special-function unit alone. exp2f adds a rescaling for results under 2^-126 (five
+// more instructions per weight); a softmax weight that small next to the running max's 1 is
+// flushed to 0 here, and 2^−inf = 0 makes a dead slot's weight 0 without a test.
+__device__ __forceinline__ float ex2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }
 
 // The online-softmax update of one tile, both kernels: x holds this lane's 8 logits of MMA row
@@ -238,11 +279,11 @@ __device__ __forceinline__ void online_softmax_tile(const float (&x)[8], float t
   tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
   tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 2));
   const float m_new = fmaxf(m2, tmax);  // finite: the tile has a live slot
-  const float r = exp2f(m2 - m_new);    // 0 on the first live tile (m2 = −inf)
+  const float r = ex2_ftz(m2 - m_new);  // 0 on the first live tile (m2 = −inf)
   float psum = 0.0f;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const float e = x[i] == -INFINITY ? 0.0f : exp2f(x[i] - m_new);
+    const float e = ex2_ftz(x[i] - m_new);  // 0 for a dead slot (x = −inf)
     p[i] = real_head ? e : 0.0f;
     psum += p[i];
   }
@@ -428,6 +469,7 @@ __device__ __forceinline__ void split_tile(const std::uint8_t* st, int n, unsign
   unsigned glive[2];  // live bits of group sg's 16 slots
   glive[0] = live & 0xffffu;
   glive[1] = live >> 16;
+  const unsigned lane_live = live >> (4 * t);  // bit 16·sg + i: slot 16·sg + 4t + i is live
 
   // 1. S = Q·Kᵀ: s[sg][nt] is the C fragment of n-tile nt (slots 2·col + nt) of group sg.
   float s[2][2][4];
@@ -460,7 +502,7 @@ __device__ __forceinline__ void split_tile(const std::uint8_t* st, int n, unsign
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const float v = (s[sg][i & 1][i >> 1] + s[sg][i & 1][2 + (i >> 1)]) * kfac;
-      x[4 * sg + i] = ((glive[sg] >> (4 * t + i)) & 1u) ? v : -INFINITY;
+      x[4 * sg + i] = ((lane_live >> (16 * sg + i)) & 1u) ? v : -INFINITY;
       tmax = fmaxf(tmax, x[4 * sg + i]);
     }
   }
@@ -487,7 +529,7 @@ __device__ __forceinline__ void split_tile(const std::uint8_t* st, int n, unsign
       lds_words<kVBytes>(vcodes + slot * 8 * kVBytes, vc[i]);
       const std::uint8_t* sp = vscales + slot * (D / 16);
       vs[i] = kVScales == 2 ? *reinterpret_cast<const unsigned short*>(sp) : *sp;
-      if (!((glive[sg] >> (4 * t + i)) & 1u)) {  // dead slot: stale codes never enter
+      if (!((lane_live >> (16 * sg + i)) & 1u)) {  // dead slot: stale codes never enter
 #pragma unroll
         for (int w = 0; w < kVWords; ++w) vc[i][w] = 0;
         vs[i] = 0;
@@ -509,12 +551,22 @@ __device__ __forceinline__ void split_tile(const std::uint8_t* st, int n, unsign
       const unsigned ssel = q | ((q + 4) << 4);
       const __half2 s0 = e4m3x2(__byte_perm(vs[0], vs[1], ssel));
       const __half2 s1 = e4m3x2(__byte_perm(vs[2], vs[3], ssel));
+      if constexpr (kNvfp4) {
+        const E2m1Bytes e0 = e2m1_bytes(x0), e1 = e2m1_bytes(x1);
 #pragma unroll
-      for (int k = 0; k < kTilesPerWord; ++k) {
-        const __half2 h0 = kNvfp4 ? e2m1_pair(x0, k) : ternary_pair(x0, k);
-        const __half2 h1 = kNvfp4 ? e2m1_pair(x1, k) : ternary_pair(x1, k);
-        detail::mma_16816<detail::Half16::f16>(acc[m * kTilesPerWord + k], pa,
-                                               h2_bits(__hmul2(h0, s0)), h2_bits(__hmul2(h1, s1)));
+        for (int k = 0; k < kTilesPerWord; ++k) {
+          detail::mma_16816<detail::Half16::f16>(acc[m * kTilesPerWord + k], pa,
+                                                 h2_bits(__hmul2(bits_h2(e2m1_pair(e0, k)), s0)),
+                                                 h2_bits(__hmul2(bits_h2(e2m1_pair(e1, k)), s1)));
+        }
+      } else {
+        const __half2 n0 = minus6(s0), n1 = minus6(s1);
+#pragma unroll
+        for (int k = 0; k < kTilesPerWord; ++k) {
+          detail::mma_16816<detail::Half16::f16>(acc[m * kTilesPerWord + k], pa,
+                                                 ternary_scaled(ternary_bits(x0, k), s0, n0),
+                                                 ternary_scaled(ternary_bits(x1, k), s1, n1));
+        }
       }
     }
   }
@@ -548,8 +600,9 @@ __device__ __forceinline__ void write_split_partial(float* part_acc, float* part
   }
 }
 
-// What a warp needs of one of its tiles: live bits (0: skip it), format, and the byte offset in
-// storage of the tile's block's section for this KV head.
+// What a warp needs of one of its tiles: live bits (0: skip it), format, the byte offset in
+// storage of the tile's block's section for this KV head, and the tile's first slot in its block
+// and slot count.
 struct SplitTileRef {
   unsigned live = 0;
   int nvfp4 = 0;
@@ -558,8 +611,7 @@ struct SplitTileRef {
 };
 
 // The description of tile `it` of the warp whose first unit is u_first (unit u_first + 4·it of
-// the sequence whose blocks start at `begin`), or a dead one past `tiles`. start and n are left
-// to the caller (they need no load).
+// the sequence whose blocks start at `begin`), or a dead one past `tiles`.
 __device__ __forceinline__ SplitTileRef split_tile_ref(const SplitArgs& a, int begin, int u_first,
                                                        int it, int tiles, int h) {
   SplitTileRef r;
@@ -575,31 +627,54 @@ __device__ __forceinline__ SplitTileRef split_tile_ref(const SplitArgs& a, int b
   const std::int64_t head_bytes = r.nvfp4 ? a.t.layouts.by_format[kFormatNvfp4].head_bytes
                                           : a.t.layouts.by_format[kFormatTernary].head_bytes;
   r.offset = a.t.frame_offsets[frame] + h * head_bytes;
+  r.start = start;
+  r.n = n;
   return r;
 }
 
+// Copies `groups` (1 or 2) × kGroupBytes contiguous bytes from src to dst in 16-byte cp.async
+// chunks, lane-strided; the trip count is a constant, so the copies are predicated, not looped.
+template <int kGroupBytes>
+__device__ __forceinline__ void stage_section(std::uint8_t* dst, const std::uint8_t* src,
+                                              int groups, int lane) {
+  static_assert(kGroupBytes % 16 == 0, "16-byte chunks");
+  constexpr int kStride = 32 * 16;
+#pragma unroll
+  for (int i = 0; i < (2 * kGroupBytes + kStride - 1) / kStride; ++i) {
+    const int c = lane * 16 + i * kStride;
+    if (c < groups * kGroupBytes) detail::cp_async16(dst + c, src + c, true);
+  }
+}
+
 // Issues the cp.async copies of tile r's bytes into the warp's stage `st` (SplitStage layout):
-// four contiguous runs of 16-byte chunks (every section offset and length is a multiple of 16).
+// four contiguous runs of 16-byte chunks (every section offset and length is a multiple of 16),
+// per 16-slot group: key codes D · 8 (NVFP4) or D · 4 (ternary) bytes, key scales D, value codes
+// D · 8 or D · 4, value scales D.
+template <int D, bool kNvfp4>
+__device__ __forceinline__ void split_stage_format(std::uint8_t* st, const SplitArgs& a,
+                                                   const SplitTileRef& r, int lane) {
+  using Stage = SplitStage<D>;
+  constexpr int kCodeBytes = kNvfp4 ? 8 : 4;  // per group of 16 codes
+  const PagedHeadLayout& L = a.t.layouts.by_format[kNvfp4 ? kFormatNvfp4 : kFormatTernary];
+  const std::uint8_t* base = a.t.storage + r.offset;
+  const std::int64_t g0 = r.start / 16;  // the tile's first group in the block
+  const int groups = r.n / 16;
+  stage_section<D * kCodeBytes>(st, base + g0 * D * kCodeBytes, groups, lane);
+  stage_section<D>(st + Stage::key_scales, base + L.key_scales + g0 * D, groups, lane);
+  stage_section<D * kCodeBytes>(st + Stage::value_codes, base + L.value_codes + g0 * D * kCodeBytes,
+                                groups, lane);
+  stage_section<D>(st + Stage::value_scales, base + L.value_scales + g0 * D, groups, lane);
+}
+
 template <int D>
 __device__ __forceinline__ void split_stage_tile(std::uint8_t* st, const SplitArgs& a,
                                                  const SplitTileRef& r, int lane) {
   if (r.live == 0) return;
-  using Stage = SplitStage<D>;
-  const PagedHeadLayout& L =
-      r.nvfp4 ? a.t.layouts.by_format[kFormatNvfp4] : a.t.layouts.by_format[kFormatTernary];
-  const int cb = r.nvfp4 ? 8 : 4;  // code bytes per group
-  const std::uint8_t* base = a.t.storage + r.offset;
-  const int groups = r.n / 16;
-  const auto copy = [&](int dst, std::int64_t src, int bytes) {
-    for (int c = lane * 16; c < bytes; c += 32 * 16)
-      detail::cp_async16(st + dst + c, base + src + c, true);
-  };
-  copy(0, static_cast<std::int64_t>(r.start / 16) * D * cb, groups * D * cb);
-  copy(Stage::key_scales, L.key_scales + static_cast<std::int64_t>(r.start / 16) * D, groups * D);
-  copy(Stage::value_codes, L.value_codes + static_cast<std::int64_t>(r.start) * (D / 16) * cb,
-       r.n * (D / 16) * cb);
-  copy(Stage::value_scales, L.value_scales + static_cast<std::int64_t>(r.start) * (D / 16),
-       r.n * (D / 16));
+  if (r.nvfp4) {
+    split_stage_format<D, true>(st, a, r, lane);
+  } else {
+    split_stage_format<D, false>(st, a, r, lane);
+  }
 }
 
 template <int D>
@@ -614,26 +689,10 @@ __global__ void __launch_bounds__(kThreads, D >= 256 ? 2 : 4) split_decode_kerne
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z, G = a.group;
   const int H = a.t.kv_heads;
-  const float* q = a.query + (static_cast<std::int64_t>(b) * H + h) * G * D;
-
-  setup_query<D, false>(q, G, sQf, sQs, sQa);
-
   // --- this warp's run of tiles -----------------------------------------------------------------
   const int g = lane / 4, t = lane % 4;  // MMA row (query head) and column pair of this lane
   const int begin = a.t.block_begin[b];
   const int units = (a.t.block_begin[b + 1] - begin) * a.tiles_per_block;
-  const float gf = a.t.global_factors[h];
-  const float conv_nvfp4 = 16384.0f / gf;  // NVFP4 16-bit value × this = dequantized value
-  int pe = 0;
-  frexpf(fmaxf(conv_nvfp4, 1.0f), &pe);
-  const float pexp = ldexpf(1.0f, 15 - pe);  // P' = p · conv · pexp < 2^15 for every format
-  const float qinv = g < G ? 1.0f / sQs[g] : 0.0f;
-  const uint4* qa = sQa + lane;
-
-  float m2 = -INFINITY, l = 0.0f;  // running max (log2 units) and sum of this lane's head
-  float acc[D / 8][4];
-#pragma unroll
-  for (int i = 0; i < D / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
 
   // Tile it of this warp is unit u_first + 4·it. Its description (live bits, format, byte offset of
   // its head's section) is read 32 tiles at a time, lane j holding tile 32c + j's, and broadcast
@@ -647,9 +706,11 @@ __global__ void __launch_bounds__(kThreads, D >= 256 ? 2 : 4) split_decode_kerne
   const auto tile = [&](int it) {  // tile it's description; it < tiles, it / 32 the loaded run
     SplitTileRef r;
     r.live = __shfl_sync(0xffffffffu, mine.live, it % 32);
-    r.nvfp4 = __shfl_sync(0xffffffffu, mine.nvfp4, it % 32);
     r.offset = __shfl_sync(0xffffffffu, mine.offset, it % 32);
-    r.start = ((u_first + it * kWarps) % a.tiles_per_block) * kTileSlots;
+    // format and first slot in one shuffle (recomputing the slot costs an integer division)
+    const int packed = __shfl_sync(0xffffffffu, mine.nvfp4 | (mine.start << 1), it % 32);
+    r.nvfp4 = packed & 1;
+    r.start = packed >> 1;
     r.n = min(kTileSlots, a.t.block_size - r.start);  // 16 or 32 (block_size % 16 == 0)
     return r;
   };
@@ -660,6 +721,25 @@ __global__ void __launch_bounds__(kThreads, D >= 256 ? 2 : 4) split_decode_kerne
     split_stage_tile<D>(stages, a, cur, lane);
   }
   detail::cp_async_commit();
+  // The first tile's chain of dependent loads (block list, frame, mask, its bytes) is in flight
+  // while the query is set up.
+  const float* q = a.query + (static_cast<std::int64_t>(b) * H + h) * G * D;
+
+  setup_query<D, false>(q, G, sQf, sQs, sQa);
+
+  const float gf = a.t.global_factors[h];
+  const float conv_nvfp4 = 16384.0f / gf;  // NVFP4 16-bit value × this = dequantized value
+  int pe = 0;
+  frexpf(fmaxf(conv_nvfp4, 1.0f), &pe);
+  const float pexp = ldexpf(1.0f, 15 - pe);  // P' = p · conv · pexp < 2^15 for every format
+  const float qinv = g < G ? 1.0f / sQs[g] : 0.0f;
+  const uint4* qa = sQa + lane;
+
+  float m2 = -INFINITY, l = 0.0f;  // running max (log2 units) and sum of this lane's head
+  float acc[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+
   for (int it = 0; it < tiles; ++it) {
     if ((it + 1) % 32 == 0 && it + 1 < tiles)
       mine = split_tile_ref(a, begin, u_first, it + 1 + lane, tiles, h);
