@@ -1,6 +1,6 @@
 // Ternary (T2) groups (docs/algorithms.md §3.2): 16 codes in {-1, 0, +1} times one scale α stored
-// as E4M3. For a fixed set of m kept elements the best α is their mean |x|, and the squared error
-// is
+// as E4M3. For a fixed set of m kept elements the best α is their mean |x|, and the squared
+// error is
 //   Σ x² − (Σ_{kept} |x|)² / m,
 // so the best set of size m is the m largest |x|, and the best m maximises (S_m)² / m where S_m is
 // the sum of the m largest |x|. Ties between equal |x| keep the lower index; ties between m keep
