@@ -189,6 +189,30 @@ std::size_t bytes_of(std::size_t n) {
   return align_up(n * sizeof(T));
 }
 
+// Where the arrays of an append plan lie in its pinned upload and in the workspace, each aligned
+// as WorkspaceCarver aligns: byte offsets of fresh, rows, tasks, ops and seals, then the end.
+struct PlanLayout {
+  std::size_t fresh = 0, rows = 0, tasks = 0, ops = 0, seals = 0, end = 0;
+};
+PlanLayout plan_layout(std::size_t fresh, std::size_t rows, std::size_t tasks, std::size_t ops,
+                       std::size_t seals) {
+  PlanLayout at;
+  at.rows = at.fresh + bytes_of<PagedFreshFrame>(fresh);
+  at.tasks = at.rows + bytes_of<PagedRowWrite>(rows);
+  at.ops = at.tasks + bytes_of<PagedStreamTask>(tasks);
+  at.seals = at.ops + bytes_of<PagedStreamOp>(ops);
+  at.end = at.seals + bytes_of<PagedSeal>(seals);
+  return at;
+}
+PlanLayout plan_layout(const detail::PagedAppendPlan& p) {
+  return plan_layout(p.fresh.size(), p.rows.size(), p.tasks.size(), p.ops.size(), p.seals.size());
+}
+
+template <class T>
+void pack(std::uint8_t* to, const std::vector<T>& host) {
+  if (!host.empty()) std::memcpy(to, host.data(), host.size() * sizeof(T));
+}
+
 template <class T>
 T* upload(WorkspaceCarver& carver, const std::vector<T>& host, cudaStream_t stream) {
   T* d = carver.take<T>(host.size());
@@ -352,6 +376,8 @@ std::uint32_t DevicePagedTable::staged_mask(std::int64_t stream) const {
 void DevicePagedTable::record_append(const ThoughtBlockTable& table, std::int32_t seq,
                                      const SlotAddress* where) {
   check_seq(seq, "record_append");
+  KVSIFT_CHECK(prepared_tokens_ == 0, "DevicePagedTable::record_append: a batch of ",
+               prepared_tokens_, " tokens is prepared (call append() first)");
   const ThoughtBlockTableConfig& tc = table.config();
   KVSIFT_CHECK(tc.kv_heads == cfg_.kv_heads && tc.head_dim == cfg_.head_dim &&
                    tc.block_size == cfg_.block_size && tc.num_blocks == cfg_.num_blocks &&
@@ -506,9 +532,27 @@ void DevicePagedTable::record_append(const ThoughtBlockTable& table, std::int32_
 }
 
 std::size_t DevicePagedTable::append_workspace_bytes() const {
-  return bytes_of<PagedFreshFrame>(fresh_.size()) + bytes_of<PagedRowWrite>(rows_.size()) +
-         bytes_of<PagedStreamTask>(task_streams_.size()) + bytes_of<PagedStreamOp>(ops_.size()) +
-         bytes_of<PagedSeal>(seals_.size());
+  if (prepared_tokens_ > 0) return prepared_bytes_;
+  return plan_layout(fresh_.size(), rows_.size(), task_streams_.size(), ops_.size(), seals_.size())
+      .end;
+}
+
+void DevicePagedTable::prepare_append() {
+  KVSIFT_CHECK(prepared_tokens_ == 0, "DevicePagedTable::prepare_append: a batch of ",
+               prepared_tokens_, " tokens is already prepared (call append() first)");
+  if (pending_tokens_ == 0) return;
+  // The buffer first (the only step that can fail): the recording is intact on error.
+  std::uint8_t* to = upload_.fill(append_workspace_bytes());
+  const std::int32_t tokens = pending_tokens_;
+  const detail::PagedAppendPlan& plan = take_append_plan();
+  const PlanLayout at = plan_layout(plan);
+  pack(to + at.fresh, plan.fresh);
+  pack(to + at.rows, plan.rows);
+  pack(to + at.tasks, plan.tasks);
+  pack(to + at.ops, plan.ops);
+  pack(to + at.seals, plan.seals);
+  prepared_tokens_ = tokens;
+  prepared_bytes_ = at.end;
 }
 
 void DevicePagedTable::append(const void* key, const void* value, DType dtype, void* workspace,
@@ -516,19 +560,25 @@ void DevicePagedTable::append(const void* key, const void* value, DType dtype, v
   KVSIFT_CHECK(dtype == DType::f32 || dtype == DType::bf16,
                "DevicePagedTable::append: key/value dtype must be f32 or bf16, got ",
                dtype_name(dtype));
-  if (pending_tokens_ == 0) return;
-  KVSIFT_CHECK(key != nullptr && value != nullptr, "DevicePagedTable::append: ", pending_tokens_,
+  if (pending_tokens() == 0) return;
+  KVSIFT_CHECK(key != nullptr && value != nullptr, "DevicePagedTable::append: ", pending_tokens(),
                " tokens are recorded but key or value is null");
   const std::size_t need = append_workspace_bytes();
   KVSIFT_CHECK(workspace_bytes >= need, "DevicePagedTable::append: workspace of ", workspace_bytes,
                " bytes is too small (", need, " needed)");
-  const detail::PagedAppendPlan& plan = take_append_plan();
+  if (prepared_tokens_ == 0) prepare_append();
+  // The whole plan in one copy from pinned memory, so the call does not wait for it.
+  const detail::PagedAppendPlan& plan = plan_;
+  const PlanLayout at = plan_layout(plan);
   WorkspaceCarver carver(workspace, workspace_bytes, "DevicePagedTable::append");
-  const PagedFreshFrame* d_fresh = upload(carver, plan.fresh, stream);
-  const PagedRowWrite* d_rows = upload(carver, plan.rows, stream);
-  const PagedStreamTask* d_tasks = upload(carver, plan.tasks, stream);
-  const PagedStreamOp* d_ops = upload(carver, plan.ops, stream);
-  const PagedSeal* d_seals = upload(carver, plan.seals, stream);
+  std::uint8_t* d = carver.take<std::uint8_t>(at.end);
+  upload_.copy_to(d, at.end, stream);
+  prepared_tokens_ = 0;
+  const auto* d_fresh = reinterpret_cast<const PagedFreshFrame*>(d + at.fresh);
+  const auto* d_rows = reinterpret_cast<const PagedRowWrite*>(d + at.rows);
+  const auto* d_tasks = reinterpret_cast<const PagedStreamTask*>(d + at.tasks);
+  const auto* d_ops = reinterpret_cast<const PagedStreamOp*>(d + at.ops);
+  const auto* d_seals = reinterpret_cast<const PagedSeal*>(d + at.seals);
   if (!plan.fresh.empty()) {
     init_frames_kernel<<<static_cast<unsigned>(plan.fresh.size()), kThreads, 0, stream>>>(
         mem_.storage, mem_.free_masks, mem_.positions, mem_.frame_offsets, cfg_.kv_heads,
@@ -599,7 +649,7 @@ void DevicePagedTable::evict(std::int32_t seq, std::int32_t head,
   check_seq(seq, "evict");
   KVSIFT_CHECK(head >= 0 && head < cfg_.kv_heads, "DevicePagedTable::evict: kv head ", head,
                " outside [0, ", cfg_.kv_heads, ")");
-  KVSIFT_CHECK(pending_tokens_ == 0, "DevicePagedTable::evict: ", pending_tokens_,
+  KVSIFT_CHECK(pending_tokens() == 0, "DevicePagedTable::evict: ", pending_tokens(),
                " recorded tokens are not written yet (call append() first)");
   KVSIFT_CHECK(workspace_bytes >= evict_workspace_bytes(slots.size()),
                "DevicePagedTable::evict: workspace of ", workspace_bytes, " bytes is too small (",
@@ -685,7 +735,7 @@ void DevicePagedTable::evict(std::int32_t seq, std::int32_t head,
 
 void DevicePagedTable::release_sequence(std::int32_t seq, cudaStream_t stream) {
   check_seq(seq, "release_sequence");
-  KVSIFT_CHECK(pending_tokens_ == 0, "DevicePagedTable::release_sequence: ", pending_tokens_,
+  KVSIFT_CHECK(pending_tokens() == 0, "DevicePagedTable::release_sequence: ", pending_tokens(),
                " recorded tokens are not written yet (call append() first)");
   SeqState& st = seqs_[static_cast<std::size_t>(seq)];
   for (const BlockRef& ref : st.pages) release_frame(ref.frame, ref.format);
@@ -729,7 +779,7 @@ PagedKeySource DevicePagedTable::key_source(std::int32_t seq, std::int32_t head,
   check_seq(seq, "key_source");
   KVSIFT_CHECK(head >= 0 && head < cfg_.kv_heads, "DevicePagedTable::key_source: kv head ", head,
                " outside [0, ", cfg_.kv_heads, ")");
-  KVSIFT_CHECK(pending_tokens_ == 0, "DevicePagedTable::key_source: ", pending_tokens_,
+  KVSIFT_CHECK(pending_tokens() == 0, "DevicePagedTable::key_source: ", pending_tokens(),
                " recorded tokens are not written yet (call append() first)");
   PagedKeySource src;
   src.head = head;

@@ -1180,12 +1180,10 @@ PagedBatch describe_paged_batch(const DevicePagedTable& table, const std::int32_
   return walk_paged_batch(table, seqs, batch, nullptr, nullptr, nullptr);
 }
 
-PagedBatch upload_paged_batch(const DevicePagedTable& table, const std::int32_t* seqs,
-                              std::int32_t batch, void* workspace, std::size_t workspace_bytes,
-                              cudaStream_t stream) {
-  const char* fn = "cuda::upload_paged_batch";
-  KVSIFT_CHECK(table.pending_tokens() == 0, fn, ": ", table.pending_tokens(),
-               " recorded tokens are not written yet (call append() first)");
+PagedBatch paged_batch_image(const DevicePagedTable& table, const std::int32_t* seqs,
+                             std::int32_t batch, void* workspace, std::size_t workspace_bytes,
+                             std::vector<std::uint8_t>& image) {
+  const char* fn = "cuda::paged_batch_image";
   std::vector<std::int32_t> frames, meta, begin;
   PagedBatch out = walk_paged_batch(table, seqs, batch, &frames, &meta, &begin);
   const std::size_t need = paged_batch_bytes(table, seqs, batch);
@@ -1197,12 +1195,12 @@ PagedBatch upload_paged_batch(const DevicePagedTable& table, const std::int32_t*
   std::int32_t* d_meta = carver.take<std::int32_t>(nb);
   std::int32_t* d_begin = carver.take<std::int32_t>(begin.size());
   std::int32_t* d_seqs = carver.take<std::int32_t>(static_cast<std::size_t>(batch));
-  // One copy: the four arrays at their carved offsets in one host image of the region.
+  // The four arrays at their carved offsets in one host image of the region.
   const auto offset = [&](const std::int32_t* p) {
     return static_cast<std::size_t>(reinterpret_cast<const std::uint8_t*>(p) -
                                     reinterpret_cast<const std::uint8_t*>(d_frames));
   };
-  std::vector<std::uint8_t> image(offset(d_seqs) + static_cast<std::size_t>(batch) * 4);
+  image.resize(offset(d_seqs) + static_cast<std::size_t>(batch) * 4);
   const auto put = [&](const std::int32_t* dst, const std::vector<std::int32_t>& src) {
     if (!src.empty()) std::memcpy(image.data() + offset(dst), src.data(), src.size() * 4);
   };
@@ -1210,12 +1208,23 @@ PagedBatch upload_paged_batch(const DevicePagedTable& table, const std::int32_t*
   put(d_meta, meta);
   put(d_begin, begin);
   put(d_seqs, out.host_seq_ids);
-  KVSIFT_CUDA_CHECK(
-      cudaMemcpyAsync(d_frames, image.data(), image.size(), cudaMemcpyHostToDevice, stream));
   out.frames = d_frames;
   out.meta = d_meta;
   out.block_begin = d_begin;
   out.seq_ids = d_seqs;
+  return out;
+}
+
+PagedBatch upload_paged_batch(const DevicePagedTable& table, const std::int32_t* seqs,
+                              std::int32_t batch, void* workspace, std::size_t workspace_bytes,
+                              cudaStream_t stream) {
+  const char* fn = "cuda::upload_paged_batch";
+  KVSIFT_CHECK(table.pending_tokens() == 0, fn, ": ", table.pending_tokens(),
+               " recorded tokens are not written yet (call append() first)");
+  std::vector<std::uint8_t> image;
+  PagedBatch out = paged_batch_image(table, seqs, batch, workspace, workspace_bytes, image);
+  KVSIFT_CUDA_CHECK(
+      cudaMemcpyAsync(workspace, image.data(), image.size(), cudaMemcpyHostToDevice, stream));
   return out;
 }
 

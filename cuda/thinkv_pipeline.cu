@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <future>
 #include <memory>
@@ -308,8 +309,10 @@ void DeviceThinKV::prefill(int layer, const void* keys, const void* values, DTyp
   }
 }
 
-// One layer of the step placed: its sequences' new segments opened and their tokens recorded.
-// Touches that layer's table and mirror only, and reads the step's openings and labels.
+// One layer of the step placed: its sequences' new segments opened, their tokens recorded, and the
+// append plan and page tables packed for upload (append() and page_tables() then only copy).
+// Touches that layer's table, mirror and page tables only, and reads the step's openings and
+// labels.
 void DeviceThinKV::place_layer(int layer, const char* fn) {
   ThoughtBlockTable& t = tables_[static_cast<std::size_t>(layer)];
   const std::size_t B = static_cast<std::size_t>(batch_);
@@ -317,6 +320,8 @@ void DeviceThinKV::place_layer(int layer, const char* fn) {
     if (step_opens_[static_cast<std::size_t>(layer) * B + b]) t.open_segment(b, step_labels_[b]);
   }
   record_tokens(layer, 1, fn);
+  devices_[static_cast<std::size_t>(layer)].prepare_append();
+  pack_page_tables(layer);
 }
 
 int DeviceThinKV::placement_threads() const {
@@ -641,18 +646,26 @@ void DeviceThinKV::evict(const Problem& p) {
   t.evict_positions(p.seq, p.head, p.evicted);
 }
 
+void DeviceThinKV::pack_page_tables(int layer) const {
+  const DevicePagedTable& dev = devices_[static_cast<std::size_t>(layer)];
+  PageTables& p = pages_[static_cast<std::size_t>(layer)];
+  if (p.current && p.version == dev.page_version()) return;
+  std::vector<std::int32_t> seqs(static_cast<std::size_t>(batch_));
+  for (std::int32_t b = 0; b < batch_; ++b) seqs[b] = b;
+  p.view = paged_batch_image(dev, seqs.data(), batch_, p.memory, page_bytes_, p.image);
+  std::memcpy(p.upload.fill(p.image.size()), p.image.data(), p.image.size());
+  p.copy_bytes = p.image.size();
+  p.version = dev.page_version();
+  p.current = true;
+}
+
 const PagedBatch& DeviceThinKV::page_tables(int layer) const {
   check_layer(layer, "page_tables");
   await_layer(layer);
-  const DevicePagedTable& dev = devices_[static_cast<std::size_t>(layer)];
+  pack_page_tables(layer);  // done by the layer's placement unless a block changed since
   PageTables& p = pages_[static_cast<std::size_t>(layer)];
-  if (!p.current || p.version != dev.page_version()) {
-    std::vector<std::int32_t> seqs(static_cast<std::size_t>(batch_));
-    for (std::int32_t b = 0; b < batch_; ++b) seqs[b] = b;
-    p.view = upload_paged_batch(dev, seqs.data(), batch_, p.memory, page_bytes_, stream_);
-    p.version = dev.page_version();
-    p.current = true;
-  }
+  p.upload.copy_to(p.memory, p.copy_bytes, stream_);
+  p.copy_bytes = 0;
   return p.view;
 }
 

@@ -7,6 +7,7 @@
 //     table's resident bytes equal resident_bytes();
 //   - eviction: mask bits or staged rows only, the whole device pool byte-identical before and
 //     after; blocks left with no live slot go back to their pool on both sides;
+//   - append through prepare_append (the plan packed ahead, in pinned memory) every other batch;
 //   - attention: cuda::paged_decode_attention equals the CPU paged_decode_attention (1e-4
 //     relative) and a dense double-precision oracle over the retained tokens read back from the
 //     CPU table; the dense bf16 kernel equals the same kind of oracle.
@@ -115,9 +116,16 @@ void run_scenario(const Scenario& sc, std::uint32_t seed, int steps) {
 
   // The batch being recorded: K/V rows in recording order.
   std::vector<float> batch_k, batch_v;  // [tokens, H, D] (bf16-representable in bf16 mode)
+  int flushes = 0;
   auto flush = [&]() {
     if (dev.table.pending_tokens() == 0) return;
     DeviceBuffer<std::uint8_t> ws(dev.table.append_workspace_bytes());
+    if (flushes++ % 2 == 0) {  // every other batch through prepare_append: the same plan
+      const std::int32_t pending = dev.table.pending_tokens();
+      dev.table.prepare_append();
+      REQUIRE(dev.table.pending_tokens() == pending);
+      REQUIRE(dev.table.append_workspace_bytes() == ws.size());
+    }
     if (sc.bf16_input) {
       std::vector<bf16_t> k(batch_k.size()), v(batch_v.size());
       for (std::size_t i = 0; i < k.size(); ++i) {
@@ -530,7 +538,22 @@ TEST_CASE("device CT table: argument errors name the values") {
   REQUIRE_THROWS_WITH(dev.table.append(dk.get(), dv.get(), DType::f32, ws.get(), 0, nullptr),
                       Contains("workspace of 0 bytes is too small"));
   REQUIRE(dev.table.pending_tokens() == 1);
+  // A prepared batch: nothing more is recorded, nothing evicted, and append's errors keep it.
+  dev.table.prepare_append();
+  REQUIRE(dev.table.pending_tokens() == 1);
+  REQUIRE_THROWS_WITH(dev.table.prepare_append(),
+                      Contains("a batch of 1 tokens is already prepared"));
+  REQUIRE_THROWS_WITH(dev.table.record_append(cpu, seq, where.data()),
+                      Contains("a batch of 1 tokens is prepared (call append() first)"));
+  REQUIRE_THROWS_WITH(dev.table.evict(seq, 0, {where[0]}, nullptr, 0, nullptr),
+                      Contains("1 recorded tokens are not written yet"));
+  REQUIRE_THROWS_WITH(dev.table.append(dk.get(), dv.get(), DType::f32, ws.get(), 0, nullptr),
+                      Contains("workspace of 0 bytes is too small"));
+  REQUIRE(dev.table.pending_tokens() == 1);
   dev.table.append(dk.get(), dv.get(), DType::f32, ws.get(), ws.size(), nullptr);
+  REQUIRE(dev.table.pending_tokens() == 0);
+  dev.table.prepare_append();  // nothing recorded: a no-op
+  REQUIRE(dev.table.pending_tokens() == 0);
   DeviceBuffer<std::uint8_t> ews(dev.table.evict_workspace_bytes(1));
   REQUIRE_THROWS_WITH(dev.table.evict(seq, 5, {where[0]}, ews.get(), ews.size(), nullptr),
                       Contains("kv head 5 outside [0, 2)"));

@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "kvsift/backend/cuda/pinned_upload.hpp"
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/paged/thought_block_table.hpp"
@@ -218,8 +219,9 @@ class DevicePagedTable {
   // raises kvsift::Error naming the head when `where` disagrees; nothing is recorded on error.
   void record_append(const ThoughtBlockTable& table, std::int32_t seq,
                      const SlotAddress* where);  // [kv_heads]
-  std::int32_t pending_tokens() const { return pending_tokens_; }
-  // Device scratch bytes append() needs for the recorded batch.
+  // Tokens recorded (or prepared) and not yet written by append().
+  std::int32_t pending_tokens() const { return pending_tokens_ + prepared_tokens_; }
+  // Device scratch bytes append() needs for the recorded (or prepared) batch.
   std::size_t append_workspace_bytes() const;
   // Writes the recorded batch and clears it. key, value: device [pending_tokens, kv_heads,
   // head_dim] in `dtype` (f32 or bf16). f32 blocks take their rows at once; quantized types stage
@@ -230,6 +232,13 @@ class DevicePagedTable {
   // cleared (pending_tokens() becomes 0; the plan stays valid until the next call). append() is
   // this, the upload and the launches; bench_device_table_host times it without a GPU.
   const detail::PagedAppendPlan& take_append_plan();
+  // append()'s host half done ahead: take_append_plan() packed into this table's pinned upload
+  // buffer, so that append() enqueues one asynchronous copy and the launches. For another host
+  // thread while the stream runs earlier work (DeviceThinKV's placers): nothing else may touch the
+  // table until append(). Waits for the last append's copy out of the buffer (in a decode loop,
+  // done a step ago); needs a CUDA device. Nothing more can be recorded until append(); no-op
+  // with nothing recorded.
+  void prepare_append();
 
   // --- eviction ---------------------------------------------------------------------------------
   std::size_t evict_workspace_bytes(std::size_t count) const;
@@ -317,6 +326,10 @@ class DevicePagedTable {
   std::vector<std::int32_t> task_of_stream_;  // [max_sequences · 3 · kv_heads] task, -1 none
   detail::PagedAppendPlan plan_;              // take_append_plan()'s result
   std::vector<std::int32_t> next_op_;         // [tasks] take_append_plan()'s counting sort
+  // The prepared batch: plan_ packed into pinned host memory, uploaded by append() in one copy.
+  std::int32_t prepared_tokens_ = 0;  // > 0: plan_ is packed in upload_, no recording allowed
+  std::size_t prepared_bytes_ = 0;    // its size (append_workspace_bytes())
+  PinnedUpload upload_;
 };
 
 // Decode attention of one query token over a sequence of the device table (§3.4): per query head
@@ -376,6 +389,13 @@ PagedBatch describe_paged_batch(const DevicePagedTable& table, const std::int32_
 PagedBatch upload_paged_batch(const DevicePagedTable& table, const std::int32_t* seqs,  // [batch]
                               std::int32_t batch, void* workspace, std::size_t workspace_bytes,
                               cudaStream_t stream);
+// upload_paged_batch's host half, for a caller that walks the page tables ahead (on another
+// thread, into pinned memory) and copies later: fills `image` with the bytes that belong at the
+// start of `workspace` and returns the view with the device pointers they will have there. The
+// blocks of recorded (not yet written) tokens are included: copy the image after their append().
+PagedBatch paged_batch_image(const DevicePagedTable& table, const std::int32_t* seqs,  // [batch]
+                             std::int32_t batch, void* workspace, std::size_t workspace_bytes,
+                             std::vector<std::uint8_t>& image);
 
 // Whether paged_decode_attention_batch runs the split kernel for this shape (otherwise it runs
 // the tiled kernel once per sequence).

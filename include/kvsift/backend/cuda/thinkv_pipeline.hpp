@@ -23,8 +23,10 @@
 //
 // All calls enqueue on the stream given at construction; end_step() waits for it only at a step
 // closing a refresh interval and when TBE demotes. The first append of a decode step starts the
-// host-side placement of the step's token in every layer (place_step), on background threads at
-// large batches, so the engine's own host work between the layers hides it.
+// host-side placement of the step's token in every layer (place_step: the host tables, the
+// device mirror's recording and its append plan packed in pinned memory), on background threads
+// at large batches, so the engine's own host work between the layers hides it and each layer's
+// append() is one copy and its launches.
 // Limits (kvsift::Error at construction): refresh <= 128 tokens per segment, head_dim <= 256 and
 // retention targets <= 64 (the device k-means' limits), no prompt eviction (a prompt may exceed
 // 128 tokens), the default refill rule, staging in bf16 (cuda::PagedStaging).
@@ -132,6 +134,9 @@ class DeviceThinKV {
   // result is the serial one). Every call that reads a layer's table awaits its placement.
   void place_step(const char* fn);
   void place_layer(int layer, const char* fn);
+  // The layer's page tables walked and packed for page_tables() to copy, when a block was taken
+  // or freed since they were last packed (DevicePagedTable::page_version).
+  void pack_page_tables(int layer) const;
   int placement_threads() const;
   void await_layer(int layer) const;  // rethrows the layer's placement error
   void finish_placement() const;      // awaits every layer and joins the threads
@@ -164,11 +169,14 @@ class DeviceThinKV {
   std::vector<std::vector<int>> pending_layers_;  // the interval's steps so far: layers observed
   std::uint8_t* scratch_ = nullptr;               // device, scratch_bytes_
   std::size_t scratch_bytes_ = 0;
-  struct PageTables {  // one layer's uploaded page tables
+  struct PageTables {  // one layer's page tables
     PagedBatch view;
     std::uint64_t version = 0;
     bool current = false;
-    std::uint8_t* memory = nullptr;  // device, page_bytes_
+    std::uint8_t* memory = nullptr;   // device, page_bytes_
+    std::vector<std::uint8_t> image;  // paged_batch_image's bytes
+    PinnedUpload upload;              // ... packed for the copy to `memory`
+    std::size_t copy_bytes = 0;       // > 0: packed and not copied yet
   };
   mutable std::vector<PageTables> pages_;  // [num_layers]
   std::size_t page_bytes_ = 0;
