@@ -49,9 +49,11 @@
 #include <cmath>
 #include <cstdint>
 
+#include "key_vec.cuh"
 #include "kvsift/backend/cuda/check.hpp"
 #include "kvsift/core/dtype.hpp"
 #include "mma.cuh"
+#include "quotient_rn.cuh"
 #include "rkv_kernels.cuh"
 
 namespace kvsift::cuda::detail {
@@ -99,15 +101,42 @@ __device__ __forceinline__ void tc_add_fixed(unsigned long long* sum, float x) {
       sum, static_cast<unsigned long long>(__double2ll_rn(static_cast<double>(x) * kTcFixedScale)));
 }
 
+// Channel d of a unit row as the reference computes it, K[d] / den (0 for pads), from y = 1/den.
+__device__ __forceinline__ float unit_channel(float x, float den, float y) {
+  return den == 0.0f ? 0.0f : quotient_rn(x, den, y);
+}
+
 // C[i, j] exactly as last_match_kernel computes it: acc = fmaf(k̂_i[d], k̂_j[d], acc), d ascending
 // from 0.0f (its zero padding past head_dim only adds +0, which cannot change a comparison or a
-// spared value).
+// spared value). Each k̂[d] is the reference's quotient K[d] / den, bit for bit, from one
+// reciprocal per row (quotient_rn.cuh) instead of a division per channel, and the rows are read 8
+// channels per 16-byte load where they are aligned: a re-check holds up its whole block at the
+// next barrier, so its latency is what structured keys pay (bench/RESULTS.md, run 67). A call, not
+// inlined: inlined, the vector path pushes the kernel's live fragments past its 128 registers
+// (ptxas: 52–188 B of spills in the tile loop; as a call, 16–40 B and a stack frame the
+// re-checks alone touch).
 template <class T>
-__device__ __forceinline__ float exact_cosine(const UnitRow<T>& ui, const UnitRow<T>& uj,
-                                              int head_dim) {
+__device__ __noinline__ float exact_cosine(const UnitRow<T>& ui, const UnitRow<T>& uj,
+                                           int head_dim) {
+  const float yi = 1.0f / ui.den, yj = 1.0f / uj.den;
   float acc = 0.0f;
+  const auto aligned = [](const T* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; };
+  if (head_dim % kVecChannels == 0 && aligned(ui.k) && aligned(uj.k)) {
+#pragma unroll 2
+    for (int c = 0; c < head_dim / kVecChannels; ++c) {
+      float a[kVecChannels], b[kVecChannels];
+      unpack_vec<T>(load_vec<T>(ui.k, c), a);
+      unpack_vec<T>(load_vec<T>(uj.k, c), b);
+#pragma unroll
+      for (int e = 0; e < kVecChannels; ++e)
+        acc = fmaf(unit_channel(a[e], ui.den, yi), unit_channel(b[e], uj.den, yj), acc);
+    }
+    return acc;
+  }
 #pragma unroll 4
-  for (int d = 0; d < head_dim; ++d) acc = fmaf(ui[d], uj[d], acc);
+  for (int d = 0; d < head_dim; ++d)
+    acc = fmaf(unit_channel(to_float(ui.k[d]), ui.den, yi),
+               unit_channel(to_float(uj.k[d]), uj.den, yj), acc);
   return acc;
 }
 

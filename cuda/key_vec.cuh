@@ -1,5 +1,6 @@
-// 16-byte accesses to key rows, shared by the one-pass key kernel (cuda/key_pass.cu) and the
-// vectorised column means (cuda/key_redundancy.cu). Internal to cuda/*.cu, not installed.
+// 16-byte accesses to key rows, shared by the one-pass key kernel (cuda/key_pass.cu), the
+// vectorised column means (cuda/key_redundancy.cu) and the exact re-checks of the tensor-core
+// search (cuda/key_redundancy_tc.cu). Internal to cuda/*.cu, not installed.
 //
 // A row of head_dim channels is read as head_dim / 8 vectors of 8 channels: one 16-byte load for
 // 16-bit storage, two for f32. The lanes of a group of G (a power of two, G >= the vectors of a
