@@ -164,7 +164,8 @@ __device__ __forceinline__ int next_column_tile(int jt, bool upper, int own_firs
 //     Then the spared cosines are added and best[] becomes r_i.
 // Warp w owns rows 32w .. 32w + 31 of the tile against all 64 columns of the staged tile; A and B
 // fragments come from shared memory by ldmatrix, and the next column tile is copied in by
-// cp.async while this one is multiplied.
+// cp.async while this one is multiplied. Two CTAs per SM (128 registers a thread): one CTA with
+// the registers it would like (150–168) is 25–35 % slower (bench/RESULTS.md, run 73).
 template <class T>
 __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
     UnitKeys unit,                      // the unit keys in fp32, for the exact re-checks
