@@ -562,6 +562,7 @@ bool launch_key_redundancy(const StepView& step, int length, float threshold, bo
   const int head_dim = static_cast<int>(kv.head_dim());
   const std::int64_t rows = static_cast<std::int64_t>(batch) * kv_heads * length;
   const UnitKeys unit = unit_keys_of(step, length, denom);
+  const bool vectorized = key_rows_vectorizable(step);
   KVSIFT_CUDA_CHECK(
       cudaMemsetAsync(spared, 0, static_cast<std::size_t>(rows) * sizeof(*spared), stream));
   // Norms, the fp16 copy and the key sums: the one pass of key_pass.cu when the layout allows
@@ -573,7 +574,8 @@ bool launch_key_redundancy(const StepView& step, int length, float threshold, bo
   if (unit16 != nullptr) {  // the tensor-core search: same r_i and spared sums, faster
     // r_i go to `redundancy` as scratch (int-sized), written for real further down.
     launch_last_match_tc(unit, kv.dtype(), unit16, batch, kv_heads, length, head_dim, threshold,
-                         faithful, spared, reinterpret_cast<int*>(redundancy), tc_reached, stream);
+                         faithful, vectorized, spared, reinterpret_cast<int*>(redundancy),
+                         tc_reached, stream);
   } else {
     KVSIFT_DISPATCH_DTYPE(kv.dtype(), T, [&] {
       const dim3 grid(static_cast<unsigned>((length + kRowTile - 1) / kRowTile),
@@ -583,8 +585,7 @@ bool launch_key_redundancy(const StepView& step, int length, float threshold, bo
       KVSIFT_CUDA_CHECK(cudaGetLastError());
     });
   }
-  launch_column_means(step, length, denom, spared, partial, redundancy, key_rows_vectorizable(step),
-                      stream);
+  launch_column_means(step, length, denom, spared, partial, redundancy, vectorized, stream);
   redundancy_softmax_kernel<<<static_cast<unsigned>(batch * kv_heads), kBlockThreads, 0, stream>>>(
       length, redundancy);
   KVSIFT_CUDA_CHECK(cudaGetLastError());

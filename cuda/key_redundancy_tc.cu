@@ -13,8 +13,10 @@
 // when it is clearly away from the threshold t:
 //   c̃ > t + m: a match;   c̃ <= t − m: no match;   otherwise: recomputed in exact fp32
 // with the fp32 path's arithmetic (a sequential fmaf chain over d = 0 .. D−1 from 0.0f), whose
-// comparison is final. The spared cosine C[i, r_i] (and, faithful, C[i, 0]) is always recomputed
-// that way, so the fixed-point column sums are identical too.
+// comparison is final. Most of those pairs never run the chain: a cheap fp32 cosine within a
+// proven m_f ≈ 9.2e-6 of the chain's value (cosine_filter.cuh) decides all farther from t.
+// The spared cosine C[i, r_i] (and, faithful, C[i, 0]) is always recomputed with the chain, so
+// the fixed-point column sums are identical too.
 //
 // Why fp16 and not bf16: a unit key's channels lie in [−1, 1], where fp16's 11 significant bits
 // lose nothing to range, so the rounding term of m is 2^-10 instead of bf16's 2^-7 — a margin
@@ -49,11 +51,11 @@
 #include <cmath>
 #include <cstdint>
 
+#include "cosine_filter.cuh"
 #include "key_vec.cuh"
 #include "kvsift/backend/cuda/check.hpp"
 #include "kvsift/core/dtype.hpp"
 #include "mma.cuh"
-#include "quotient_rn.cuh"
 #include "rkv_kernels.cuh"
 
 namespace kvsift::cuda::detail {
@@ -101,27 +103,21 @@ __device__ __forceinline__ void tc_add_fixed(unsigned long long* sum, float x) {
       sum, static_cast<unsigned long long>(__double2ll_rn(static_cast<double>(x) * kTcFixedScale)));
 }
 
-// Channel d of a unit row as the reference computes it, K[d] / den (0 for pads), from y = 1/den.
-__device__ __forceinline__ float unit_channel(float x, float den, float y) {
-  return den == 0.0f ? 0.0f : quotient_rn(x, den, y);
-}
-
 // C[i, j] exactly as last_match_kernel computes it: acc = fmaf(k̂_i[d], k̂_j[d], acc), d ascending
 // from 0.0f (its zero padding past head_dim only adds +0, which cannot change a comparison or a
 // spared value). Each k̂[d] is the reference's quotient K[d] / den, bit for bit, from one
-// reciprocal per row (quotient_rn.cuh) instead of a division per channel, and the rows are read 8
-// channels per 16-byte load where they are aligned: a re-check holds up its whole block at the
-// next barrier, so its latency is what structured keys pay (bench/RESULTS.md, run 67). A call, not
-// inlined: inlined, the vector path pushes the kernel's live fragments past its 128 registers
-// (ptxas: 52–188 B of spills in the tile loop; as a call, 16–40 B and a stack frame the
-// re-checks alone touch).
+// reciprocal per row (quotient_rn.cuh) instead of a division per channel, and `vectorized` rows
+// (key_rows_vectorizable) are read 8 channels per 16-byte load: a re-check holds up its whole
+// block at the next barrier, so its latency is what structured keys pay (bench/RESULTS.md, run
+// 67). A call, not inlined: inlined, the vector path pushes the kernel's live fragments past its
+// 128 registers (ptxas: 52–188 B of spills in the tile loop; as a call, 28–88 B and a stack frame
+// the re-checks alone touch).
 template <class T>
-__device__ __noinline__ float exact_cosine(const UnitRow<T>& ui, const UnitRow<T>& uj,
-                                           int head_dim) {
+__device__ __noinline__ float exact_cosine(const UnitRow<T>& ui, const UnitRow<T>& uj, int head_dim,
+                                           bool vectorized) {
   const float yi = 1.0f / ui.den, yj = 1.0f / uj.den;
   float acc = 0.0f;
-  const auto aligned = [](const T* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; };
-  if (head_dim % kVecChannels == 0 && aligned(ui.k) && aligned(uj.k)) {
+  if (vectorized) {
 #pragma unroll 2
     for (int c = 0; c < head_dim / kVecChannels; ++c) {
       float a[kVecChannels], b[kVecChannels];
@@ -129,15 +125,56 @@ __device__ __noinline__ float exact_cosine(const UnitRow<T>& ui, const UnitRow<T
       unpack_vec<T>(load_vec<T>(uj.k, c), b);
 #pragma unroll
       for (int e = 0; e < kVecChannels; ++e)
-        acc = fmaf(unit_channel(a[e], ui.den, yi), unit_channel(b[e], uj.den, yj), acc);
+        acc = fmaf(ui.unit_channel(a[e], yi), uj.unit_channel(b[e], yj), acc);
     }
     return acc;
   }
 #pragma unroll 4
   for (int d = 0; d < head_dim; ++d)
-    acc = fmaf(unit_channel(to_float(ui.k[d]), ui.den, yi),
-               unit_channel(to_float(uj.k[d]), uj.den, yj), acc);
+    acc = fmaf(ui.unit_channel(to_float(ui.k[d]), yi), uj.unit_channel(to_float(uj.k[d]), yj), acc);
   return acc;
+}
+
+// The thresholds of one search: t, the tensor-core band t ∓ m and the filter's band t ∓ m_f.
+struct TcBands {
+  float threshold;
+  float below, above;  // tensor-core cosines: <= below no match, > above a match
+  CosineBand filter;   // cosine_filter.cuh
+};
+
+// exact_cosine(ui, uj) > threshold, decided by the cheap fp32 cosine of cosine_filter.cuh
+// wherever its bound allows (all but the pairs within ~1e-5 of the threshold) and by the exact
+// chain otherwise. A call for the same register reason as exact_cosine.
+template <class T>
+__device__ __noinline__ bool exceeds_threshold(const UnitRow<T>& ui, const UnitRow<T>& uj,
+                                               int head_dim, bool vectorized, float threshold,
+                                               CosineBand band) {
+  if (cosine_filter_applies(ui.den, uj.den)) {
+    FilterDot dot;
+    if (vectorized) {
+#pragma unroll 4
+      for (int c = 0; c < head_dim / kVecChannels; ++c) {
+        float a[kVecChannels], b[kVecChannels];
+        unpack_vec<T>(load_vec<T>(ui.k, c), a);
+        unpack_vec<T>(load_vec<T>(uj.k, c), b);
+        dot.add8(a, b);
+      }
+    } else {
+      for (int d0 = 0; d0 < head_dim; d0 += kFilterLanes) {
+        float a[kFilterLanes], b[kFilterLanes];  // zero past head_dim: adds +0, as the bound allows
+#pragma unroll
+        for (int e = 0; e < kFilterLanes; ++e) {
+          const bool inside = d0 + e < head_dim;
+          a[e] = inside ? to_float(ui.k[d0 + e]) : 0.0f;
+          b[e] = inside ? to_float(uj.k[d0 + e]) : 0.0f;
+        }
+        dot.add8(a, b);
+      }
+    }
+    const int decided = cosine_filter_decides(dot.cosine(1.0f / ui.den, 1.0f / uj.den), band);
+    if (decided != 0) return decided > 0;
+  }
+  return exact_cosine(ui, uj, head_dim, vectorized) > threshold;
 }
 
 // Which column tile a search visits next, at or below `jt` (−1: none left). Phase 1 visits the
@@ -170,7 +207,8 @@ template <class T>
 __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
     UnitKeys unit,                      // the unit keys in fp32, for the exact re-checks
     const __half* __restrict__ unit16,  // [.., length, 16·k_steps]
-    int length, int head_dim, float threshold, float below, float above, bool faithful, bool upper,
+    int length, int head_dim, TcBands bands, bool faithful, bool upper,
+    bool vectorized,                            // key_rows_vectorizable: 16-byte re-check loads
     int* __restrict__ best,                     // [sequences, kv_heads, length], −1 at start
     int* __restrict__ reached,                  // [sequences, kv_heads, gridDim.x]
     unsigned long long* __restrict__ spared) {  // [sequences, kv_heads, length]
@@ -270,7 +308,7 @@ __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
         for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
           for (int q = 0; q < 4; ++q) top = fmaxf(top, acc[mt][nt][q]);
-      near = __any_sync(0xffffffffu, top > below);
+      near = __any_sync(0xffffffffu, top > bands.below);
     }
     if (near && open) {
       // Rows: each thread holds 4 rows × 16 columns: row g (+8) of each m tile, columns 8nt + 2t
@@ -290,10 +328,10 @@ __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
               const int j = j0 + nt * 8 + 2 * t + c;
               const float v = acc[mt][nt][half * 2 + c];
               if (j >= length || j == i) continue;
-              if (v > above) {
+              if (v > bands.above) {
                 found = j;  // ascending j: the last one wins
                 uncertain = 0;
-              } else if (v > below) {
+              } else if (v > bands.below) {
                 uncertain |= 1u << (nt * 2 + c);
               }
             }
@@ -303,7 +341,8 @@ __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
             const int bit = 31 - __clz(uncertain);
             uncertain &= ~(1u << bit);
             const int j = j0 + (bit / 2) * 8 + 2 * t + bit % 2;
-            if (exact_cosine(ui, uh.row(j), head_dim) > threshold) {
+            if (exceeds_threshold(ui, uh.row(j), head_dim, vectorized, bands.threshold,
+                                  bands.filter)) {
               found = j;
               break;
             }
@@ -329,10 +368,10 @@ __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
               const float v = acc[mt][nt][half * 2 + c];
               if (i >= length || j0 + cl >= length) continue;
               const int shift = nt * 8 + c * 4;
-              if (v > above) {
+              if (v > bands.above) {
                 found = i;
                 col_uncertain &= ~(0xfull << shift);
-              } else if (v > below) {
+              } else if (v > bands.below) {
                 col_uncertain |= 1ull << (shift + 2 * mt + half);
               }
             }
@@ -351,7 +390,8 @@ __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
       const int cl = nt * 8 + 2 * t + c, j = j0 + cl;
       const int i = i0 + warp * kTcWarpRows + (r / 2) * 16 + g + (r % 2) * 8;
       bool settled = i <= *static_cast<volatile int*>(&col_best[cl]);
-      if (!settled && exact_cosine(uh.row(i), uh.row(j), head_dim) > threshold) {
+      if (!settled && exceeds_threshold(uh.row(i), uh.row(j), head_dim, vectorized, bands.threshold,
+                                        bands.filter)) {
         atomicMax(&col_best[cl], i);
         settled = true;
       }
@@ -392,9 +432,9 @@ __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
   const UnitRow<T> ui = uh.row(i);
   unsigned long long* sp = spared + bh * length;
   if (r >= 0) {
-    tc_add_fixed(&sp[r], exact_cosine(ui, uh.row(r), head_dim));
+    tc_add_fixed(&sp[r], exact_cosine(ui, uh.row(r), head_dim, vectorized));
   } else if (faithful && i != 0) {
-    tc_add_fixed(&sp[0], exact_cosine(ui, uh.row(0), head_dim));
+    tc_add_fixed(&sp[0], exact_cosine(ui, uh.row(0), head_dim, vectorized));
   }
   bbase[i] = r;
 }
@@ -422,13 +462,14 @@ int tc_row_pitch(int head_dim) { return (head_dim + 15) / 16 * 16; }
 
 void launch_last_match_tc(const UnitKeys& unit, DType dtype, const void* unit16, int batch,
                           int kv_heads, int length, int head_dim, float threshold, bool faithful,
-                          unsigned long long* spared, int* match, int* reached,
+                          bool vectorized, unsigned long long* spared, int* match, int* reached,
                           cudaStream_t stream) {
   if (length <= 0 || batch <= 0 || kv_heads <= 0) return;
   const double m = tc_cosine_margin(head_dim);
   // t − m and t + m rounded outwards, so "c̃ <= below" and "c̃ > above" stay conclusive.
-  const float below = std::nextafter(static_cast<float>(threshold - m), -INFINITY);
-  const float above = std::nextafter(static_cast<float>(threshold + m), INFINITY);
+  const TcBands bands{threshold, std::nextafter(static_cast<float>(threshold - m), -INFINITY),
+                      std::nextafter(static_cast<float>(threshold + m), INFINITY),
+                      cosine_filter_band(threshold, head_dim)};
   const dim3 grid(static_cast<unsigned>(tc_row_tiles(length)), static_cast<unsigned>(kv_heads),
                   static_cast<unsigned>(batch));
   KVSIFT_CUDA_CHECK(cudaMemsetAsync(
@@ -441,8 +482,8 @@ void launch_last_match_tc(const UnitKeys& unit, DType dtype, const void* unit16,
         last_match_tc_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes));
     for (bool upper : {true, false}) {
       last_match_tc_kernel<T><<<grid, kTcThreads, kSharedBytes, stream>>>(
-          unit, static_cast<const __half*>(unit16), length, head_dim, threshold, below, above,
-          faithful, upper, match, reached, spared);
+          unit, static_cast<const __half*>(unit16), length, head_dim, bands, faithful, upper,
+          vectorized, match, reached, spared);
       KVSIFT_CUDA_CHECK(cudaGetLastError());
     }
   });

@@ -10,6 +10,7 @@
 #include "kvsift/core/dtype.hpp"
 #include "kvsift/core/kv_cache_view.hpp"
 #include "kvsift/core/tensor_view.hpp"
+#include "quotient_rn.cuh"
 
 namespace kvsift::cuda::detail {
 
@@ -90,6 +91,11 @@ struct UnitRow {
   float den;
   __device__ __forceinline__ float operator[](int d) const {
     return den == 0.0f ? 0.0f : to_float(k[d]) / den;
+  }
+  // operator[] of a channel x already converted to float, from y = 1 / den: the same bits
+  // (quotient_rn.cuh), one reciprocal per row instead of a division per channel.
+  __device__ __forceinline__ float unit_channel(float x, float y) const {
+    return den == 0.0f ? 0.0f : quotient_rn(x, den, y);
   }
 };
 
@@ -203,9 +209,11 @@ int tc_row_pitch(int head_dim);
 //   spared   [batch, kv_heads, length] accumulated into (zero it first)
 //   match    [batch, kv_heads, length] scratch, then r_i (−1: row i has no match)
 //   reached  [batch, kv_heads, tc_row_tiles(length)] scratch
+// `vectorized` (requires key_rows_vectorizable of the keys) reads the re-checks' rows in 16-byte
+// loads; both ways give the same bits.
 void launch_last_match_tc(const UnitKeys& unit, DType dtype, const void* unit16, int batch,
                           int kv_heads, int length, int head_dim, float threshold, bool faithful,
-                          unsigned long long* spared, int* match, int* reached,
+                          bool vectorized, unsigned long long* spared, int* match, int* reached,
                           cudaStream_t stream);
 
 // score[b, h, j] = λ·a[b, h, j] − (1−λ)·R[b, h, j] for j < n; `redundancy` rows hold `length`.

@@ -7,7 +7,8 @@
 // on random, clustered, near-threshold (cosines within 3e-3 of 0.5: inside and outside the
 // margin of ~1.03e-3, and thresholds equal to an
 // actual fp32 cosine), duplicate-key and padded inputs, f32/f16/bf16 storage, head_dim 64, 128,
-// 100 (tensor cores, zero-padded to 112) and 30 / 3 (not a multiple of 4: the fp32 search runs).
+// 100 (tensor cores, zero-padded to 112) and 30 / 3 (not a multiple of 4: the fp32 search runs);
+// the search alone with its re-check rows read both in 16-byte vectors and channel by channel.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -62,6 +63,8 @@ SearchResult oracle_search(const std::vector<float>& unit, int BH, int S, int D,
   return r;
 }
 
+// Both ways of reading the re-checks' rows (16-byte vectors when D % 8 == 0, channel by channel
+// always) must give the same answer; the vector one is returned.
 SearchResult gpu_search(const std::vector<float>& unit, int B, int H, int S, int D, float threshold,
                         bool faithful) {
   const std::size_t n = static_cast<std::size_t>(B) * H * S;
@@ -69,10 +72,6 @@ SearchResult gpu_search(const std::vector<float>& unit, int B, int H, int S, int
   DeviceBuffer<int> d_match(n);
   DeviceBuffer<int> d_reached(static_cast<std::size_t>(B) * H * cuda::detail::tc_row_tiles(S));
   DeviceBuffer<unsigned long long> d_spared(n);
-  KVSIFT_CUDA_CHECK(
-      cudaMemset(d_match.get(), 0x7f, n * sizeof(int)));  // garbage: reset by the launcher
-  KVSIFT_CUDA_CHECK(cudaMemset(d_reached.get(), 0x7f, d_reached.size() * sizeof(int)));
-  KVSIFT_CUDA_CHECK(cudaMemset(d_spared.get(), 0, n * sizeof(unsigned long long)));
   // The unit keys as a cache of f32 "keys" with divisor 1 (x / 1 = x exactly), and the fp16 copy
   // the normalisation writes: RNE of every unit value, rows zero-padded.
   DeviceBuffer<float> d_denom(std::vector<float>(n, 1.0f));
@@ -90,10 +89,23 @@ SearchResult gpu_search(const std::vector<float>& unit, int B, int H, int S, int
   for (std::size_t r = 0; r < n; ++r)
     for (int d = 0; d < D; ++d) unit16[r * pitch + d] = from_float<f16_t>(unit[r * D + d]);
   DeviceBuffer<f16_t> d_unit16(unit16);
-  cuda::detail::launch_last_match_tc(u, DType::f32, d_unit16.get(), B, H, S, D, threshold, faithful,
-                                     d_spared.get(), d_match.get(), d_reached.get(), nullptr);
-  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
-  return {d_match.download(), d_spared.download()};
+  const auto run = [&](bool vectorized) {
+    KVSIFT_CUDA_CHECK(
+        cudaMemset(d_match.get(), 0x7f, n * sizeof(int)));  // garbage: reset by the launcher
+    KVSIFT_CUDA_CHECK(cudaMemset(d_reached.get(), 0x7f, d_reached.size() * sizeof(int)));
+    KVSIFT_CUDA_CHECK(cudaMemset(d_spared.get(), 0, n * sizeof(unsigned long long)));
+    cuda::detail::launch_last_match_tc(u, DType::f32, d_unit16.get(), B, H, S, D, threshold,
+                                       faithful, vectorized, d_spared.get(), d_match.get(),
+                                       d_reached.get(), nullptr);
+    KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+    return SearchResult{d_match.download(), d_spared.download()};
+  };
+  const SearchResult scalar = run(false);
+  if (D % 8 != 0) return scalar;
+  const SearchResult vec = run(true);
+  REQUIRE(vec.match == scalar.match);
+  REQUIRE(vec.spared == scalar.spared);
+  return vec;
 }
 
 void normalize_rows(std::vector<float>& x, int D) {
