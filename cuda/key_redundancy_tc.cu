@@ -3,14 +3,18 @@
 //   r_i = max{ j != i : C[i,j] > threshold }
 // as last_match_kernel in key_redundancy.cu, bit for bit, and spares the same fp32 cosines.
 //
-// How: 256×64 tiles of the cosine matrix are computed with mma.sync m16n8k16 on fp16 copies of
+// How: 256×64 tiles of the cosine matrix are computed on the tensor cores from fp16 copies of
 // the unit keys (written once by the normalisation, fp32 accumulate), from the sequence end
-// backwards, and a block of 256 rows stops
-// once each of its rows has its answer. C is symmetric, so in the worst case (no row matches) each
-// tile pair is computed once, not twice: phase 1 searches the columns right of a block's rows and
-// hands each column its last match among those rows; phase 2 searches what is left of the lower
-// triangle (details above last_match_tc_kernel). A low-precision cosine c̃ decides on its own only
-// when it is clearly away from the threshold t:
+// backwards, and a block of 256 rows stops once each of its rows has its answer. On Hopper
+// (sm_90a code: CMakeLists.txt adds it to this file) each warpgroup multiplies its 128 rows by
+// wgmma from shared memory; elsewhere each warp its 32 rows by ldmatrix + mma.sync m16n8k16.
+// Both give the same fp32 accumulations up to the hardware's summation order, which the margin
+// below covers, and the same answers (tests/cuda/test_redundancy_tc_cuda.cpp, run on both). C is
+// symmetric, so in the worst case (no row matches) each tile pair is computed once, not twice:
+// phase 1 searches the columns right of a block's rows and hands each column its last match among
+// those rows; phase 2 searches what is left of the lower triangle (details above
+// last_match_tc_kernel). A low-precision cosine c̃ decides on its own only when it is clearly away
+// from the threshold t:
 //   c̃ > t + m: a match;   c̃ <= t − m: no match;   otherwise: recomputed in exact fp32
 // with the fp32 path's arithmetic (a sequential fmaf chain over d = 0 .. D−1 from 0.0f), whose
 // comparison is final. Most of those pairs never run the chain: a cheap fp32 cosine within a
@@ -57,6 +61,7 @@
 #include "kvsift/core/dtype.hpp"
 #include "mma.cuh"
 #include "rkv_kernels.cuh"
+#include "wgmma.cuh"
 
 namespace kvsift::cuda::detail {
 namespace {
@@ -68,33 +73,56 @@ constexpr int kTcColTile = 64;               // columns per tile: eight n8 tiles
 constexpr int kTcTilesPerRowTile = kTcRowTile / kTcColTile;  // 4
 constexpr int kTcMaxDim = 128;                               // head_dim of the staged fp16 rows
 constexpr int kTcKSteps = kTcMaxDim / 16;
-constexpr int kTcStride = kTcMaxDim + 8;  // fp16 per staged row: 272 B, ldmatrix conflict-free
+constexpr int kTcHalfDim = 64;  // channels per staged row piece: 128 bytes, one swizzle row
+constexpr int kTcHalves = kTcMaxDim / kTcHalfDim;
 static_assert(kTcRowTile == kTcThreads, "one thread per row for the tile bookkeeping");
 
-// Shared memory of one block (dynamic: 105 KiB, two blocks per SM): the block's rows once, the
-// column tiles double-buffered (the next one arrives by cp.async during the current multiply).
+// Shared memory of one block (dynamic: 101 KiB with the alignment slack, two blocks per SM): the
+// block's rows once, the column tiles double-buffered (the next one arrives by cp.async during the
+// current multiply). Channels 0–63 and 64–127 of the rows are stored apart, as 128-byte rows with
+// the 128-byte swizzle (wgmma.cuh): the layout wgmma reads, and conflict-free for ldmatrix.
 struct TcShared {
-  __half rows[kTcRowTile][kTcStride];
-  __half cols[2][kTcColTile][kTcStride];
+  alignas(1024) __half rows[kTcHalves][kTcRowTile * kTcHalfDim];  // by row slot (tc_row_slot)
+  alignas(1024) __half cols[2][kTcHalves][kTcColTile * kTcHalfDim];
   int match[kTcRowTile];      // final r_i of the tile's rows; -1 while still searching
   int cand[kTcRowTile];       // best match known so far of a row still searching
   int tile_best[kTcRowTile];  // last match inside the current column tile, -1: none
   int col_best[kTcColTile];   // phase 1: last matching row of each column, -1: none
 };
 
-// Rows [first, first + kRows) of the fp16 unit keys (`chunks` 16-byte chunks per row) into `dst`
-// asynchronously; rows at or past `length` are zero-filled.
+// The shared-memory slot of row r (0 .. 255) of a block. Warpgroup wg's two m64 products cover
+// slots 128wg + 64mt .. + 63, of which warp w's fragments hold slots + 16w .. + 16w + 15; storing
+// row 128wg + 32w + 16mt + k in slot 128wg + 64mt + 16w + k gives warp 4wg + w the rows
+// 32(4wg + w) .. + 31, two m16 tiles, exactly as the mma.sync path has them.
+__device__ __forceinline__ int tc_row_slot(int r) {
+  return (r & ~127) | (((r >> 4) & 1) << 6) | (((r >> 5) & 3) << 4) | (r & 15);
+}
+
+// Address of channels 8·chunk .. 8·chunk + 7 of row `slot` in a tile stored as kTcHalves
+// swizzled regions of kRows rows each.
 template <int kRows>
-__device__ __forceinline__ void stage_rows_async(__half (*dst)[kTcStride],
+__device__ __forceinline__ __half* tc_chunk(__half (&tile)[kTcHalves][kRows * kTcHalfDim], int slot,
+                                            int chunk) {
+  return tile[chunk / 8] + swizzle128_offset(slot, chunk % 8) / sizeof(__half);
+}
+
+// Rows [first, first + kRows) of the fp16 unit keys (`chunks` 16-byte chunks per row) into `dst`
+// asynchronously, row r at slot `slot(r)`; rows at or past `length`, and the chunks from
+// `chunks` up to a whole half (8 or 16 chunks: the wgmma sequence has one of two fixed lengths),
+// are zero-filled.
+template <int kRows, class Slot>
+__device__ __forceinline__ void stage_rows_async(__half (&dst)[kTcHalves][kRows * kTcHalfDim],
                                                  const __half* __restrict__ base, int first,
-                                                 int length, int chunks) {
-  for (int e = threadIdx.x; e < kRows * chunks; e += kTcThreads) {
-    const int r = e / chunks, c = e % chunks, i = first + r;
-    const bool inside = i < length;
-    cp_async16(&dst[r][c * 8],
-               base + static_cast<std::int64_t>(inside ? i : 0) * chunks * 8 + c * 8, inside);
+                                                 int length, int chunks, Slot slot) {
+  const int shift = chunks > 8 ? 4 : 3;  // log2 of the staged chunks: no division per copy
+  for (int e = threadIdx.x; e < (kRows << shift); e += kTcThreads) {
+    const int r = e >> shift, c = e & ((1 << shift) - 1), i = first + r;
+    const bool inside = i < length && c < chunks;
+    cp_async16(tc_chunk<kRows>(dst, slot(r), c),
+               base + (inside ? static_cast<std::int64_t>(i) * chunks * 8 + c * 8 : 0), inside);
   }
 }
+__device__ __forceinline__ int tc_same_slot(int r) { return r; }
 constexpr double kTcFixedScale = 4294967296.0;  // must equal key_redundancy.cu's kFixedScale
 
 // Same conversion as key_redundancy.cu's add_fixed: 32.32 fixed point, exact order-free sum.
@@ -110,8 +138,10 @@ __device__ __forceinline__ void tc_add_fixed(unsigned long long* sum, float x) {
 // (key_rows_vectorizable) are read 8 channels per 16-byte load: a re-check holds up its whole
 // block at the next barrier, so its latency is what structured keys pay (bench/RESULTS.md, run
 // 67). A call, not inlined: inlined, the vector path pushes the kernel's live fragments past its
-// 128 registers (ptxas: 52–188 B of spills in the tile loop; as a call, 28–88 B and a stack frame
-// the re-checks alone touch).
+// 128 registers (ptxas, mma.sync code before the swizzled layout: 52–188 B of spills in the
+// tile loop; as a call, 28–88 B and a stack frame the re-checks alone touch). Now, as a call:
+// 24–108 B in the wgmma code the H200 runs, 232–284 B in the mma.sync code kept for other GPUs,
+// whose swizzled ldmatrix addresses cost registers; that code is checked (run 79), not tuned.
 template <class T>
 __device__ __noinline__ float exact_cosine(const UnitRow<T>& ui, const UnitRow<T>& uj, int head_dim,
                                            bool vectorized) {
@@ -177,6 +207,42 @@ __device__ __noinline__ bool exceeds_threshold(const UnitRow<T>& ui, const UnitR
   return exact_cosine(ui, uj, head_dim, vectorized) > threshold;
 }
 
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// acc = the warpgroup's 128 rows (two m64 halves, from shared address `rows_at`) times the 64
+// columns at `cols_at`, over kSteps k steps of 16 channels: one straight run of wgmma, with no
+// branch between them and the accumulators fenced on both sides, so that ptxas keeps them in
+// flight together instead of waiting for each before the next.
+template <int kSteps>
+__device__ __forceinline__ void tc_multiply_wgmma(float (&acc)[2][8][4], unsigned rows_at,
+                                                  unsigned cols_at) {
+  constexpr unsigned kHalfRows = kTcRowTile * kTcHalfDim * sizeof(__half);
+  constexpr unsigned kHalfCols = kTcColTile * kTcHalfDim * sizeof(__half);
+  constexpr unsigned kHalfM = 64 * kTcHalfDim * sizeof(__half);  // 64 rows: one m64 product
+  float(&a0)[32] = reinterpret_cast<float(&)[32]>(acc[0]);
+  float(&a1)[32] = reinterpret_cast<float(&)[32]>(acc[1]);
+  wgmma_fence_operands(a0);
+  wgmma_fence_operands(a1);
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < kSteps; ++ks) {
+    const unsigned k_at = (ks % 4) * 32u;  // 16 channels = 32 bytes a step within a half
+    const std::uint64_t b = wgmma_desc_sw128(cols_at + (ks / 4) * kHalfCols + k_at);
+    const unsigned a_at = rows_at + (ks / 4) * kHalfRows + k_at;
+    if (ks == 0) {  // resolved at compile time: the first step overwrites the accumulators
+      wgmma_m64n64k16_f16<false>(a0, wgmma_desc_sw128(a_at), b);
+      wgmma_m64n64k16_f16<false>(a1, wgmma_desc_sw128(a_at + kHalfM), b);
+    } else {
+      wgmma_m64n64k16_f16<true>(a0, wgmma_desc_sw128(a_at), b);
+      wgmma_m64n64k16_f16<true>(a1, wgmma_desc_sw128(a_at + kHalfM), b);
+    }
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+  wgmma_fence_operands(a0);
+  wgmma_fence_operands(a1);
+}
+#endif
+
 // Which column tile a search visits next, at or below `jt` (−1: none left). Phase 1 visits the
 // tiles from the sequence end down to the block's own rows (j >= i0); phase 2 the tiles left of
 // them (j < i0), skipping those whose transposed results phase 1 already posted: tile jt lies in
@@ -199,10 +265,13 @@ __device__ __forceinline__ int next_column_tile(int jt, bool upper, int own_firs
 //     tiles some phase-1 block covered are not recomputed (their matches are already in best[]).
 //     A row is answered once its best known match lies in a tile at or above the current one.
 //     Then the spared cosines are added and best[] becomes r_i.
-// Warp w owns rows 32w .. 32w + 31 of the tile against all 64 columns of the staged tile; A and B
-// fragments come from shared memory by ldmatrix, and the next column tile is copied in by
-// cp.async while this one is multiplied. Two CTAs per SM (128 registers a thread): one CTA with
-// the registers it would like (150–168) is 25–35 % slower (bench/RESULTS.md, run 73).
+// Warp w owns rows 32w .. 32w + 31 of the tile against all 64 columns of the staged tile, in
+// mma.sync's fragment layout on both paths (tc_row_slot); wgmma reads both operands from shared
+// memory, mma.sync takes them through ldmatrix, and the next column tile is copied in by cp.async
+// while this one is multiplied. The wgmma path is 5–8 % faster on random keys (run 78): the
+// multiply is not what bounds this kernel, its latency between barriers is (run 75's profile). Two
+// CTAs per SM (128 registers a thread): one CTA with the registers it would like (150–168) is 25–35
+// % slower (bench/RESULTS.md, run 73).
 template <class T>
 __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
     UnitKeys unit,                      // the unit keys in fp32, for the exact re-checks
@@ -213,7 +282,9 @@ __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
     int* __restrict__ reached,                  // [sequences, kv_heads, gridDim.x]
     unsigned long long* __restrict__ spared) {  // [sequences, kv_heads, length]
   extern __shared__ __align__(16) unsigned char tc_shared_bytes[];
-  TcShared& sm = *reinterpret_cast<TcShared*>(tc_shared_bytes);
+  // The swizzle works on shared addresses: the tiles start on a 1024-byte boundary.
+  const unsigned shared_base = static_cast<unsigned>(__cvta_generic_to_shared(tc_shared_bytes));
+  TcShared& sm = *reinterpret_cast<TcShared*>(tc_shared_bytes + ((1024u - shared_base) & 1023u));
   int* const match = sm.match;
   int* const cand = sm.cand;
   int* const tile_best = sm.tile_best;
@@ -238,15 +309,20 @@ __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
     tile_best[tid] = -1;
     if (tid < kTcColTile) col_best[tid] = -1;
   }
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  const int wg = warp / 4;  // warpgroup: rows 128wg .. 128wg + 127 of the block
+  const bool wg_has_rows = i0 + wg * 4 * kTcWarpRows < length;
+#else
   const bool warp_has_rows = i0 + warp * kTcWarpRows < length;
+#endif
   const int n_col_tiles = (length + kTcColTile - 1) / kTcColTile;
   int jt = next_column_tile(upper ? n_col_tiles - 1 : own_first - 1, upper, own_first, rbase);
   int last_done = n_col_tiles;  // phase 1: the lowest column tile computed
   // Phase 2 blocks whose rows all matched in phase 1 search nothing.
   if (!upper && __syncthreads_and(match[tid] >= 0)) jt = -1;
   if (jt >= 0) {  // the block's rows and its first column tile: one async group
-    stage_rows_async<kTcRowTile>(sm.rows, u16, i0, length, chunks);
-    stage_rows_async<kTcColTile>(sm.cols[0], u16, jt * kTcColTile, length, chunks);
+    stage_rows_async<kTcRowTile>(sm.rows, u16, i0, length, chunks, tc_row_slot);
+    stage_rows_async<kTcColTile>(sm.cols[0], u16, jt * kTcColTile, length, chunks, tc_same_slot);
   }
   cp_async_commit();
   int buf = 0;
@@ -258,15 +334,36 @@ __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
     const int next = next_column_tile(jt - 1, upper, own_first, rbase);
     // cols[buf ^ 1] was last read before the barrier that ended the previous iteration.
     if (next >= 0)
-      stage_rows_async<kTcColTile>(sm.cols[buf ^ 1], u16, next * kTcColTile, length, chunks);
+      stage_rows_async<kTcColTile>(sm.cols[buf ^ 1], u16, next * kTcColTile, length, chunks,
+                                   tc_same_slot);
     cp_async_commit();  // possibly empty: then waiting for all but the newest group is exact
     cp_async_wait<1>();
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    fence_proxy_async_shared();  // the copies, visible to wgmma after the barrier
+#endif
     __syncthreads();  // tile jt (and, the first time, the rows and match[]) visible to all
 
     // A warp multiplies when its rows still search or (transposed tiles) all its real rows count.
     const bool open = __any_sync(0xffffffffu, match[warp * kTcWarpRows + lane] < 0);
-    const bool multiply = warp_has_rows && (open || transposed);
     float acc[2][8][4];
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    // wgmma: the four warps of a warpgroup multiply together, when any of them would.
+    bool wg_open = false;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) wg_open |= match[(wg * 4 + w) * kTcWarpRows + lane] < 0;
+    const bool multiply = wg_has_rows && (__any_sync(0xffffffffu, wg_open) || transposed);
+    if (multiply) {
+      const unsigned rows_at = static_cast<unsigned>(__cvta_generic_to_shared(sm.rows)) +
+                               wg * 4 * kTcWarpRows * kTcHalfDim * sizeof(__half);
+      const unsigned cols_at = static_cast<unsigned>(__cvta_generic_to_shared(sm.cols[buf]));
+      if (chunks > 8) {  // block-uniform: 16 chunks staged, both halves
+        tc_multiply_wgmma<kTcKSteps>(acc, rows_at, cols_at);
+      } else {
+        tc_multiply_wgmma<kTcKSteps / 2>(acc, rows_at, cols_at);
+      }
+    }
+#else
+    const bool multiply = warp_has_rows && (open || transposed);
     if (multiply) {
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
@@ -281,13 +378,14 @@ __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
         const int m = lane / 8;
 #pragma unroll
         for (int p = 0; p < 4; ++p)
-          ldmatrix_x4(bf[p], &sm.cols[buf][p * 16 + (m / 2) * 8 + lane % 8][ks * 16 + (m % 2) * 8]);
+          ldmatrix_x4(bf[p], tc_chunk<kTcColTile>(sm.cols[buf], p * 16 + (m / 2) * 8 + lane % 8,
+                                                  ks * 2 + m % 2));
         std::uint32_t af[2][4];  // a0 row g, a1 row g + 8, a2/a3 the same rows 8 channels on
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
-          ldmatrix_x4(
-              af[mt],
-              &sm.rows[warp * kTcWarpRows + mt * 16 + lane % 16][ks * 16 + (lane / 16) * 8]);
+          ldmatrix_x4(af[mt], tc_chunk<kTcRowTile>(
+                                  sm.rows, tc_row_slot(warp * kTcWarpRows + mt * 16 + lane % 16),
+                                  ks * 2 + lane / 16));
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
@@ -296,6 +394,7 @@ __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
                                    bf[nt / 2][(nt % 2) * 2 + 1]);
       }
     }
+#endif
     // Nothing in the warp's 32×64 tile above t − m (random keys: almost every tile) decides or
     // needs a re-check, so both bookkeeping passes below are skipped (fmaxf drops NaN, which
     // cannot match anyway).
@@ -439,7 +538,29 @@ __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
   bbase[i] = r;
 }
 
+// Which multiply the loaded code of this file has (see tc_search_uses_wgmma).
+__global__ void tc_variant_kernel(int* out) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  *out = 1;
+#else
+  *out = 0;
+#endif
+}
+
 }  // namespace
+
+bool tc_search_uses_wgmma() {
+  int* d = nullptr;
+  int h = 0;
+  KVSIFT_CUDA_CHECK(cudaMalloc(&d, sizeof(int)));
+  tc_variant_kernel<<<1, 1>>>(d);
+  const cudaError_t launched = cudaGetLastError();
+  const cudaError_t copied = cudaMemcpy(&h, d, sizeof(int), cudaMemcpyDeviceToHost);
+  cudaFree(d);
+  KVSIFT_CUDA_CHECK(launched);
+  KVSIFT_CUDA_CHECK(copied);
+  return h == 1;
+}
 
 int tc_row_tiles(int length) { return (length + kTcRowTile - 1) / kTcRowTile; }
 
@@ -476,7 +597,7 @@ void launch_last_match_tc(const UnitKeys& unit, DType dtype, const void* unit16,
       match, 0xff, static_cast<std::size_t>(batch) * kv_heads * length * sizeof(int), stream));
   // Above the 48 KiB default: the kernel's dynamic shared memory needs the opt-in (per device,
   // cheap to repeat).
-  constexpr int kSharedBytes = static_cast<int>(sizeof(TcShared));
+  constexpr int kSharedBytes = static_cast<int>(sizeof(TcShared)) + 1024;  // + alignment slack
   KVSIFT_DISPATCH_DTYPE(dtype, T, [&] {
     KVSIFT_CUDA_CHECK(cudaFuncSetAttribute(
         last_match_tc_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes));

@@ -190,6 +190,10 @@ void launch_column_means(const StepView& step, int length, const float* denom,
 // multiples of 4; for others launch_key_redundancy uses the fp32 search.
 bool tc_search_supported(int head_dim);
 
+// True when the device runs the search's wgmma code (Hopper's sm_90a build of
+// key_redundancy_tc.cu), false when its mma.sync code (any other target). Synchronises.
+bool tc_search_uses_wgmma();
+
 // Bound on |fp16 tensor-core cosine − fp32 path cosine| of two unit keys, head_dim terms (the
 // derivation is at the top of key_redundancy_tc.cu).
 double tc_cosine_margin(int head_dim);

@@ -8,7 +8,8 @@
 // margin of ~1.03e-3, and thresholds equal to an
 // actual fp32 cosine), duplicate-key and padded inputs, f32/f16/bf16 storage, head_dim 64, 128,
 // 100 (tensor cores, zero-padded to 112) and 30 / 3 (not a multiple of 4: the fp32 search runs);
-// the search alone with its re-check rows read both in 16-byte vectors and channel by channel.
+// the search alone with its re-check rows read both in 16-byte vectors and channel by channel;
+// and that an H200 runs the wgmma build of the search.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -299,6 +300,19 @@ TEST_CASE("tensor-core cosine margin and support", "[cuda][rkv][tc]") {
   CHECK_FALSE(cuda::detail::tc_search_supported(30));
   CHECK_FALSE(cuda::detail::tc_search_supported(3));
   CHECK_FALSE(cuda::detail::tc_search_supported(256));
+}
+
+TEST_CASE("on a compute capability 9.0 device the search runs its wgmma code", "[cuda][rkv][tc]") {
+  // The library builds key_redundancy_tc.cu for sm_90 (mma.sync) and sm_90a (wgmma); the cases
+  // below test whichever the driver loads, so this one pins down that it is the wgmma code.
+  cudaDeviceProp prop{};
+  KVSIFT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  INFO("compute capability " << prop.major << "." << prop.minor);
+  if (prop.major == 9 && prop.minor == 0) {
+    REQUIRE(cuda::detail::tc_search_uses_wgmma());
+  } else {
+    REQUIRE_FALSE(cuda::detail::tc_search_uses_wgmma());
+  }
 }
 
 TEST_CASE("tensor-core last match equals the exact fp32 search", "[cuda][rkv][tc]") {
