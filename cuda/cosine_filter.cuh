@@ -44,16 +44,20 @@ inline double cosine_filter_margin(int head_dim) {
   return terms * std::ldexp(1.0, -24) * 1.002 * 1.01 + std::ldexp(1.0, -60);
 }
 
-// t − m_f and t + m_f rounded outwards to float, so that "f <= below" and "f > above" stay
-// conclusive.
+// The values a cosine within `margin` of the exact one must clear: t − margin and t + margin
+// rounded outwards to float, so that "c <= below" and "c > above" stay conclusive. The
+// tensor-core band (margin m) and the filter's (m_f) both come from here.
 struct CosineBand {
   float below, above;
 };
 
+inline CosineBand outward_band(float threshold, double margin) {
+  return {std::nextafter(static_cast<float>(threshold - margin), -INFINITY),
+          std::nextafter(static_cast<float>(threshold + margin), INFINITY)};
+}
+
 inline CosineBand cosine_filter_band(float threshold, int head_dim) {
-  const double m = cosine_filter_margin(head_dim);
-  return {std::nextafter(static_cast<float>(threshold - m), -INFINITY),
-          std::nextafter(static_cast<float>(threshold + m), INFINITY)};
+  return outward_band(threshold, cosine_filter_margin(head_dim));
 }
 
 // Whether the bound above holds for rows of norms p and q.

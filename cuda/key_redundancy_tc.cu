@@ -586,11 +586,8 @@ void launch_last_match_tc(const UnitKeys& unit, DType dtype, const void* unit16,
                           bool vectorized, unsigned long long* spared, int* match, int* reached,
                           cudaStream_t stream) {
   if (length <= 0 || batch <= 0 || kv_heads <= 0) return;
-  const double m = tc_cosine_margin(head_dim);
-  // t − m and t + m rounded outwards, so "c̃ <= below" and "c̃ > above" stay conclusive.
-  const TcBands bands{threshold, std::nextafter(static_cast<float>(threshold - m), -INFINITY),
-                      std::nextafter(static_cast<float>(threshold + m), INFINITY),
-                      cosine_filter_band(threshold, head_dim)};
+  const CosineBand tc = outward_band(threshold, tc_cosine_margin(head_dim));
+  const TcBands bands{threshold, tc.below, tc.above, cosine_filter_band(threshold, head_dim)};
   const dim3 grid(static_cast<unsigned>(tc_row_tiles(length)), static_cast<unsigned>(kv_heads),
                   static_cast<unsigned>(batch));
   KVSIFT_CUDA_CHECK(cudaMemsetAsync(
