@@ -19,8 +19,9 @@
 //      in registers from the value codes.
 // Only compressed bytes go through shared memory (never decoded tiles): 45 KB per CTA at
 // head_dim 128 and ≤ 128 registers per thread, 4 CTAs per SM.
-// Finally each warp writes one partial (max, sum, acc) per query head; merge_partials_kernel
-// combines them. Reading each KV tile once for all G query heads is what makes GQA cheap.
+// Finally the CTA's four warps fold their (max, sum, acc) per query head into one partial through
+// shared memory (combine_cta_partials), and merge_kernel combines the CTAs' partials. Reading each
+// KV tile once for all G query heads is what makes GQA cheap.
 //
 // Fragment mapping (PTX ISA, mma.m16n8k16 .f16: lane = 4g + t; A a0 = A[g][2t, 2t+1],
 // a1 = A[g+8][2t, 2t+1], a2 = A[g][2t+8, 2t+9], a3 = A[g+8][2t+8, 2t+9]; B b0 = B[2t, 2t+1][g],
@@ -54,9 +55,9 @@
 //   - FP8 and f32 blocks do not reach this kernel (split_kernel_takes): the batch falls back to
 //     the tiled kernel.
 //   - staged tokens (16-bit keys and values waiting for their 16-token group, §3.4) never enter
-//     the MMAs: bf16 staging is not exact in the fp16 MMA path. staged_partial_kernel computes
-//     their logits and P·V in fp32 on CUDA cores (at most 3 · 16 tokens per KV head) and writes
-//     one more partial per (sequence, KV head), which the merge folds in with the others.
+//     the MMAs: bf16 staging is not exact in the fp16 MMA path. merge_kernel computes their
+//     logits and P·V in fp32 on CUDA cores (at most 3 · 16 tokens per KV head) and folds them in
+//     after the CTAs' partials.
 // Evicted and never-written slots get weight exactly 0: their logits are replaced by −inf (a
 // stale key only reaches its own column of S), and their value codes and scales are zeroed before
 // decoding, so that stale codes (possibly a NaN scale) never meet a zero weight in the MMA.
@@ -354,6 +355,49 @@ __device__ __forceinline__ void write_partial(float* part_acc, float* part_ml, s
   }
 }
 
+// Shared memory that combine_cta_partials needs: the four warps' partials of up to kMaxGroup heads.
+template <int D>
+constexpr std::size_t cta_partial_bytes() {
+  return static_cast<std::size_t>(kWarps) * kMaxGroup * (D + 2) * sizeof(float);
+}
+
+// The CTA's one partial per query head, from the four its warps wrote into `cta` (their rows
+// warp·G + g of [kWarps·G, D] accumulators, then [kWarps·G, 2] (max, sum), as write_partial and
+// write_split_partial lay them out): rows [row0, row0 + G) of part_acc, part_ml. Thread (g, d)
+// folds the warps in warp order (a fixed order: the same result on every run). Writing one
+// partial per CTA instead of one per warp quarters the partials the merge reads: at batch 1 the
+// merge, not the tiles, was the bulk of the time (bench/RESULTS.md run 81). All threads call this
+// after a barrier that follows their last read of whatever `cta` overlays.
+template <int D>
+__device__ void combine_cta_partials(const float* cta, int G, float* part_acc, float* part_ml,
+                                     std::int64_t row0) {
+  __syncthreads();  // every warp's partial is in `cta`
+  const float* ml = cta + kWarps * G * D;
+  for (int p = threadIdx.x; p < G * D; p += kThreads) {
+    const int g = p / D, d = p % D;
+    float m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      if (ml[(w * G + g) * 2 + 1] > 0.0f) m = fmaxf(m, ml[(w * G + g) * 2]);
+    }
+    float acc = 0.0f, sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float l = ml[(w * G + g) * 2 + 1];
+      if (l > 0.0f) {  // a warp without a live slot wrote no accumulator
+        const float e = expf(ml[(w * G + g) * 2] - m);
+        acc += cta[(w * G + g) * D + d] * e;
+        sum += l * e;
+      }
+    }
+    part_acc[(row0 + g) * D + d] = acc;
+    if (d == 0) {
+      part_ml[(row0 + g) * 2] = sum > 0.0f ? m : -INFINITY;
+      part_ml[(row0 + g) * 2 + 1] = sum;
+    }
+  }
+}
+
 // The query of one KV head's group as MMA A fragments (rows g: high halves, g + 8: low halves,
 // per head scaled by a power of two sQs[g] so that the 16-bit halves neither overflow nor lose
 // bits to subnormals) at sQa[kc·32 + lane]: bf16 in the natural k order (kBf16, the dense kernel)
@@ -410,19 +454,6 @@ struct SplitArgs {
   const float* query;  // [batch, kv_heads · group, D]
   float* part_acc;     // [batch, kv_heads, parts, group, D]
   float* part_ml;      // [batch, kv_heads, parts, group, 2]: max (natural log units), sum
-};
-
-// The staged tokens' partial: part index parts - 1 of every (sequence, KV head).
-struct StagedArgs {
-  const PagedStaging* keys;     // [max_sequences, 3, kv_heads, 16, D]
-  const PagedStaging* values;   // [max_sequences, 3, kv_heads, 16, D]
-  const std::uint32_t* masks;   // [max_sequences, 3, kv_heads] bit r: row r is staged
-  const std::int32_t* seq_ids;  // [batch]
-  int kv_heads, group, head_dim, parts;
-  float softmax_scale;
-  const float* query;  // [batch, kv_heads · group, D]
-  float* part_acc;     // [batch, kv_heads, parts, group, D]
-  float* part_ml;      // [batch, kv_heads, parts, group, 2]
 };
 
 // A warp's shared-memory stage holds one tile's bytes as split_stage_tile copies them, at fixed
@@ -765,10 +796,13 @@ __global__ void __launch_bounds__(kThreads, D >= 256 ? 2 : 4) split_decode_kerne
     cur = next;
   }
 
-  write_split_partial<D>(
-      a.part_acc, a.part_ml,
-      ((static_cast<std::int64_t>(b) * H + h) * a.parts + split * kWarps + warp) * G, g, G, t,
-      1.0f / pexp, m2, l, acc);
+  static_assert(cta_partial_bytes<D>() <= kWarps * kSplitStages * Stage::bytes, "cta overlay");
+  detail::cp_async_wait<0>();
+  __syncthreads();  // every warp is done with its stages and the query, which `cta` overlays
+  float* cta = reinterpret_cast<float*>(smem);
+  write_split_partial<D>(cta, cta + kWarps * G * D, warp * G, g, G, t, 1.0f / pexp, m2, l, acc);
+  combine_cta_partials<D>(cta, G, a.part_acc, a.part_ml,
+                          ((static_cast<std::int64_t>(b) * H + h) * a.parts + split) * G);
 }
 
 // --- the dense baseline: the same split-sequence design over a contiguous bf16 cache -----------
@@ -876,125 +910,88 @@ __global__ void __launch_bounds__(kThreads, 2) dense_split_kernel(DenseArgs a) {
     softmax_pv_tile<D>(x2, tmax, n, sV, g < G, lane, m2, l, acc);
     __syncwarp();
   }
-  write_partial<D>(a.part_acc, a.part_ml,
-                   ((static_cast<std::int64_t>(b) * H + h) * a.parts + split * kWarps + warp) * G,
-                   g, G, t, 1.0f, m2, l, acc);
+  static_assert(cta_partial_bytes<D>() <= kWarps * 2 * kTileSlots * kPitch * 2, "cta overlay");
+  __syncthreads();  // every warp is done with its tiles and the query, which `cta` overlays
+  float* cta = reinterpret_cast<float*>(smem);
+  write_partial<D>(cta, cta + kWarps * G * D, warp * G, g, G, t, 1.0f, m2, l, acc);
+  combine_cta_partials<D>(cta, G, a.part_acc, a.part_ml,
+                          ((static_cast<std::int64_t>(b) * H + h) * a.parts + split) * G);
 }
 
-// One warp per query head (4 per CTA): out = Σ_p acc_p·e^{m_p − m} / Σ_p l_p·e^{m_p − m}; zero
-// without a live slot. Partials with l = 0 are skipped (their acc was never written). Lane j takes
-// the parts j, j + 32, ... for the max and, 32 parts at a time, computes its part's weight
-// e^{m_p − m} once and adds l_p times it to its share of the denominator; the weights are then
-// broadcast by shuffles while every lane sums acc_p over its channels 4j.. 4j + 3 (+ 128) in part
-// order: a fixed order, so the result is the same on every run, with no block barrier.
-constexpr int kMergeThreads = 128, kMergeHeadsPerCta = kMergeThreads / 32;
-__global__ void __launch_bounds__(kMergeThreads)
-    merge_partials_kernel(const float* __restrict__ part_acc,
-                          const float* __restrict__ part_ml,  // [.., parts, group, 2]
-                          int kv_heads, int group, int parts, int head_dim,
-                          float* __restrict__ out) {  // [batch, q_heads, D]
-  const int lane = threadIdx.x % 32, b = blockIdx.y;
-  const int qh = blockIdx.x * kMergeHeadsPerCta + threadIdx.x / 32;
-  if (qh >= kv_heads * group) return;
-  const int h = qh / group, g = qh % group;
-  const std::int64_t first = (static_cast<std::int64_t>(b) * kv_heads + h) * parts * group + g;
-  const auto ml = [&](int p, int i) {
-    return part_ml[(first + static_cast<std::int64_t>(p) * group) * 2 + i];
-  };
-  float m = -INFINITY;
-  for (int p = lane; p < parts; p += 32) {
-    if (ml(p, 1) > 0.0f) m = fmaxf(m, ml(p, 0));
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  float denom = 0.0f;
-  float4 acc[2] = {};  // channels 4·lane .. + 3 and 128 + 4·lane .. + 3 (head_dim <= 256)
-  for (int c0 = 0; c0 < parts; c0 += 32) {
-    const int n = min(32, parts - c0);
-    const float l = lane < n ? ml(c0 + lane, 1) : 0.0f;
-    const float wl = l > 0.0f ? expf(ml(c0 + lane, 0) - m) : 0.0f;
-    denom += l * wl;
-    const float* src = part_acc + (first + static_cast<std::int64_t>(c0) * group) * head_dim;
-    for (int k = 0; k < n; ++k) {
-      const float w = __shfl_sync(0xffffffffu, wl, k);
-      if (w == 0.0f) continue;
-      const float* row = src + static_cast<std::int64_t>(k) * group * head_dim;
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int d = 4 * lane + 128 * j;
-        if (d >= head_dim) break;
-        const float4 x = *reinterpret_cast<const float4*>(row + d);
-        acc[j].x += x.x * w;
-        acc[j].y += x.y * w;
-        acc[j].z += x.z * w;
-        acc[j].w += x.w * w;
+// --- the merge: the CTAs' partials and the staged tokens, one CTA per (KV head, sequence) ------
+
+// out = Σ_p acc_p·e^{m_p − m} / Σ_p l_p·e^{m_p − m} over the parts p of combine_cta_partials and,
+// for the paged table, the sequence's staged tokens (16-bit keys and values waiting for their
+// 16-token group, §3.4: at most 16 per thought type), whose logits and weighted values are
+// computed here in fp32 on CUDA cores. They are folded in here rather than in a kernel of their
+// own: at batch 1 a launch is microseconds (bench/RESULTS.md run 81). Zero without a live slot.
+struct MergeArgs {
+  const float* part_acc = nullptr;  // [batch, kv_heads, parts, group, D]
+  const float* part_ml = nullptr;   // [batch, kv_heads, parts, group, 2]: max (natural log), sum
+  int kv_heads = 0, group = 0, parts = 0, head_dim = 0;
+  float* out = nullptr;  // [batch, kv_heads · group, D]
+  // The staged tokens; masks == nullptr: none (the dense baseline).
+  const PagedStaging* keys = nullptr;     // [max_sequences, 3, kv_heads, 16, D]
+  const PagedStaging* values = nullptr;   // [max_sequences, 3, kv_heads, 16, D]
+  const std::uint32_t* masks = nullptr;   // [max_sequences, 3, kv_heads] bit r: row r is staged
+  const std::int32_t* seq_ids = nullptr;  // [batch]
+  float softmax_scale = 1.0f;
+  const float* query = nullptr;  // [batch, kv_heads · group, D]
+};
+
+// The merge of partials alone; the paged path then adds its staged tokens.
+MergeArgs merge_args(const float* part_acc, const float* part_ml, int kv_heads, int group,
+                     int parts, int head_dim, float* out) {
+  MergeArgs a;
+  a.part_acc = part_acc;
+  a.part_ml = part_ml;
+  a.kv_heads = kv_heads;
+  a.group = group;
+  a.parts = parts;
+  a.head_dim = head_dim;
+  a.out = out;
+  return a;
+}
+
+constexpr int kStagedRows = kPagedThoughtTypes * 16;
+constexpr int kMergeUnroll = 8;  // partial rows a lane has in flight (the merge is latency-bound)
+
+// The staged rows of the CTA's (KV head h, sequence b): their count n, their rows srow[k < n] in
+// order, the weights sx[g][k] = e^{x − sm[g]} of their logits x and sl[g] = Σ_k sx[g][k]. Warp w
+// takes rows w, w + 4, ...: its lanes load the row's channels (coalesced) and reduce the G logits
+// by shuffles. All threads call this.
+struct StagedRows {
+  float sx[kMaxGroup][kStagedRows];
+  float sm[kMaxGroup], sl[kMaxGroup];
+  int srow[kStagedRows];
+  int n;
+};
+
+// Row index in staged_keys / staged_values of staged row r (thought type r / 16, row r % 16) of
+// KV head h of the sequence whose streams start at stream0 (= slot · 3 · kv_heads).
+__device__ __forceinline__ std::int64_t staged_row(std::int64_t stream0, int r, int H, int h) {
+  return (stream0 + static_cast<std::int64_t>(r / 16) * H + h) * 16 + r % 16;
+}
+
+__device__ void staged_weights(const MergeArgs& a, int h, int b, std::int64_t stream0,
+                               StagedRows& s) {
+  const int G = a.group, D = a.head_dim, H = a.kv_heads;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const float* q = a.query + (static_cast<std::int64_t>(b) * H + h) * G * D;  // [G, D]
+  if (threadIdx.x == 0) {
+    int n = 0;
+    for (int t = 0; t < kPagedThoughtTypes; ++t) {
+      const std::uint32_t mask = a.masks[stream0 + static_cast<std::int64_t>(t) * H + h];
+      for (int r = 0; r < 16; ++r) {
+        if ((mask >> r) & 1u) s.srow[n++] = t * 16 + r;
       }
     }
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) denom += __shfl_xor_sync(0xffffffffu, denom, o);
-  const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
-  float* o = out + (static_cast<std::int64_t>(b) * kv_heads * group + qh) * head_dim;
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    const int d = 4 * lane + 128 * j;
-    if (d >= head_dim) break;
-    *reinterpret_cast<float4*>(o + d) =
-        make_float4(acc[j].x * inv, acc[j].y * inv, acc[j].z * inv, acc[j].w * inv);
-  }
-}
-
-void launch_merge(const float* part_acc, const float* part_ml, int kv_heads, int group, int parts,
-                  int head_dim, std::int64_t batch, float* out, cudaStream_t stream) {
-  const int q_heads = kv_heads * group;
-  const dim3 grid(static_cast<unsigned>((q_heads + kMergeHeadsPerCta - 1) / kMergeHeadsPerCta),
-                  static_cast<unsigned>(batch));
-  merge_partials_kernel<<<grid, kMergeThreads, 0, stream>>>(part_acc, part_ml, kv_heads, group,
-                                                            parts, head_dim, out);
-  KVSIFT_CUDA_CHECK(cudaGetLastError());
-}
-
-// Grid (KV heads, batch), kThreads threads: the partial of the sequence's staged tokens (at most
-// 16 per thought type) in fp32 from the 16-bit rows. Warp w takes staged rows w, w + 4, ...: its
-// lanes load the row's channels (coalesced) and reduce the G logits by shuffles; then thread
-// (g, d) sums the weighted values of the live rows (independent loads). Written to part
-// parts - 1; l = 0 when nothing is staged (the merge then skips it).
-constexpr int kStagedRows = kPagedThoughtTypes * 16;
-__global__ void __launch_bounds__(kThreads) staged_partial_kernel(StagedArgs a) {
-  __shared__ float sx[kMaxGroup][kStagedRows];  // logits, then weights
-  __shared__ float sm[kMaxGroup];
-  __shared__ int srow[kStagedRows];  // live rows, in order
-  __shared__ int nrows;
-  const int h = blockIdx.x, b = blockIdx.y, G = a.group, D = a.head_dim, H = a.kv_heads;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const std::int64_t stream0 = static_cast<std::int64_t>(a.seq_ids[b]) * kPagedThoughtTypes * H;
-  const float* q = a.query + (static_cast<std::int64_t>(b) * H + h) * G * D;  // [G, D]
-  const auto row_ptr = [&](const PagedStaging* base, int r) {
-    return base + ((stream0 + static_cast<std::int64_t>(r / 16) * H + h) * 16 + r % 16) * D;
-  };
-  if (threadIdx.x == 0) {
-    std::uint32_t mask[kPagedThoughtTypes];
-    for (int s = 0; s < kPagedThoughtTypes; ++s) {
-      mask[s] = a.masks[stream0 + static_cast<std::int64_t>(s) * H + h];
-    }
-    int n = 0;
-    for (int r = 0; r < kStagedRows; ++r) {
-      if ((mask[r / 16] >> (r % 16)) & 1u) srow[n++] = r;
-    }
-    nrows = n;
+    s.n = n;
   }
   __syncthreads();
-  const int n = nrows;
-  const std::int64_t row0 = ((static_cast<std::int64_t>(b) * H + h) * a.parts + (a.parts - 1)) * G;
-  if (n == 0) {
-    for (int g = threadIdx.x; g < G; g += blockDim.x) {
-      a.part_ml[(row0 + g) * 2] = -INFINITY;
-      a.part_ml[(row0 + g) * 2 + 1] = 0.0f;
-    }
-    return;
-  }
+  const int n = s.n;
   for (int k = warp; k < n; k += kWarps) {
-    const PagedStaging* kr = row_ptr(a.keys, srow[k]);
+    const PagedStaging* kr = a.keys + staged_row(stream0, s.srow[k], H, h) * D;
     float dot[kMaxGroup] = {};
     for (int c = lane; c < D; c += 32) {
       const float kv = to_float(kr[c]);
@@ -1008,39 +1005,136 @@ __global__ void __launch_bounds__(kThreads) staged_partial_kernel(StagedArgs a) 
       if (g >= G) break;  // G is the same for the whole warp: no padding head is reduced
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) dot[g] += __shfl_xor_sync(0xffffffffu, dot[g], o);
-      if (lane == 0) sx[g][k] = dot[g] * a.softmax_scale;
+      if (lane == 0) s.sx[g][k] = dot[g] * a.softmax_scale;
     }
   }
   __syncthreads();
   for (int g = threadIdx.x; g < G; g += blockDim.x) {
     float m = -INFINITY;
-    for (int k = 0; k < n; ++k) m = fmaxf(m, sx[g][k]);
-    sm[g] = m;
-  }
-  __syncthreads();
-  for (int p = threadIdx.x; p < G * n; p += blockDim.x) {
-    const int g = p / n, k = p % n;
-    const float x = sx[g][k];
-    sx[g][k] = x > -INFINITY ? expf(x - sm[g]) : 0.0f;  // a finite x implies a finite max
-  }
-  __syncthreads();
-  for (int p = threadIdx.x; p < G * D; p += blockDim.x) {
-    const int g = p / D, d = p % D;
-    float acc = 0.0f;
-#pragma unroll 4
-    for (int k = 0; k < n; ++k) acc += sx[g][k] * to_float(row_ptr(a.values, srow[k])[d]);
-    a.part_acc[(row0 + g) * D + d] = acc;
-  }
-  for (int g = threadIdx.x; g < G; g += blockDim.x) {
+    for (int k = 0; k < n; ++k) m = fmaxf(m, s.sx[g][k]);
     float l = 0.0f;
-    for (int k = 0; k < n; ++k) l += sx[g][k];
-    a.part_ml[(row0 + g) * 2] = l > 0.0f ? sm[g] : -INFINITY;
-    a.part_ml[(row0 + g) * 2 + 1] = l;
+    for (int k = 0; k < n; ++k) {
+      const float x = s.sx[g][k];
+      const float w = x > -INFINITY ? expf(x - m) : 0.0f;  // a finite x implies a finite max
+      s.sx[g][k] = w;
+      l += w;
+    }
+    s.sm[g] = m;
+    s.sl[g] = l;
+  }
+  __syncthreads();
+}
+
+// Grid (kv_heads, batch), kThreads threads; warp w merges query heads w, w + 4, ... of its KV
+// head. Lane j takes the parts j, j + 32, ... for the max and, 32 parts at a time, computes its
+// part's weight e^{m_p − m} once and adds l_p times it to its share of the denominator; the
+// weights are then broadcast by shuffles while every lane sums acc_p over its channels 4j.. 4j + 3
+// (+ 128), kMergeUnroll rows loaded before they are used, in part order, the staged tokens last:
+// a fixed order, so the result is the same on every run. Every part's accumulator was written
+// (combine_cta_partials writes zeros where no slot was live), so no load reads stale memory.
+__global__ void __launch_bounds__(kThreads) merge_kernel(MergeArgs a) {
+  __shared__ StagedRows staged;
+  const int h = blockIdx.x, b = blockIdx.y, G = a.group, D = a.head_dim, H = a.kv_heads;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  std::int64_t stream0 = 0;
+  int n = 0;
+  if (a.masks != nullptr) {  // the same for the whole grid: the barriers inside are uniform
+    stream0 = static_cast<std::int64_t>(a.seq_ids[b]) * kPagedThoughtTypes * H;
+    staged_weights(a, h, b, stream0, staged);
+    n = staged.n;
+  }
+  for (int g = warp; g < G; g += kWarps) {
+    const std::int64_t first = (static_cast<std::int64_t>(b) * H + h) * a.parts * G + g;
+    const auto ml = [&](int p, int i) {
+      return a.part_ml[(first + static_cast<std::int64_t>(p) * G) * 2 + i];
+    };
+    float m = -INFINITY;
+    for (int p = lane; p < a.parts; p += 32) {
+      if (ml(p, 1) > 0.0f) m = fmaxf(m, ml(p, 0));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    const bool has_staged = n > 0 && staged.sl[g] > 0.0f;
+    if (has_staged) m = fmaxf(m, staged.sm[g]);
+    float denom = 0.0f;
+    float4 acc[2] = {};  // channels 4·lane .. + 3 and 128 + 4·lane .. + 3 (head_dim <= 256)
+    for (int c0 = 0; c0 < a.parts; c0 += 32) {
+      const int cn = min(32, a.parts - c0);
+      const float l = lane < cn ? ml(c0 + lane, 1) : 0.0f;
+      const float wl = l > 0.0f ? expf(ml(c0 + lane, 0) - m) : 0.0f;  // 0 past cn
+      denom += l * wl;
+      const float* src = a.part_acc + (first + static_cast<std::int64_t>(c0) * G) * D;
+      for (int k0 = 0; k0 < cn; k0 += kMergeUnroll) {  // k0 + u < 32: lane k0 + u's weight
+        float4 x[kMergeUnroll][2];
+#pragma unroll
+        for (int u = 0; u < kMergeUnroll; ++u) {
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const int d = 4 * lane + 128 * j;
+            x[u][j] = k0 + u < cn && d < D
+                          ? *reinterpret_cast<const float4*>(
+                                src + static_cast<std::int64_t>(k0 + u) * G * D + d)
+                          : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kMergeUnroll; ++u) {
+          const float w = __shfl_sync(0xffffffffu, wl, k0 + u);
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            acc[j].x += x[u][j].x * w;
+            acc[j].y += x[u][j].y * w;
+            acc[j].z += x[u][j].z * w;
+            acc[j].w += x[u][j].w * w;
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) denom += __shfl_xor_sync(0xffffffffu, denom, o);
+    if (has_staged) {
+      const float ws = expf(staged.sm[g] - m);
+      denom += staged.sl[g] * ws;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int d = 4 * lane + 128 * j;
+        if (d >= D) break;
+        float4 sv = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 4
+        for (int k = 0; k < n; ++k) {
+          const float w = staged.sx[g][k];
+          const PagedStaging* vr = a.values + staged_row(stream0, staged.srow[k], H, h) * D + d;
+          sv.x += w * to_float(vr[0]);
+          sv.y += w * to_float(vr[1]);
+          sv.z += w * to_float(vr[2]);
+          sv.w += w * to_float(vr[3]);
+        }
+        acc[j].x += sv.x * ws;
+        acc[j].y += sv.y * ws;
+        acc[j].z += sv.z * ws;
+        acc[j].w += sv.w * ws;
+      }
+    }
+    const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
+    float* o = a.out + ((static_cast<std::int64_t>(b) * H + h) * G + g) * D;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int d = 4 * lane + 128 * j;
+      if (d >= D) break;
+      *reinterpret_cast<float4*>(o + d) =
+          make_float4(acc[j].x * inv, acc[j].y * inv, acc[j].z * inv, acc[j].w * inv);
+    }
   }
 }
 
+void launch_merge(const MergeArgs& args, std::int64_t batch, cudaStream_t stream) {
+  merge_kernel<<<dim3(static_cast<unsigned>(args.kv_heads), static_cast<unsigned>(batch)), kThreads,
+                 0, stream>>>(args);
+  KVSIFT_CUDA_CHECK(cudaGetLastError());
+}
+
 struct SplitPlan {
-  int tiles_per_block = 1, tiles_per_warp = 1, splits = 1, parts = kWarps;
+  int tiles_per_block = 1, tiles_per_warp = 1, splits = 1, parts = 1;
 };
 
 SplitPlan plan_split(const DevicePagedTable& table, const PagedBatch& batch,
@@ -1056,7 +1150,7 @@ SplitPlan plan_split(const DevicePagedTable& table, const PagedBatch& batch,
   p.tiles_per_warp = static_cast<int>(std::min<std::int64_t>(per_warp, 1 << 30));
   const std::int64_t per_cta = static_cast<std::int64_t>(p.tiles_per_warp) * kWarps;
   p.splits = static_cast<int>(std::max<std::int64_t>(1, (max_units + per_cta - 1) / per_cta));
-  p.parts = p.splits * kWarps + 1;  // the last: the staged tokens' (staged_partial_kernel)
+  p.parts = p.splits;  // one partial per CTA (combine_cta_partials)
   return p;
 }
 
@@ -1301,25 +1395,15 @@ void paged_decode_attention_batch(const DevicePagedTable& table, const PagedBatc
       launch_split<256>(args, plan, tc.kv_heads, batch.batch, stream);
       break;
   }
-  StagedArgs staged;
-  staged.keys = m.staged_keys;
-  staged.values = m.staged_values;
-  staged.masks = m.staged_masks;
-  staged.seq_ids = batch.seq_ids;
-  staged.kv_heads = tc.kv_heads;
-  staged.group = args.group;
-  staged.head_dim = static_cast<int>(head_dim);
-  staged.parts = plan.parts;
-  staged.softmax_scale = softmax_scale;
-  staged.query = query;
-  staged.part_acc = part_acc;
-  staged.part_ml = part_ml;
-  staged_partial_kernel<<<dim3(static_cast<unsigned>(tc.kv_heads),
-                               static_cast<unsigned>(batch.batch)),
-                          kThreads, 0, stream>>>(staged);
-  KVSIFT_CUDA_CHECK(cudaGetLastError());
-  launch_merge(part_acc, part_ml, tc.kv_heads, args.group, plan.parts, static_cast<int>(head_dim),
-               batch.batch, out, stream);
+  MergeArgs merge = merge_args(part_acc, part_ml, tc.kv_heads, args.group, plan.parts,
+                               static_cast<int>(head_dim), out);
+  merge.keys = m.staged_keys;
+  merge.values = m.staged_values;
+  merge.masks = m.staged_masks;
+  merge.seq_ids = batch.seq_ids;
+  merge.softmax_scale = softmax_scale;
+  merge.query = query;
+  launch_merge(merge, batch.batch, stream);
 }
 
 // --- the single-sequence entry point: the split kernel where it applies -------------------------
@@ -1394,7 +1478,7 @@ SplitPlan plan_dense(std::int64_t batch, std::int64_t kv_heads, std::int64_t tok
   p.tiles_per_warp = static_cast<int>(std::min<std::int64_t>(per_warp, 1 << 30));
   const std::int64_t per_cta = static_cast<std::int64_t>(p.tiles_per_warp) * kWarps;
   p.splits = static_cast<int>(std::max<std::int64_t>(1, (units + per_cta - 1) / per_cta));
-  p.parts = p.splits * kWarps;
+  p.parts = p.splits;
   return p;
 }
 
@@ -1494,8 +1578,9 @@ void dense_split_decode_attention_bf16(const bf16_t* keys, const bf16_t* values,
       launch_dense<256>(args, plan, nb, stream);
       break;
   }
-  launch_merge(args.part_acc, args.part_ml, args.kv_heads, args.group, plan.parts,
-               static_cast<int>(head_dim), batch, out, stream);
+  launch_merge(merge_args(args.part_acc, args.part_ml, args.kv_heads, args.group, plan.parts,
+                          static_cast<int>(head_dim), out),
+               batch, stream);
 }
 
 }  // namespace kvsift::cuda

@@ -412,10 +412,11 @@ TEST_CASE("dense split attention (the benchmark's baseline) equals a double orac
   }
 }
 
-TEST_CASE("merge of 1,252 partials per query head (40 chunks of 32 weights)") {
+TEST_CASE("merge of 313 partials per query head (10 chunks of 32 weights)") {
   // One sequence, one KV head, 40,000 tokens: 1,250 tiles, one per warp, 313 splits of 4 warps,
-  // so the merge folds 1,252 partials in 39 full chunks of 32 weights and a last one of 4; the two
-  // query heads leave two of the merge CTA's four warps without a head.
+  // each CTA's four warps folded into one partial, so the merge folds 313 partials in 9 full
+  // chunks of 32 weights and a last one of 25 (three groups of 8 loads and one of a single row);
+  // the two query heads leave two of the merge CTA's four warps without a head.
   const std::int64_t B = 1, H = 1, G = 2, D = 64, T = 40000;
   const float scale = 0.125f;
   std::mt19937 rng(31);
@@ -427,7 +428,7 @@ TEST_CASE("merge of 1,252 partials per query head (40 chunks of 32 weights)") {
   for (float& x : q) x = normal(rng);
   cuda::DecodeAttentionConfig ac;
   ac.min_tiles_per_warp = 1;
-  require_close(run_dense(k, v, q, B, H, G, T, D, scale, ac, 1024),
+  require_close(run_dense(k, v, q, B, H, G, T, D, scale, ac, 312),
                 dense_bf16_oracle(k, v, q, B, H, G, T, D, scale), 0, 1e-4f,
-                "dense split (1,252 partials) vs double oracle");
+                "dense split (313 partials) vs double oracle");
 }
