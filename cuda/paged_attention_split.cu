@@ -956,10 +956,9 @@ MergeArgs merge_args(const float* part_acc, const float* part_ml, int kv_heads, 
 constexpr int kStagedRows = kPagedThoughtTypes * 16;
 constexpr int kMergeUnroll = 8;  // partial rows a lane has in flight (the merge is latency-bound)
 
-// The staged rows of the CTA's (KV head h, sequence b): their count n, their rows srow[k < n] in
-// order, the weights sx[g][k] = e^{x − sm[g]} of their logits x and sl[g] = Σ_k sx[g][k]. Warp w
-// takes rows w, w + 4, ...: its lanes load the row's channels (coalesced) and reduce the G logits
-// by shuffles. All threads call this.
+// The staged rows of one (KV head, sequence), in shared memory: their count n, their rows
+// srow[k < n] in order, the weights sx[g][k] = e^{x − sm[g]} of their logits x and
+// sl[g] = Σ_k sx[g][k].
 struct StagedRows {
   float sx[kMaxGroup][kStagedRows];
   float sm[kMaxGroup], sl[kMaxGroup];
@@ -973,6 +972,8 @@ __device__ __forceinline__ std::int64_t staged_row(std::int64_t stream0, int r, 
   return (stream0 + static_cast<std::int64_t>(r / 16) * H + h) * 16 + r % 16;
 }
 
+// Fills `s` for KV head h of sequence b. Warp w takes rows w, w + 4, ...: its lanes load the row's
+// channels (coalesced) and reduce the G logits by shuffles. All threads call this.
 __device__ void staged_weights(const MergeArgs& a, int h, int b, std::int64_t stream0,
                                StagedRows& s) {
   const int G = a.group, D = a.head_dim, H = a.kv_heads;
