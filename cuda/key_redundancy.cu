@@ -400,45 +400,71 @@ __global__ void __launch_bounds__(kBlockThreads) column_means_vec_kernel(
   __shared__ __align__(16) float total[kVecMaxDim];  // sum_i k̂_i
   const int z = blockIdx.z, h = blockIdx.y, kv_heads = gridDim.y;
   const std::int64_t bh = static_cast<std::int64_t>(z) * kv_heads + h;
-  const float* part = partial + bh * chunks * head_dim;
-  for (int d = threadIdx.x; d < head_dim; d += kBlockThreads)
-    total[d] = chunk_total(part, chunks, head_dim, d);
-  __syncthreads();
   const int g = static_cast<int>(threadIdx.x) / G, c = static_cast<int>(threadIdx.x) % G;
   const int vectors = head_dim / kVecChannels;
   const T* kbase = keys.seq<const T>(z) + h * stride_h;
   const int j0 = blockIdx.x * kVecColumns, j1 = min(length, j0 + kVecColumns);
+  // A batch of rows: their key vectors and, for the lane that finishes each row (lane u % G of
+  // the group finishes row u of the batch), its divisor and spared sum, all issued before any is
+  // used. Loaded one row at a time after the row's dot products, on lane 0 alone, with lane 0 then
+  // dividing row after row, these were most of the kernel's stalls (ncu, bench/RESULTS.md run 85).
+  constexpr int kRowsPerLane = (kBatch + G - 1) / G;
+  RawVec<T> raw[kBatch];
+  float den[kRowsPerLane];
+  unsigned long long sp[kRowsPerLane];
+  const auto row_of = [&](int it0, int u) { return j0 + g + (it0 + u) * kGroups; };
+  const auto load_batch = [&](int it0) {
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int j = row_of(it0, u);
+      raw[u] = (j < j1 && c < vectors) ? load_vec(kbase + j * stride_s, c) : zero_vec<T>();
+    }
+#pragma unroll
+    for (int k = 0; k < kRowsPerLane; ++k) {
+      const int u = c + k * G, j = row_of(it0, u);
+      const bool mine = u < kBatch && j < j1;
+      den[k] = mine ? denom[bh * length + j] : 0.0f;
+      sp[k] = mine ? spared[bh * length + j] : 0ull;
+    }
+  };
+  load_batch(0);  // in flight while the chunk sums are added
+  const float* part = partial + bh * chunks * head_dim;
+  for (int d = threadIdx.x; d < head_dim; d += kBlockThreads)
+    total[d] = chunk_total(part, chunks, head_dim, d);
+  __syncthreads();
   // This lane's 8 channels of the total (zeros past head_dim: those lanes read zero keys).
   float tot[kVecChannels];
 #pragma unroll
   for (int k = 0; k < kVecChannels; ++k) tot[k] = c < vectors ? total[c * kVecChannels + k] : 0.0f;
+#pragma unroll
   for (int it0 = 0; it0 < kIters; it0 += kBatch) {
-    RawVec<T> raw[kBatch];
+    if (it0 > 0) load_batch(it0);
+    float dot[kBatch], sq[kBatch];
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
-      const int j = j0 + g + (it0 + u) * kGroups;
-      raw[u] = (j < j1 && c < vectors) ? load_vec(kbase + j * stride_s, c) : zero_vec<T>();
+      float x[kVecChannels];
+      unpack_vec(raw[u], x);
+      dot[u] = 0.0f;
+      sq[u] = 0.0f;
+#pragma unroll
+      for (int k = 0; k < kVecChannels; ++k) {
+        dot[u] = fmaf(x[k], tot[k], dot[u]);
+        sq[u] = fmaf(x[k], x[k], sq[u]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {  // every lane of the group gets every row's sums
+      dot[u] = group_sum<G>(dot[u]);
+      sq[u] = group_sum<G>(sq[u]);
     }
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
-      const int j = j0 + g + (it0 + u) * kGroups;
-      float x[kVecChannels];
-      unpack_vec(raw[u], x);
-      float dot = 0.0f, sq = 0.0f;
-#pragma unroll
-      for (int k = 0; k < kVecChannels; ++k) {
-        dot = fmaf(x[k], tot[k], dot);
-        sq = fmaf(x[k], x[k], sq);
-      }
-      dot = group_sum<G>(dot);
-      sq = group_sum<G>(sq);
-      if (c == 0 && j < j1) {
-        // As column_means_kernel: k̂_j·total = (K_j·total) / den_j, k̂_j·k̂_j = (K_j·K_j) / den_j².
-        const std::int64_t r = bh * length + j;
-        const float den = denom[r];
-        const float own = den == 0.0f ? 0.0f : dot / den - sq / (den * den);
-        rbar[r] = (own - fixed_to_float(spared[r])) / static_cast<float>(length);
-      }
+      const int j = row_of(it0, u);
+      if (u % G != c || j >= j1) continue;
+      // As column_means_kernel: k̂_j·total = (K_j·total) / den_j, k̂_j·k̂_j = (K_j·K_j) / den_j².
+      const float dj = den[u / G];
+      const float own = dj == 0.0f ? 0.0f : dot[u] / dj - sq[u] / (dj * dj);
+      rbar[bh * length + j] = (own - fixed_to_float(sp[u / G])) / static_cast<float>(length);
     }
   }
 }
