@@ -108,18 +108,33 @@ __device__ __forceinline__ __half* tc_chunk(__half (&tile)[kTcHalves][kRows * kT
 
 // Rows [first, first + kRows) of the fp16 unit keys (`chunks` 16-byte chunks per row) into `dst`
 // asynchronously, row r at slot `slot(r)`; rows at or past `length`, and the chunks from
-// `chunks` up to a whole half (8 or 16 chunks: the wgmma sequence has one of two fixed lengths),
-// are zero-filled.
+// `chunks` up to a whole half (8 or 16 chunks, 1 << kShift: the wgmma sequence has one of two
+// fixed lengths), are zero-filled. With the count a constant, each thread's chunk column is fixed
+// and its rows a constant stride apart, so the copies unroll without a division or a loop test
+// (the run-time count cost ~140 instructions a column tile, bench/RESULTS.md run 89).
+template <int kRows, int kShift, class Slot>
+__device__ __forceinline__ void stage_rows_shift(__half (&dst)[kTcHalves][kRows * kTcHalfDim],
+                                                 const __half* __restrict__ base, int first,
+                                                 int length, int chunks, Slot slot) {
+  constexpr int kCopies = (kRows << kShift) / kTcThreads;
+  static_assert((kRows << kShift) % kTcThreads == 0, "whole copies per thread");
+  const int c = threadIdx.x & ((1 << kShift) - 1), r0 = threadIdx.x >> kShift;
+#pragma unroll
+  for (int k = 0; k < kCopies; ++k) {
+    const int r = r0 + k * (kTcThreads >> kShift), i = first + r;
+    const bool inside = i < length && c < chunks;
+    cp_async16(tc_chunk<kRows>(dst, slot(r), c),
+               base + (inside ? static_cast<std::int64_t>(i) * chunks * 8 + c * 8 : 0), inside);
+  }
+}
 template <int kRows, class Slot>
 __device__ __forceinline__ void stage_rows_async(__half (&dst)[kTcHalves][kRows * kTcHalfDim],
                                                  const __half* __restrict__ base, int first,
                                                  int length, int chunks, Slot slot) {
-  const int shift = chunks > 8 ? 4 : 3;  // log2 of the staged chunks: no division per copy
-  for (int e = threadIdx.x; e < (kRows << shift); e += kTcThreads) {
-    const int r = e >> shift, c = e & ((1 << shift) - 1), i = first + r;
-    const bool inside = i < length && c < chunks;
-    cp_async16(tc_chunk<kRows>(dst, slot(r), c),
-               base + (inside ? static_cast<std::int64_t>(i) * chunks * 8 + c * 8 : 0), inside);
+  if (chunks > 8) {  // block-uniform
+    stage_rows_shift<kRows, 4>(dst, base, first, length, chunks, slot);
+  } else {
+    stage_rows_shift<kRows, 3>(dst, base, first, length, chunks, slot);
   }
 }
 __device__ __forceinline__ int tc_same_slot(int r) { return r; }
@@ -208,13 +223,14 @@ __device__ __noinline__ bool exceeds_threshold(const UnitRow<T>& ui, const UnitR
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// acc = the warpgroup's 128 rows (two m64 halves, from shared address `rows_at`) times the 64
-// columns at `cols_at`, over kSteps k steps of 16 channels: one straight run of wgmma, with no
-// branch between them and the accumulators fenced on both sides, so that ptxas keeps them in
-// flight together instead of waiting for each before the next.
+// acc = the warpgroup's 128 rows (two m64 halves, descriptor `rows` of the first) times the 64
+// columns of descriptor `cols`, over kSteps k steps of 16 channels: one straight run of wgmma,
+// with no branch between them and the accumulators fenced on both sides, so that ptxas keeps them
+// in flight together instead of waiting for each before the next. Every other descriptor is the
+// two bases advanced by a compile-time offset (wgmma_desc_advance).
 template <int kSteps>
-__device__ __forceinline__ void tc_multiply_wgmma(float (&acc)[2][8][4], unsigned rows_at,
-                                                  unsigned cols_at) {
+__device__ __forceinline__ void tc_multiply_wgmma(float (&acc)[2][8][4], std::uint64_t rows,
+                                                  std::uint64_t cols) {
   constexpr unsigned kHalfRows = kTcRowTile * kTcHalfDim * sizeof(__half);
   constexpr unsigned kHalfCols = kTcColTile * kTcHalfDim * sizeof(__half);
   constexpr unsigned kHalfM = 64 * kTcHalfDim * sizeof(__half);  // 64 rows: one m64 product
@@ -226,14 +242,14 @@ __device__ __forceinline__ void tc_multiply_wgmma(float (&acc)[2][8][4], unsigne
 #pragma unroll
   for (int ks = 0; ks < kSteps; ++ks) {
     const unsigned k_at = (ks % 4) * 32u;  // 16 channels = 32 bytes a step within a half
-    const std::uint64_t b = wgmma_desc_sw128(cols_at + (ks / 4) * kHalfCols + k_at);
-    const unsigned a_at = rows_at + (ks / 4) * kHalfRows + k_at;
+    const std::uint64_t b = wgmma_desc_advance(cols, (ks / 4) * kHalfCols + k_at);
+    const std::uint64_t a = wgmma_desc_advance(rows, (ks / 4) * kHalfRows + k_at);
     if (ks == 0) {  // resolved at compile time: the first step overwrites the accumulators
-      wgmma_m64n64k16_f16<false>(a0, wgmma_desc_sw128(a_at), b);
-      wgmma_m64n64k16_f16<false>(a1, wgmma_desc_sw128(a_at + kHalfM), b);
+      wgmma_m64n64k16_f16<false>(a0, a, b);
+      wgmma_m64n64k16_f16<false>(a1, wgmma_desc_advance(a, kHalfM), b);
     } else {
-      wgmma_m64n64k16_f16<true>(a0, wgmma_desc_sw128(a_at), b);
-      wgmma_m64n64k16_f16<true>(a1, wgmma_desc_sw128(a_at + kHalfM), b);
+      wgmma_m64n64k16_f16<true>(a0, a, b);
+      wgmma_m64n64k16_f16<true>(a1, wgmma_desc_advance(a, kHalfM), b);
     }
   }
   wgmma_commit();
@@ -310,8 +326,16 @@ __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
     if (tid < kTcColTile) col_best[tid] = -1;
   }
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  const int wg = warp / 4;  // warpgroup: rows 128wg .. 128wg + 127 of the block
+  // Warpgroup: rows 128wg .. 128wg + 127 of the block. Taken from lane 0 so that the compiler
+  // knows it is the same across the warp and can keep the descriptors below in uniform registers.
+  const int wg = __shfl_sync(0xffffffffu, warp / 4, 0);
   const bool wg_has_rows = i0 + wg * 4 * kTcWarpRows < length;
+  // The descriptors of the warpgroup's rows and of column buffer 0, built once.
+  const std::uint64_t rows_desc =
+      wgmma_desc_sw128(static_cast<unsigned>(__cvta_generic_to_shared(sm.rows)) +
+                       wg * 4 * kTcWarpRows * kTcHalfDim * sizeof(__half));
+  const std::uint64_t cols0_desc =
+      wgmma_desc_sw128(static_cast<unsigned>(__cvta_generic_to_shared(sm.cols[0])));
 #else
   const bool warp_has_rows = i0 + warp * kTcWarpRows < length;
 #endif
@@ -353,13 +377,11 @@ __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
     for (int w = 0; w < 4; ++w) wg_open |= match[(wg * 4 + w) * kTcWarpRows + lane] < 0;
     const bool multiply = wg_has_rows && (__any_sync(0xffffffffu, wg_open) || transposed);
     if (multiply) {
-      const unsigned rows_at = static_cast<unsigned>(__cvta_generic_to_shared(sm.rows)) +
-                               wg * 4 * kTcWarpRows * kTcHalfDim * sizeof(__half);
-      const unsigned cols_at = static_cast<unsigned>(__cvta_generic_to_shared(sm.cols[buf]));
+      const std::uint64_t cols_desc = wgmma_desc_advance(cols0_desc, buf * sizeof(sm.cols[0]));
       if (chunks > 8) {  // block-uniform: 16 chunks staged, both halves
-        tc_multiply_wgmma<kTcKSteps>(acc, rows_at, cols_at);
+        tc_multiply_wgmma<kTcKSteps>(acc, rows_desc, cols_desc);
       } else {
-        tc_multiply_wgmma<kTcKSteps / 2>(acc, rows_at, cols_at);
+        tc_multiply_wgmma<kTcKSteps / 2>(acc, rows_desc, cols_desc);
       }
     }
 #else
@@ -400,14 +422,22 @@ __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
     // cannot match anyway).
     bool near = false;
     if (multiply) {
-      float top = -INFINITY;
+      // Eight independent chains, then their maximum: the same value as one chain (fmaxf is
+      // exact and drops NaN in any order), 11 dependent steps instead of 64 before the barrier.
+      float top[8];
+#pragma unroll
+      for (int c = 0; c < 8; ++c) top[c] = -INFINITY;
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-          for (int q = 0; q < 4; ++q) top = fmaxf(top, acc[mt][nt][q]);
-      near = __any_sync(0xffffffffu, top > bands.below);
+          for (int q = 0; q < 4; ++q) top[nt] = fmaxf(top[nt], acc[mt][nt][q]);
+#pragma unroll
+      for (int w = 4; w > 0; w /= 2)
+#pragma unroll
+        for (int c = 0; c < w; ++c) top[c] = fmaxf(top[c], top[c + w]);
+      near = __any_sync(0xffffffffu, top[0] > bands.below);
     }
     if (near && open) {
       // Rows: each thread holds 4 rows × 16 columns: row g (+8) of each m tile, columns 8nt + 2t

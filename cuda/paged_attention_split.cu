@@ -478,6 +478,37 @@ constexpr std::size_t split_shared_bytes(int group) {
 // whole 2-, 4-, 8- or 16-byte loads in both formats. 16 and 32 take the tiled kernel.
 bool split_head_dim_supported(std::int64_t d) { return d == 64 || d == 128 || d == 256; }
 
+// S = Q·Kᵀ of a tile's 16-slot groups (s[sg][nt]: the C fragment of n-tile nt, slots 2·col + nt,
+// of group sg; zero for a group skipped): codes and scales of the warp's stage from
+// kcodes / kscales on (this lane's offsets included), qa the lane's query A fragments. kAllLive:
+// the tile has two groups, both with a live slot, so no chunk tests which to skip (the test,
+// warp-uniform, cost a branch, a warp sync and a NOP per chunk and group: ~48 instructions of a
+// tile's ~1,255, bench/RESULTS.md run 88).
+template <int D, bool kNvfp4, bool kAllLive>
+__device__ __forceinline__ void key_logits(const std::uint8_t* kcodes, const std::uint8_t* kscales,
+                                           const uint4* qa, int g, int ngroups,
+                                           const unsigned (&glive)[2], float (&s)[2][2][4]) {
+  constexpr int kCodeBytes = kNvfp4 ? 8 : 4;  // per group
+#pragma unroll
+  for (int sg = 0; sg < 2; ++sg)
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) s[sg][nt][0] = s[sg][nt][1] = s[sg][nt][2] = s[sg][nt][3] = 0.0f;
+#pragma unroll
+  for (int kc = 0; kc < D / 16; ++kc) {
+    const uint4 av = qa[kc * 32];
+    const std::uint32_t afr[4] = {av.x, av.y, av.z, av.w};
+#pragma unroll
+    for (int sg = 0; sg < 2; ++sg) {
+      if (!kAllLive && (sg >= ngroups || glive[sg] == 0)) continue;  // warp-uniform
+      std::uint32_t kb[4];
+      key_fragments<kNvfp4>(kcodes + (sg * D + kc * 16) * kCodeBytes,
+                            lds_u32(kscales + sg * D + kc * 16), g, kb);
+      detail::mma_16816<detail::Half16::f16>(s[sg][0], afr, kb[0], kb[2]);
+      detail::mma_16816<detail::Half16::f16>(s[sg][1], afr, kb[1], kb[3]);
+    }
+  }
+}
+
 // One tile (n = 16 or 32 slots, format NVFP4 or ternary) of one warp from its shared-memory
 // stage `st` (SplitStage): S, online softmax, O += P·V, every MMA operand built in registers from
 // the codes (file comment). qa: this lane's query A fragments, [D/16] at stride 32. live: bit s =
@@ -488,7 +519,6 @@ __device__ __forceinline__ void split_tile(const std::uint8_t* st, int n, unsign
                                            int g, int t, float& m2, float& l,
                                            float (&acc)[D / 8][4]) {
   using Stage = SplitStage<D>;
-  constexpr int kChunks = D / 16;
   constexpr int kCodeBytes = kNvfp4 ? 8 : 4;            // per group
   constexpr int kVBytes = kNvfp4 ? D / 16 : D / 32;     // lane's codes of one slot
   constexpr int kVWords = (kVBytes + 3) / 4;            //
@@ -504,25 +534,12 @@ __device__ __forceinline__ void split_tile(const std::uint8_t* st, int n, unsign
 
   // 1. S = Q·Kᵀ: s[sg][nt] is the C fragment of n-tile nt (slots 2·col + nt) of group sg.
   float s[2][2][4];
-#pragma unroll
-  for (int sg = 0; sg < 2; ++sg)
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) s[sg][nt][0] = s[sg][nt][1] = s[sg][nt][2] = s[sg][nt][3] = 0.0f;
   const std::uint8_t* kcodes = st + 4 * t * kCodeBytes;
   const std::uint8_t* kscales = st + Stage::key_scales + 4 * t;
-#pragma unroll
-  for (int kc = 0; kc < kChunks; ++kc) {
-    const uint4 av = qa[kc * 32];
-    const std::uint32_t afr[4] = {av.x, av.y, av.z, av.w};
-#pragma unroll
-    for (int sg = 0; sg < 2; ++sg) {
-      if (sg >= ngroups || glive[sg] == 0) continue;  // warp-uniform
-      std::uint32_t kb[4];
-      key_fragments<kNvfp4>(kcodes + (sg * D + kc * 16) * kCodeBytes,
-                            lds_u32(kscales + sg * D + kc * 16), g, kb);
-      detail::mma_16816<detail::Half16::f16>(s[sg][0], afr, kb[0], kb[2]);
-      detail::mma_16816<detail::Half16::f16>(s[sg][1], afr, kb[1], kb[3]);
-    }
+  if (ngroups == 2 && glive[0] != 0 && glive[1] != 0) {  // warp-uniform; the usual tile
+    key_logits<D, kNvfp4, true>(kcodes, kscales, qa, g, ngroups, glive, s);
+  } else {
+    key_logits<D, kNvfp4, false>(kcodes, kscales, qa, g, ngroups, glive, s);
   }
 
   // 2. Logits (log2 units) of head g at slots 16·sg + 4t + i: n-tile i % 2, column 2t + i / 2;

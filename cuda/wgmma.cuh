@@ -32,6 +32,16 @@ __device__ __forceinline__ std::uint64_t wgmma_desc_sw128(std::uint32_t addr) {
          (std::uint64_t{1024 >> 4} << 32) | (std::uint64_t{1} << 62);
 }
 
+// The descriptor of the operand `bytes` (a multiple of 16) further on in shared memory. Exact
+// without the masking of wgmma_desc_sw128: a CTA's shared window is below 256 KiB, so the start
+// address field (address >> 4, 14 bits) cannot carry into the fields above it. One add instead of
+// the mask, shift and merge of a descriptor built from scratch (bench/RESULTS.md run 89: those
+// were ~13 instructions per wgmma of the search, between the wgmma).
+__device__ __forceinline__ std::uint64_t wgmma_desc_advance(std::uint64_t desc,
+                                                            std::uint32_t bytes) {
+  return desc + (bytes >> 4);
+}
+
 // Orders this thread's register and shared-memory accesses before the wgmma that follow.
 __device__ __forceinline__ void wgmma_fence() {
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
