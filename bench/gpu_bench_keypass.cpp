@@ -9,7 +9,8 @@
 //             writes the fp16 copy: the same bytes as the copy);
 //   pass-ro   the same pass without the fp16 copy (the fp32 search's case: reads only);
 //   +logits   the pass with the window logits folded in (32 query heads, window 8: the R-KV
-//             default), as the scoring runs it; vs logits-old, the separate tensor-core logits
+//             default), as the scoring runs it (its % counts the queries read and the logits
+//             written besides the pass's bytes); vs logits-old, the separate tensor-core logits
 //             kernel it saves (window importance with and without its logits kernel, the
 //             difference);
 //   scalar    the scalar kernels the pass replaced (normalize_and_sum_kernel);
@@ -145,17 +146,21 @@ void run(int batch, int budget, cudaStream_t stream) {
   const double copy_gbs = 2.0 * key_bytes / (copy_us * 1e3);
   const double pass_bytes = 2.0 * key_bytes + rows * 4.0 + partial.size() * 4.0;
   const double pass_gbs = pass_bytes / (pass_us * 1e3);
+  // +logits: the pass's bytes, the window queries read and the fp32 logits written.
+  const double logits_gbs =
+      (pass_bytes + q_elems * sizeof(bf16_t) + n_rows * kWindow * 4.0) / (pass_logits_us * 1e3);
   const double pass_ro_gbs = (key_bytes + rows * 4.0 + partial.size() * 4.0) / (pass_ro_us * 1e3);
   const double cm_gbs = (key_bytes + rows * 16.0) / (cm_vec_us * 1e3);
   const double compact_gbs = 4.0 * kept_bytes / (compact_us * 1e3);
   const double kept_copy_gbs = 4.0 * kept_bytes / (kept_copy_us * 1e3);
   std::printf(
-      "| %5d | %6d | %5d | %7.1f | %8.1f | %8.1f (%3.0f%%) | %8.1f (%3.0f%%) | %8.1f | %8.1f | "
+      "| %5d | %6d | %5d | %7.1f | %8.1f | %8.1f (%3.0f%%) | %8.1f (%3.0f%%) | %8.1f (%3.0f%%) | "
+      "%8.1f | "
       "%8.1f | %8.1f (%3.0f%%) | %8.1f | %8.1f (%3.0f%%) |\n",
       batch, budget, S, key_bytes / 1e6, copy_us, pass_us, 100.0 * pass_gbs / copy_gbs, pass_ro_us,
-      100.0 * pass_ro_gbs / copy_gbs, pass_logits_us, importance_us - softmax_pool_us, scalar_us,
-      cm_vec_us, 100.0 * cm_gbs / copy_gbs, cm_old_us, compact_us,
-      100.0 * compact_gbs / kept_copy_gbs);
+      100.0 * pass_ro_gbs / copy_gbs, pass_logits_us, 100.0 * logits_gbs / copy_gbs,
+      importance_us - softmax_pool_us, scalar_us, cm_vec_us, 100.0 * cm_gbs / copy_gbs, cm_old_us,
+      compact_us, 100.0 * compact_gbs / kept_copy_gbs);
 }
 
 }  // namespace
@@ -179,7 +184,8 @@ int main(int argc, char** argv) {
       "the same row; compact: relative to a copy of the kept K and V bytes)\n");
   std::printf(
       "| batch | budget | S | keys MB | copy µs | pass µs (%% copy) | pass-ro µs (%% copy) | "
-      "+logits µs | logits-old µs | scalar µs | cm-vec µs (%% copy) | cm-old µs | compact K+V "
+      "+logits µs (%% copy) | logits-old µs | scalar µs | cm-vec µs (%% copy) | cm-old µs | "
+      "compact K+V "
       "µs (%% copy) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (int budget : {1024, 2048})
     for (int batch : batches) run(batch, budget, stream);

@@ -86,20 +86,31 @@ __device__ __forceinline__ void window_logits(LogitShared& ls, const WindowLogit
   const int end = min(last, la.n);            // keys of this chunk that get logits
   const bool busy = first + warp * 16 < end;  // warp-uniform: its 16 keys hold one that counts
   float acc[kLogitMaxRows / 16][2][4] = {};
-  if (busy) {
-    for (int k = 0; k < k_steps; ++k) {
-      std::uint32_t bf[4];  // n tile 0: bf[0], bf[1]; n tile 1: bf[2], bf[3]
+  // steps, tiles: ints, or std::integral_constant for the R-KV shape, whose loops then become
+  // straight-line code in which each k-step's fragment loads overlap the previous multiplies (with
+  // run-time counts every step waited on its ldmatrix: bench/RESULTS.md runs 96 and 99).
+  const auto multiply = [&](auto steps, auto tiles) {
+#pragma unroll
+    for (int k = 0; k < kLogitMaxDim / 16; ++k) {
+      if (k >= steps) break;  // block-uniform
+      std::uint32_t bf[4];    // n tile 0: bf[0], bf[1]; n tile 1: bf[2], bf[3]
       const int m = lane / 8;
       ldmatrix_x4(bf, &ls.k[warp * 16 + (m / 2) * 8 + lane % 8][k * 16 + (m % 2) * 8]);
 #pragma unroll
       for (int mt = 0; mt < kLogitMaxRows / 16; ++mt) {
-        if (mt >= m_tiles) break;  // block-uniform
+        if (mt >= tiles) break;  // block-uniform
         std::uint32_t a[4];
         ldmatrix_x4(a, &ls.q[mt * 16 + lane % 16][k * 16 + (lane / 16) * 8]);
         mma_16816<kType>(acc[mt][0], a, bf[0], bf[1]);
         mma_16816<kType>(acc[mt][1], a, bf[2], bf[3]);
       }
     }
+  };
+  if (busy) {
+    if (k_steps == kLogitMaxDim / 16 && m_tiles == 2)  // head_dim 113 .. 128, group · window 32
+      multiply(std::integral_constant<int, kLogitMaxDim / 16>{}, std::integral_constant<int, 2>{});
+    else
+      multiply(k_steps, m_tiles);
   }
   __syncthreads();  // every warp is done with ls.k: its bytes now hold the dot products
   auto dots = reinterpret_cast<float(*)[kDotPitch]>(&ls.k[0][0]);
