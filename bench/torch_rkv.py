@@ -22,7 +22,10 @@ issue's full grid adds batch 128 and budget 4096, see the usage lines below):
 
 Timing: torch.cuda.Event pairs, median of --reps (default: 20, 10 or 5 by input size) after
 --warmup, every rep on the next input set of a pool large enough to dwarf the L2 cache (so no rep
-finds its inputs cached). Floors, measured in the same run:
+finds its inputs cached). kvsift compacts in place, so before each of its reps the keys are
+restored from a copy made with them and L2 is flushed, both untimed (key_restorer); the one-call
+step and the 32 per-layer calls run on the same 32 layers of inputs. Floors, measured in the same
+run:
   HBM floor per layer = 2 B x (B*Hkv*S*D keys read + B*Hq*W*D queries read + B*Hkv*budget*D kept
     values read + 2*B*Hkv*budget*D kept keys and values written) / device-to-device copy
     bandwidth (the same floor as gpu_bench_rkv);
@@ -523,12 +526,15 @@ def check_parity(lib, batch, budget, args, gen):
     return ok
 
 
-def event_times(fn, reps, warmup):
-    """Median ms of fn(rep) between two CUDA events on the current stream."""
+def event_times(fn, reps, warmup, setup=None):
+    """Median ms of fn(rep) between two CUDA events on the current stream; setup(rep), if given,
+    runs before the first event (untimed)."""
     import torch
 
     times = []
     for r in range(warmup + reps):
+        if setup is not None:
+            setup(r)
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         e0.record()
         fn(r)
@@ -537,6 +543,33 @@ def event_times(fn, reps, warmup):
         if r >= warmup:
             times.append(e0.elapsed_time(e1))
     return statistics.median(times)
+
+
+_L2_FLUSH = []
+
+
+def flush_l2():
+    """Reads a 256 MiB buffer (five times the H200's L2), so the next call finds nothing cached."""
+    import torch
+
+    if not _L2_FLUSH:
+        _L2_FLUSH.append(torch.ones(64 << 20, dtype=torch.float32, device="cuda"))
+    _L2_FLUSH[0].sum()
+
+
+def key_restorer(inputs):
+    """setup(rep) for event_times: copies every (k, v, q) of `inputs` back to its keys as they were
+    made, then flushes L2. kvsift compacts in place, and a step over keys it has already compacted
+    sees the rows left behind beyond the budget as exact copies of the rows it moved (run 103: the
+    search took 36 % longer on them). Values are not restored: their content changes no work."""
+    pristine = [k.clone() for k, _, _ in inputs]
+
+    def setup(_rep):
+        for (k, _, _), orig in zip(inputs, pristine):
+            k.copy_(orig)
+        flush_l2()
+
+    return setup
 
 
 def is_out_of_memory(err):
@@ -555,30 +588,34 @@ def bench_config(lib, batch, budget, keys, args, bandwidth, peak, gen):
                           args.threshold)
     torch.cuda.synchronize()
 
-    kv_ms = event_times(lambda r: runner.step(*pool[r % n_sets]), reps, args.warmup)
-    sel_ms = event_times(lambda r: runner.select(*pool[r % n_sets]), reps, args.warmup)
-
-    def layer_calls(r):  # one decode step's compression of every layer, one call per layer
-        for layer in range(args.layers):
-            runner.step(*pool[(r * args.layers + layer) % n_sets])
-
-    calls_ms = event_times(layer_calls, max(3, reps // 2), 1)
-    # The one-call step needs every layer's own buffers (it compacts them all at once).
-    del pool
+    restore_set = key_restorer(pool)  # restores every set: one rep reads one of them
+    kv_ms = event_times(lambda r: runner.step(*pool[r % n_sets]), reps, args.warmup, restore_set)
+    sel_ms = event_times(lambda r: runner.select(*pool[r % n_sets]), reps, args.warmup,
+                         restore_set)
+    # The one-call step needs every layer's own buffers (it compacts them all at once); the
+    # per-layer calls run on the same buffers, so both read the same keys.
+    del pool, restore_set
     torch.cuda.empty_cache()
-    step_ms, stepper, layer_inputs = None, None, None
+    step_ms, calls_ms, stepper, layer_inputs = None, None, None, None
     try:
         layer_inputs = [make_inputs(batch, seq, args.window, keys, gen)
                         for _ in range(args.layers)]
+        restore_layers = key_restorer(layer_inputs)
+
+        def layer_calls(r):  # one decode step's compression of every layer, one call per layer
+            for k, v, q in layer_inputs:
+                runner.step(k, v, q)
+
+        calls_ms = event_times(layer_calls, max(3, reps // 2), 1, restore_layers)
         stepper = KvsiftStepRunner(lib, layer_inputs, budget, args.window, args.buffer,
                                    args.mix_lambda, args.threshold)
-        step_ms = event_times(lambda r: stepper.step(), max(3, reps // 2), 1)
+        step_ms = event_times(lambda r: stepper.step(), max(3, reps // 2), 1, restore_layers)
     except RuntimeError as err:  # torch's out-of-memory error is a RuntimeError
         if not is_out_of_memory(err):
             raise
         print("  %d-layer step: out of memory, skipped" % args.layers)
     finally:
-        stepper, layer_inputs = None, None
+        stepper, layer_inputs, restore_layers = None, None, None
         torch.cuda.empty_cache()
     torch_ms, torch_note = None, "n/a"
     if args.skip_torch:
@@ -608,10 +645,10 @@ def bench_config(lib, batch, budget, keys, args, bandwidth, peak, gen):
                step_ms=step_ms, calls_ms=calls_ms, floor_ms=floor_ms, compute_ms=compute_ms,
                torch_ms=torch_ms, torch_note=torch_note, pool=n_sets, reps=reps)
     print("%s keys, batch %3d budget %4d: kvsift %.3f ms/layer (score+select %.3f), %d-layer step "
-          "%s ms (%d per-layer calls %.3f ms), HBM floor %.4f ms (%.1fx), compute floor %.4f ms "
+          "%s ms (%d per-layer calls %s ms), HBM floor %.4f ms (%.1fx), compute floor %.4f ms "
           "(%.1fx), PyTorch %s, pool %d sets, %d reps" % (
               keys, batch, budget, kv_ms, sel_ms, args.layers,
-              "%.3f" % step_ms if step_ms is not None else "n/a", args.layers, calls_ms, floor_ms,
+              _cell(step_ms, "%.3f"), args.layers, _cell(calls_ms, "%.3f"), floor_ms,
               kv_ms / floor_ms, compute_ms, kv_ms / compute_ms,
               "%.3f ms" % torch_ms if torch_ms is not None else torch_note, n_sets, reps),
           flush=True)

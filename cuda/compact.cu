@@ -29,16 +29,21 @@ using detail::StepView;
 constexpr int kThreads = 512;
 
 // A sequence whose rows hold a kRowInvalid marker in any layer is left untouched by
-// compact_device_rows(_step) in every layer: its layers and its mask stay consistent.
+// compact_device_rows(_step) in every layer: its layers and its mask stay consistent. The whole
+// block decides, each thread testing its share of the n_layers · kv_heads rows, so the loads are
+// independent: one thread's loop with an early exit waited on each load in turn, 256 of them at
+// 32 layers and 8 KV heads (~100 µs before a block could start, bench/RESULTS.md run 100). Every
+// thread of the block must call it (it ends in a barrier); the result is the same in all.
 //   slots [n_layers, batch, kv_heads, row_stride]
 __device__ __forceinline__ bool sequence_invalid(const std::int32_t* slots, int b, int batch,
                                                  int n_layers, int kv_heads, int row_stride) {
-  for (int l = 0; l < n_layers; ++l)
-    for (int h = 0; h < kv_heads; ++h) {
-      const std::int64_t row = (std::int64_t{l} * batch + b) * kv_heads + h;
-      if (slots[row * row_stride] == kRowInvalid) return true;
-    }
-  return false;
+  bool invalid = false;
+  for (int i = threadIdx.x; i < n_layers * kv_heads; i += blockDim.x) {
+    const int l = i / kv_heads, h = i % kv_heads;
+    const std::int64_t row = (std::int64_t{l} * batch + b) * kv_heads + h;
+    invalid |= slots[row * row_stride] == kRowInvalid;
+  }
+  return __syncthreads_or(invalid) != 0;
 }
 // Rows per thread and tile. Two tiles are in registers at once (below), so 4 keeps the 16-byte
 // buffers at 32 registers, as 8 rows of one tile did.

@@ -21,6 +21,7 @@ namespace detail {
 namespace {
 
 constexpr int kRadixBins = 256;
+static_assert(kRadixBins == kBlockThreads, "select_topk_kernel: one radix bin per thread");
 
 // Monotone map float -> uint32: a > b (as floats) iff key(a) > key(b); −0 and +0 map alike,
 // since they compare equal (and so tie) in the CPU reference.
@@ -76,12 +77,16 @@ __global__ void __launch_bounds__(kBlockThreads)
         if ((u & mask) == prefix) atomicAdd(&hist[(u >> shift) & 0xffu], 1);
       }
       __syncthreads();
-      if (threadIdx.x == 0) {
-        int above = 0, digit = kRadixBins - 1;
-        for (; digit > 0; --digit) {
-          if (above + hist[digit] >= remaining) break;
-          above += hist[digit];
-        }
+      // The cut digit is the largest d whose count of keys with digit >= d reaches `remaining`:
+      // thread t holds digit 255 − t, so a prefix sum over the threads gives, in `above`, the
+      // keys of the larger digits; exactly one thread sees above < remaining <= above + its own
+      // (the counts of all digits sum to >= remaining). One scan instead of thread 0 walking up
+      // to 255 bins, which at batch 1 was most of the kernel's time (bench/RESULTS.md run 100).
+      const int digit = kRadixBins - 1 - static_cast<int>(threadIdx.x);
+      const int count = hist[digit];
+      int above;
+      Scan(scan_tmp).ExclusiveSum(count, above);
+      if (above < remaining && above + count >= remaining) {
         cut_prefix = prefix | (static_cast<unsigned>(digit) << shift);
         cut_remaining = remaining - above;
       }

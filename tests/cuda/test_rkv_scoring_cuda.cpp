@@ -464,6 +464,48 @@ TEST_CASE("cuda R-KV selection: ties go to the lower index, NaN is rejected", "[
                       Catch::Matchers::Contains("row (b=0, h=1) has a NaN score"));
 }
 
+TEST_CASE("cuda R-KV selection: the radix cut with heavy ties equals a sort", "[cuda][rkv]") {
+  // Scores drawn from a few values (ties across every radix digit), with ±0 and ±inf, over rows
+  // long enough to take several block-sized chunks; the oracle sorts by (score desc, index asc),
+  // keeps the first budget − window, and lists them ascending, then the window.
+  const int B = 3, H = 4, W = 8;
+  const std::vector<float> values = {
+      -std::numeric_limits<float>::infinity(), -2.5f, -0.0f, 0.0f, 1e-30f, 0.125f, 0.1250001f, 3.0f,
+      std::numeric_limits<float>::infinity()};
+  std::mt19937 rng(11);
+  for (int S : {40, 300, 1152}) {
+    for (int budget : {W + 1, S / 2, S - 1}) {
+      INFO("S " << S << " budget " << budget);
+      const int n = S - W;
+      std::vector<float> scores(static_cast<std::size_t>(B) * H * n);
+      for (std::size_t r = 0; r < scores.size() / n; ++r) {
+        // Each row draws from a different number of distinct values: 1 (all tied) to all 9.
+        const std::size_t distinct = 1 + r % values.size();
+        for (int j = 0; j < n; ++j) scores[r * n + j] = values[rng() % distinct];
+      }
+      DeviceBuffer<float> d_scores(scores);
+      DeviceBuffer<std::int32_t> slots(static_cast<std::size_t>(B) * H * budget);
+      const std::vector<std::int32_t> lengths(B, S);
+      cuda::select_topk_slots(d_scores.get(), lengths.data(), nullptr, B, H, S, budget, W,
+                              slots.get(), nullptr);
+      const std::vector<std::int32_t> got = slots.download();
+      for (int r = 0; r < B * H; ++r) {
+        INFO("row " << r);
+        std::vector<int> order(n);
+        for (int j = 0; j < n; ++j) order[j] = j;
+        const float* row = &scores[static_cast<std::size_t>(r) * n];
+        std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return row[a] > row[b]; });
+        std::vector<std::int32_t> want(order.begin(), order.begin() + (budget - W));
+        std::sort(want.begin(), want.end());
+        for (int i = 0; i < W; ++i) want.push_back(n + i);
+        CHECK(std::vector<std::int32_t>(
+                  got.begin() + static_cast<std::ptrdiff_t>(r) * budget,
+                  got.begin() + static_cast<std::ptrdiff_t>(r + 1) * budget) == want);
+      }
+    }
+  }
+}
+
 TEST_CASE("cuda R-KV rejects bad calls with messages naming the values", "[cuda][rkv]") {
   std::mt19937 rng(21);
   TestCase<float> tc(2, 2, 4, 64, 8, 8, make_keys(2, 2, 64, 8, 0.0f, 0.0f, rng),
