@@ -1,7 +1,8 @@
 // The regroup refill experiment of the ThoughtBlockTable (paged/refill_rule.hpp, docs/thinkv.md §6
 // "Experiment: regroup in place"): which run is chosen, which staged tokens go where, survivors
-// keep slot / position / segment, and the re-quantized group equals an independent call of
-// quantize_token_group over (survivors' dequantized rows ∪ new tokens) in slot order.
+// keep slot / position / segment, the re-quantized group equals an independent call of
+// quantize_token_group over (survivors' dequantized rows ∪ new tokens) in slot order, and a group
+// re-quantized from its own dequantized rows decodes to them again.
 #include <algorithm>
 #include <cstdint>
 #include <random>
@@ -155,6 +156,44 @@ TEST_CASE("regroup fills a pinned run's free slots and re-quantizes the whole gr
   CHECK(r.num_blocks(rs) == 2);
   CHECK(r.refill_stats().regroups == 0);
   CHECK(t.resident_bytes().total() < r.resident_bytes().total());
+}
+
+TEST_CASE("a group re-quantized from its own dequantized rows decodes to the same rows",
+          "[thought_block_table][regroup]") {
+  // Why a regroup's cost is in the keys alone: values are grouped per token, so a survivor's value
+  // groups are re-quantized from its dequantized values only, and that returns them unchanged in
+  // every block format. NVFP4 and ternary even give back the same bytes; FP8 may not (a maximum
+  // that rounded down can lower the power-of-two scale, doubling the codes: same values).
+  constexpr int D = 64, S = kQuantGroupSize;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (BlockFormat f : {BlockFormat::nvfp4, BlockFormat::fp8, BlockFormat::ternary}) {
+    INFO(block_format_name(f));
+    const BlockHeadLayout L{f, S, D};
+    bool same_bytes = true;
+    for (int trial = 0; trial < 60; ++trial) {
+      std::vector<float> k(S * D), v(S * D);
+      for (float& x : k) x = normal(rng) * static_cast<float>(1 + trial % 5);
+      for (float& x : v) x = normal(rng) * static_cast<float>(1 + trial % 3);
+      auto encode = [&](const float* keys, const float* values) {
+        QuantizedGroup g;
+        quantize_token_group(f, keys, values, D, D, 1.0f, g);
+        std::vector<std::uint8_t> bytes(static_cast<std::size_t>(L.bytes()));
+        write_token_group(L, bytes.data(), 0, g.key_codes.data(), g.key_scales.data(),
+                          g.value_codes.data(), g.value_scales.data());
+        return bytes;
+      };
+      const std::vector<std::uint8_t> once = encode(k.data(), v.data());
+      std::vector<float> k1(S * D), v1(S * D), k2(S * D), v2(S * D);
+      dequantize_block_head(L, once.data(), 1.0f, k1.data(), v1.data());
+      const std::vector<std::uint8_t> twice = encode(k1.data(), v1.data());
+      dequantize_block_head(L, twice.data(), 1.0f, k2.data(), v2.data());
+      REQUIRE(k2 == k1);
+      REQUIRE(v2 == v1);
+      same_bytes = same_bytes && twice == once;
+    }
+    if (f != BlockFormat::fp8) CHECK(same_bytes);
+  }
 }
 
 TEST_CASE("regroup prefers a fully free run, then the most free slots, lowest first",
