@@ -66,10 +66,10 @@ void run(int batch, int budget, cudaStream_t stream) {
   const cuda::detail::StepView qstep{&kv, &qv, 1};
   const std::size_t n_rows = static_cast<std::size_t>(batch) * kKVHeads * (S - kWindow);
   DeviceArray<float> logits(n_rows * kWindow), pre_pool(n_rows), importance(n_rows);
-  const int pitch = cuda::detail::tc_row_pitch(kHeadDim);
   const int chunks = cuda::detail::key_sum_chunks(S);
   DeviceArray<float> denom(rows), rbar(rows);
-  DeviceArray<std::uint16_t> unit16(rows * pitch);
+  DeviceArray<std::uint16_t> unit16(static_cast<std::size_t>(
+      cuda::detail::tc_unit16_count(static_cast<std::int64_t>(batch) * kKVHeads, S, kHeadDim)));
   DeviceArray<float> partial(static_cast<std::size_t>(batch) * kKVHeads * chunks * kHeadDim);
   DeviceArray<unsigned long long> spared(rows);
   KVSIFT_CUDA_CHECK(cudaMemset(spared.get(), 0, rows * sizeof(unsigned long long)));

@@ -1,8 +1,9 @@
 // The one pass over the keys of R-KV's key redundancy (docs/algorithms.md §1.2 steps 1, 4 and 6):
 // everything that needs only one key row at a time, produced while each row is read once.
 //   denom    ||K_i|| + 1e-8 per row, 0 for a pad (the UnitKeys contract of rkv_kernels.cuh);
-//   unit16   the fp16 (RNE) unit key k̂_i = K_i · (1 / denom) the tensor-core search reads,
-//            zero-padded to tc_row_pitch(head_dim) channels, zero rows for pads;
+//   unit16   the fp16 (RNE) unit key k̂_i = K_i · (1 / denom) the tensor-core search reads, in
+//            its tile images (tc_unit_images.cuh): zero past head_dim, zero rows for pads and
+//            from `length` to the end of the region;
 //   partial  sums of k̂_i over chunks of kKeySumRows rows, per (sequence, head) — the first
 //            stage of sum_i k̂_i, which column_means_kernel finishes by adding the chunks in
 //            order (a fixed-order, atomic-free two-stage reduction: run-to-run deterministic);
@@ -30,6 +31,7 @@
 #include "kvsift/core/dtype.hpp"
 #include "mma.cuh"
 #include "rkv_kernels.cuh"
+#include "tc_unit_images.cuh"
 
 namespace kvsift::cuda::detail {
 
@@ -152,8 +154,7 @@ __global__ void __launch_bounds__(kBlockThreads)
                     const std::uint8_t* __restrict__ valid,  // [batch, capacity] or nullptr
                     std::int64_t capacity, int length, int head_dim,
                     float* __restrict__ denom,    // [sequences, kv_heads, length]
-                    __half* __restrict__ unit16,  // [.., length, pitch16] or nullptr
-                    int pitch16,
+                    __half* __restrict__ unit16,  // per (z, h): tc_head_elements, or nullptr
                     float* __restrict__ partial,  // [sequences, kv_heads, chunks, head_dim]
                     WindowLogitArgs la) {
   static_assert(!kLogits || (sizeof(T) == 2 && G <= 16), "logits: 16-bit keys, head_dim <= 128");
@@ -169,14 +170,16 @@ __global__ void __launch_bounds__(kBlockThreads)
   const int b = z % keys.batch;  // the padding mask is per sequence, shared by the layers
   const std::int64_t bh = static_cast<std::int64_t>(z) * kv_heads + h;
   const int g = static_cast<int>(threadIdx.x) / G, c = static_cast<int>(threadIdx.x) % G;
-  const int vectors = head_dim / kVecChannels, pitch_vectors = pitch16 / kVecChannels;
+  const int vectors = head_dim / kVecChannels, image_chunks = 8 * tc_image_halves(head_dim);
   const int first = chunk * kKeySumRows, last = min(length, first + kKeySumRows);
   const T* kbase = keys.seq<const T>(z) + h * stride_h;
+  __half* const head16 =
+      unit16 != nullptr ? unit16 + bh * tc_head_elements(length, head_dim) : nullptr;
 
   extern __shared__ __align__(16) unsigned char dynamic_shared[];
   LogitShared& ls = *reinterpret_cast<LogitShared*>(dynamic_shared);  // kLogits only
   [[maybe_unused]] const int k_chunks =
-      (head_dim + 15) / 16 * 2;  // 16-byte chunks of a staged row: pitch16 / 8
+      (head_dim + 15) / 16 * 2;  // 16-byte chunks of a staged row: whole k16 steps
   if constexpr (kLogits) {
     // The group's window queries, rows padded to whole m16 tiles and chunks to whole k16 steps
     // with zeros, as gqa_logits_mma_kernel stages them; by cp.async, so the key loads below are
@@ -233,24 +236,33 @@ __global__ void __launch_bounds__(kBlockThreads)
       float v[kVecChannels];
 #pragma unroll
       for (int k = 0; k < kVecChannels; ++k) {
-        v[k] = x[k] * inv;  // 0 for pads, rows past the chunk and lanes past head_dim
-        acc[k] += v[k];
+        // 0 for pads, rows past the chunk and lanes past head_dim. Rounded product and sum, never
+        // contracted into an fma: the sums must not depend on whether the fp16 copy is stored
+        // (the tensor-core and fp32 searches share them; one contraction moved 78 sums by an ulp).
+        v[k] = __fmul_rn(x[k], inv);
+        acc[k] = __fadd_rn(acc[k], v[k]);
       }
       if (i >= last) continue;  // no barrier or shuffle follows inside this loop
       const std::int64_t r = bh * length + i;
       if (c == 0) denom[r] = pad[u] ? 0.0f : den;
-      if (unit16 != nullptr && c < pitch_vectors) {  // lanes past head_dim write the zero padding
-        uint4 out = make_uint4(0, 0, 0, 0);          // (explicitly: 0 · inv is NaN when a key is)
+      if (head16 != nullptr) {  // lanes past head_dim write the zero channels of the image
+        uint4 out = make_uint4(0, 0, 0, 0);  // (explicitly: 0 · inv is NaN when a key is)
         if (c < vectors) {
           __half2* o = reinterpret_cast<__half2*>(&out);
 #pragma unroll
           for (int k = 0; k < kVecChannels / 2; ++k)
             o[k] = __floats2half2_rn(v[2 * k], v[2 * k + 1]);
         }
-        *reinterpret_cast<uint4*>(unit16 + r * pitch16 + c * kVecChannels) = out;
+        for (int cc = c; cc < image_chunks; cc += G) {  // G >= vectors: chunks past c are zero
+          *reinterpret_cast<uint4*>(head16 + tc_chunk_offset(i, cc, image_chunks / 8)) = out;
+          out = make_uint4(0, 0, 0, 0);
+        }
       }
     }
   }
+
+  if (head16 != nullptr && chunk == gridDim.x - 1)
+    zero_tc_padding(head16, length, image_chunks / 8, threadIdx.x, kBlockThreads);
 
   // Second stage inside the block: the group sums of each channel, added in group order.
   float4* mine = reinterpret_cast<float4*>(&sums[(g * G + c) * kVecChannels]);
@@ -280,7 +292,7 @@ void launch_pass(const StepView& step, int length, float* denom, __half* unit16,
   auto launch = [&](auto kernel, int shared_bytes) {
     kernel<<<grid, kBlockThreads, shared_bytes, stream>>>(
         key_bases(step), kv.keys.stride[1], kv.keys.stride[2], kv.valid_mask, kv.capacity(), length,
-        head_dim, denom, unit16, tc_row_pitch(head_dim), partial, la);
+        head_dim, denom, unit16, partial, la);
     KVSIFT_CUDA_CHECK(cudaGetLastError());
   };
   if constexpr (sizeof(T) == 2 && G <= 16) {
@@ -303,6 +315,7 @@ bool launch_key_pass(const StepView& step, int length, float* denom, void* unit1
   if (!key_rows_vectorizable(step)) return false;
   if (reinterpret_cast<std::uintptr_t>(unit16) % 16 != 0) return false;  // null is aligned
   const KVCacheView& kv = step.first();
+  require_unit16_scope(unit16, static_cast<int>(kv.head_dim()));
   if (step.sequences() == 0 || kv.kv_heads() == 0 || length <= 0) return true;  // nothing to do
   // The window logits too, when their tensor-core path applies and some key gets one.
   WindowLogitArgs la{};

@@ -33,6 +33,7 @@
 #include "kvsift/backend/cuda/check.hpp"
 #include "kvsift/core/dtype.hpp"
 #include "rkv_kernels.cuh"
+#include "tc_unit_images.cuh"
 
 namespace kvsift::cuda::detail {
 namespace {
@@ -76,9 +77,7 @@ __global__ void __launch_bounds__(kBlockThreads)
                           const std::uint8_t* __restrict__ valid,  // [batch, capacity] or nullptr
                           std::int64_t capacity, int kv_heads, int length, int head_dim,
                           std::int64_t rows,            // sequences * kv_heads * length
-                          float* __restrict__ denom,    // [sequences, kv_heads, length]
-                          __half* __restrict__ unit16,  // [.., length, pitch16] or null
-                          int pitch16) {
+                          float* __restrict__ denom) {  // [sequences, kv_heads, length]
   const std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   if (r >= rows) return;  // whole warps leave; no block barrier follows
   const int lane = threadIdx.x % 32;
@@ -87,9 +86,6 @@ __global__ void __launch_bounds__(kBlockThreads)
   const int z = static_cast<int>(bh / kv_heads), h = static_cast<int>(bh % kv_heads);
   const int b = z % keys.batch;  // the padding mask is per sequence, shared by the layers
   const T* k = keys.seq<const T>(z) + h * ks.h + i * ks.s;
-  __half* out16 = unit16 != nullptr ? unit16 + r * pitch16 : nullptr;
-  if (out16 != nullptr)  // the padding channels, and whole pad rows, are zero
-    for (int d = lane; d < pitch16; d += 32) out16[d] = __float2half_rn(0.0f);
   if (valid != nullptr && valid[b * capacity + i] == 0) {
     if (lane == 0) denom[r] = 0.0f;  // a pad: a zero key
     return;
@@ -102,9 +98,6 @@ __global__ void __launch_bounds__(kBlockThreads)
   for (int off = 16; off > 0; off /= 2) sq += __shfl_xor_sync(0xffffffffu, sq, off);
   const float den = sqrtf(sq) + 1e-8f;  // the butterfly leaves the same sum in every lane
   if (lane == 0) denom[r] = den;
-  const float inv = __frcp_rn(den);  // x·(1/den) is within 1 ulp of x/den: the fp16 copy's bound
-  if (out16 != nullptr)              // (key_redundancy_tc.cu) allows for it
-    for (int d = lane; d < head_dim; d += 32) out16[d] = __float2half_rn(to_float(k[d]) * inv);
 }
 
 // normalize_keys_kernel and unit_key_partial_sums_kernel in one pass, for head_dim <= 256 (every
@@ -118,9 +111,8 @@ __global__ void __launch_bounds__(kBlockThreads)
                              KeyStrides ks,
                              const std::uint8_t* __restrict__ valid,  // [batch, capacity] or null
                              std::int64_t capacity, int length, int head_dim,
-                             float* __restrict__ denom,    // [sequences, kv_heads, length]
-                             __half* __restrict__ unit16,  // [.., length, pitch16] or null
-                             int pitch16,
+                             float* __restrict__ denom,      // [sequences, kv_heads, length]
+                             __half* __restrict__ unit16,    // tc_unit_images.cuh, or null
                              float* __restrict__ partial) {  // [sequences, kv_heads, chunks, D]
   constexpr int kPerLane = kFusedMaxDim / 32;
   __shared__ float warp_sums[kWarps][kFusedMaxDim];
@@ -130,12 +122,14 @@ __global__ void __launch_bounds__(kBlockThreads)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int first = chunk * kKeySumRows, last = min(length, first + kKeySumRows);
   const T* kbase = keys.seq<const T>(z) + h * ks.h;
+  const int halves = tc_image_halves(head_dim);
+  __half* const head16 =
+      unit16 != nullptr ? unit16 + bh * tc_head_elements(length, head_dim) : nullptr;
   float acc[kPerLane];
 #pragma unroll
   for (int m = 0; m < kPerLane; ++m) acc[m] = 0.0f;
   for (int i = first + warp; i < last; i += kWarps) {
     const std::int64_t r = bh * length + i;
-    __half* out16 = unit16 != nullptr ? unit16 + r * pitch16 : nullptr;
     const bool pad = valid != nullptr && valid[b * capacity + i] == 0;
     float x[kPerLane];
     float sq = 0.0f;
@@ -154,11 +148,17 @@ __global__ void __launch_bounds__(kBlockThreads)
 #pragma unroll
     for (int m = 0; m < kPerLane; ++m) {
       const int d = lane + 32 * m;
-      const float v = pad ? 0.0f : x[m] * inv;  // pads: zero keys (§1.2 step 6)
-      if (d < head_dim) acc[m] += v;
-      if (out16 != nullptr && d < pitch16) out16[d] = __float2half_rn(d < head_dim ? v : 0.0f);
+      // Pads: zero keys (§1.2 step 6). Rounded product and sum, as in key_pass.cu: the sums may
+      // not depend on whether the fp16 copy is stored.
+      const float v = pad ? 0.0f : __fmul_rn(x[m], inv);
+      if (d < head_dim) acc[m] = __fadd_rn(acc[m], v);
+      if (head16 != nullptr && d < kTcImageChannels * halves)
+        head16[tc_chunk_offset(i, d / 8, halves) + d % 8] =
+            __float2half_rn(d < head_dim ? v : 0.0f);
     }
   }
+  if (head16 != nullptr && chunk == gridDim.x - 1)
+    zero_tc_padding(head16, length, halves, threadIdx.x, kBlockThreads);
 #pragma unroll
   for (int m = 0; m < kPerLane; ++m) warp_sums[warp][lane + 32 * m] = acc[m];
   __syncthreads();
@@ -521,6 +521,7 @@ void launch_key_rows_scalar(const StepView& step, int length, float* denom, void
   const int batch = step.sequences(), kv_heads = static_cast<int>(kv.kv_heads());
   const int head_dim = static_cast<int>(kv.head_dim());
   const std::int64_t rows = static_cast<std::int64_t>(batch) * kv_heads * length;
+  require_unit16_scope(unit16, head_dim);
   if (rows == 0) return;
   const KeyStrides ks{kv.keys.stride[1], kv.keys.stride[2]};
   const UnitKeys unit = unit_keys_of(step, length, denom);
@@ -530,15 +531,13 @@ void launch_key_rows_scalar(const StepView& step, int length, float* denom, void
   KVSIFT_DISPATCH_DTYPE(kv.dtype(), T, [&] {
     if (head_dim <= kFusedMaxDim) {  // normalisation and key sums in one kernel
       normalize_and_sum_kernel<T><<<grid, kBlockThreads, 0, stream>>>(
-          unit.keys, ks, kv.valid_mask, kv.capacity(), length, head_dim, denom, u16,
-          tc_row_pitch(head_dim), partial);
+          unit.keys, ks, kv.valid_mask, kv.capacity(), length, head_dim, denom, u16, partial);
       KVSIFT_CUDA_CHECK(cudaGetLastError());
       return;
     }
     normalize_keys_kernel<T>
         <<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kBlockThreads, 0, stream>>>(
-            unit.keys, ks, kv.valid_mask, kv.capacity(), kv_heads, length, head_dim, rows, denom,
-            u16, tc_row_pitch(head_dim));
+            unit.keys, ks, kv.valid_mask, kv.capacity(), kv_heads, length, head_dim, rows, denom);
     KVSIFT_CUDA_CHECK(cudaGetLastError());
     unit_key_partial_sums_kernel<T>
         <<<grid, kBlockThreads, 0, stream>>>(unit, length, head_dim, partial);

@@ -4,7 +4,8 @@
 // as last_match_kernel in key_redundancy.cu, bit for bit, and spares the same fp32 cosines.
 //
 // How: 256×64 tiles of the cosine matrix are computed on the tensor cores from fp16 copies of
-// the unit keys (written once by the normalisation, fp32 accumulate), from the sequence end
+// the unit keys (written once by the normalisation as the tiles' byte images, tc_unit_images.cuh;
+// fp32 accumulate), from the sequence end
 // backwards, and a block of 256 rows stops once each of its rows has its answer. On Hopper
 // (sm_90a code: CMakeLists.txt adds it to this file) each warpgroup multiplies its 128 rows by
 // wgmma from shared memory; elsewhere each warp its 32 rows by ldmatrix + mma.sync m16n8k16.
@@ -48,19 +49,21 @@
 // random keys (cosines ~ N(0, 1/D)) are almost never rechecked; NaN cosines fail both comparisons,
 // as they fail c32 > t.
 //
-// Scope: head_dim <= 128 and a multiple of 4 (the fp16 rows are zero-padded to a multiple of 16);
+// Scope: head_dim <= 128 and a multiple of 4 (the images hold 64 or 128 channels, zero past it);
 // other head_dims use the fp32 path (tc_search_supported()).
 #include <cuda_fp16.h>
 
 #include <cmath>
 #include <cstdint>
 
+#include "bulk_copy.cuh"
 #include "cosine_filter.cuh"
 #include "key_vec.cuh"
 #include "kvsift/backend/cuda/check.hpp"
 #include "kvsift/core/dtype.hpp"
 #include "mma.cuh"
 #include "rkv_kernels.cuh"
+#include "tc_unit_images.cuh"
 #include "wgmma.cuh"
 
 namespace kvsift::cuda::detail {
@@ -76,19 +79,23 @@ constexpr int kTcKSteps = kTcMaxDim / 16;
 constexpr int kTcHalfDim = 64;  // channels per staged row piece: 128 bytes, one swizzle row
 constexpr int kTcHalves = kTcMaxDim / kTcHalfDim;
 static_assert(kTcRowTile == kTcThreads, "one thread per row for the tile bookkeeping");
+static_assert(kTcLengthQuantum % kTcRowTile == 0, "every row tile lies inside the images");
 
 // Shared memory of one block (dynamic: 101 KiB with the alignment slack, two blocks per SM): the
-// block's rows once, the column tiles double-buffered (the next one arrives by cp.async during the
-// current multiply). Channels 0–63 and 64–127 of the rows are stored apart, as 128-byte rows with
-// the 128-byte swizzle (wgmma.cuh): the layout wgmma reads, and conflict-free for ldmatrix.
+// block's rows once, the column tiles double-buffered (the next one arrives during the current
+// multiply). Channels 0–63 and 64–127 of the rows are stored apart, as 128-byte rows with the
+// 128-byte swizzle (wgmma.cuh): the layout wgmma reads, conflict-free for ldmatrix, and the
+// layout of the tile images in global memory (tc_unit_images.cuh), so a tile is copied as is.
 struct TcShared {
   alignas(1024) __half rows[kTcHalves][kTcRowTile * kTcHalfDim];  // by row slot (tc_row_slot)
   alignas(1024) __half cols[2][kTcHalves][kTcColTile * kTcHalfDim];
+  std::uint64_t landed[2];    // bulk copies: phase completes when cols[b] (first: + rows) landed
   int match[kTcRowTile];      // final r_i of the tile's rows; -1 while still searching
   int cand[kTcRowTile];       // best match known so far of a row still searching
   int tile_best[kTcRowTile];  // last match inside the current column tile, -1: none
-  int col_best[kTcColTile];   // phase 1: last matching row of each column, -1: none
 };
+static_assert(kTcColTile == kTcImageRows && kTcHalfDim == kTcImageChannels,
+              "a column tile is one tile image");
 
 // The shared-memory slot of row r (0 .. 255) of a block. Warpgroup wg's two m64 products cover
 // slots 128wg + 64mt .. + 63, of which warp w's fragments hold slots + 16w .. + 16w + 15; storing
@@ -106,38 +113,67 @@ __device__ __forceinline__ __half* tc_chunk(__half (&tile)[kTcHalves][kRows * kT
   return tile[chunk / 8] + swizzle128_offset(slot, chunk % 8) / sizeof(__half);
 }
 
-// Rows [first, first + kRows) of the fp16 unit keys (`chunks` 16-byte chunks per row) into `dst`
-// asynchronously, row r at slot `slot(r)`; rows at or past `length`, and the chunks from
-// `chunks` up to a whole half (8 or 16 chunks, 1 << kShift: the wgmma sequence has one of two
-// fixed lengths), are zero-filled. With the count a constant, each thread's chunk column is fixed
-// and its rows a constant stride apart, so the copies unroll without a division or a loop test
-// (the run-time count cost ~140 instructions a column tile, bench/RESULTS.md run 89).
-template <int kRows, int kShift, class Slot>
-__device__ __forceinline__ void stage_rows_shift(__half (&dst)[kTcHalves][kRows * kTcHalfDim],
-                                                 const __half* __restrict__ base, int first,
-                                                 int length, int chunks, Slot slot) {
-  constexpr int kCopies = (kRows << kShift) / kTcThreads;
-  static_assert((kRows << kShift) % kTcThreads == 0, "whole copies per thread");
-  const int c = threadIdx.x & ((1 << kShift) - 1), r0 = threadIdx.x >> kShift;
-#pragma unroll
-  for (int k = 0; k < kCopies; ++k) {
-    const int r = r0 + k * (kTcThreads >> kShift), i = first + r;
-    const bool inside = i < length && c < chunks;
-    cp_async16(tc_chunk<kRows>(dst, slot(r), c),
-               base + (inside ? static_cast<std::int64_t>(i) * chunks * 8 + c * 8 : 0), inside);
+// The copies of the tile images (tc_unit_images.cuh) into shared memory. From sm_90 on, one
+// thread issues bulk copies that complete on an mbarrier (bulk_copy.cuh) and the block waits for
+// its phase: a column tile is one contiguous copy, the block's rows 16-row pieces, each to its
+// slot (tc_row_slot moves rows in whole 16-row pieces and keeps r % 8, the swizzle's phase).
+// Before sm_90 (and with KVSIFT_TC_SYNC_COPIES, to test that code on Hopper) every thread copies
+// 16-byte chunks and a block barrier ends the copy.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(KVSIFT_TC_SYNC_COPIES)
+#define KVSIFT_TC_BULK_COPIES 1
+#else
+#define KVSIFT_TC_BULK_COPIES 0
+#endif
+
+// One (b, h) region of tile images.
+struct TcImages {
+  const __half* head;
+  int halves;  // tc_image_halves(head_dim)
+  __device__ unsigned tile_bytes() const {
+    return static_cast<unsigned>(halves * kTcImageRows * kTcImageChannels * sizeof(__half));
   }
-}
-template <int kRows, class Slot>
-__device__ __forceinline__ void stage_rows_async(__half (&dst)[kTcHalves][kRows * kTcHalfDim],
-                                                 const __half* __restrict__ base, int first,
-                                                 int length, int chunks, Slot slot) {
-  if (chunks > 8) {  // block-uniform
-    stage_rows_shift<kRows, 4>(dst, base, first, length, chunks, slot);
-  } else {
-    stage_rows_shift<kRows, 3>(dst, base, first, length, chunks, slot);
+  __device__ const __half* tile(int jt) const {
+    return head + static_cast<std::int64_t>(jt) * halves * kTcImageRows * kTcImageChannels;
   }
+};
+
+#if KVSIFT_TC_BULK_COPIES
+// Thread 0: column tile jt into cols[buf], and with kRows the block's rows i0 .. i0 + 255 too,
+// all counted on landed[buf]. The caller knows no thread still reads those buffers.
+template <bool kRows>
+__device__ __forceinline__ void issue_tile_copies(TcShared& sm, const TcImages& im, int i0, int jt,
+                                                  int buf) {
+  constexpr unsigned kPieceRows = 16;
+  const unsigned piece = kPieceRows * kTcHalfDim * sizeof(__half);
+  fence_proxy_async_shared();  // after the reads of the buffers it overwrites (ldmatrix)
+  mbarrier_arrive_expect_tx(&sm.landed[buf],
+                            im.tile_bytes() * (kRows ? 1 + kTcRowTile / kTcColTile : 1));
+  if constexpr (kRows) {
+    for (int q = 0; q < kTcRowTile / static_cast<int>(kPieceRows); ++q)
+      for (int h = 0; h < im.halves; ++h)
+        bulk_copy_to_shared(&sm.rows[h][tc_row_slot(q * kPieceRows) * kTcHalfDim],
+                            im.head + tc_row_offset(i0 + q * kPieceRows, h, im.halves), piece,
+                            &sm.landed[buf]);
+  }
+  bulk_copy_to_shared(sm.cols[buf], im.tile(jt), im.tile_bytes(), &sm.landed[buf]);
 }
-__device__ __forceinline__ int tc_same_slot(int r) { return r; }
+#else
+// Every thread: its share of column tile jt into cols[buf], and with `rows` of the block's rows.
+__device__ __forceinline__ void copy_tile_sync(TcShared& sm, const TcImages& im, int i0, int jt,
+                                               int buf, bool rows) {
+  const int chunks = 8 * im.halves;
+  if (rows)
+    for (int e = threadIdx.x; e < kTcRowTile * chunks; e += kTcThreads) {
+      const int r = e / chunks, c = e % chunks;
+      *reinterpret_cast<uint4*>(tc_chunk<kTcRowTile>(sm.rows, tc_row_slot(r), c)) =
+          *reinterpret_cast<const uint4*>(im.head + tc_chunk_offset(i0 + r, c, im.halves));
+    }
+  const uint4* src = reinterpret_cast<const uint4*>(im.tile(jt));
+  uint4* dst = reinterpret_cast<uint4*>(sm.cols[buf]);
+  for (int e = threadIdx.x; e < static_cast<int>(im.tile_bytes() / sizeof(uint4)); e += kTcThreads)
+    dst[e] = src[e];
+}
+#endif
 constexpr double kTcFixedScale = 4294967296.0;  // must equal key_redundancy.cu's kFixedScale
 
 // Same conversion as key_redundancy.cu's add_fixed: 32.32 fixed point, exact order-free sum.
@@ -283,15 +319,17 @@ __device__ __forceinline__ int next_column_tile(int jt, bool upper, int own_firs
 //     Then the spared cosines are added and best[] becomes r_i.
 // Warp w owns rows 32w .. 32w + 31 of the tile against all 64 columns of the staged tile, in
 // mma.sync's fragment layout on both paths (tc_row_slot); wgmma reads both operands from shared
-// memory, mma.sync takes them through ldmatrix, and the next column tile is copied in by cp.async
-// while this one is multiplied. The wgmma path is 5–8 % faster on random keys (run 78): the
-// multiply is not what bounds this kernel, its latency between barriers is (run 75's profile). Two
-// CTAs per SM (128 registers a thread): one CTA with the registers it would like (150–168) is 25–35
-// % slower (bench/RESULTS.md, run 73).
+// memory, mma.sync takes them through ldmatrix, and the next column tile is copied in while this
+// one is multiplied. The wgmma path is 5–8 % faster on random keys (run 78): the multiply is not
+// what bounds this kernel, its latency between barriers is (run 75's profile), so a tile has one
+// block barrier: a warp's rows are its own (their bookkeeping needs only __syncwarp), columns'
+// matches go to best[] by global atomics, and the copies are waited for on an mbarrier. Two CTAs
+// per SM (128 registers a thread): one CTA with the registers it would like (150–168) is 25–35 %
+// slower (bench/RESULTS.md, run 73).
 template <class T>
 __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
     UnitKeys unit,                      // the unit keys in fp32, for the exact re-checks
-    const __half* __restrict__ unit16,  // [.., length, 16·k_steps]
+    const __half* __restrict__ unit16,  // tc_head_elements(length, head_dim) per (b, h)
     int length, int head_dim, TcBands bands, bool faithful, bool upper,
     bool vectorized,                            // key_rows_vectorizable: 16-byte re-check loads
     int* __restrict__ best,                     // [sequences, kv_heads, length], −1 at start
@@ -304,14 +342,13 @@ __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
   int* const match = sm.match;
   int* const cand = sm.cand;
   int* const tile_best = sm.tile_best;
-  int* const col_best = sm.col_best;
   const int b = blockIdx.z, h = blockIdx.y, kv_heads = gridDim.y;
   const int i0 = blockIdx.x * kTcRowTile, own_first = i0 / kTcColTile;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;  // mma fragment coordinates
   const std::int64_t bh = static_cast<std::int64_t>(b) * kv_heads + h;
-  const int ksteps = (head_dim + 15) / 16, chunks = 2 * ksteps;
-  const __half* u16 = unit16 + bh * length * chunks * 8;
+  const TcImages im{unit16 + bh * tc_head_elements(length, head_dim), tc_image_halves(head_dim)};
+  [[maybe_unused]] const int ksteps = (head_dim + 15) / 16;  // mma.sync: k steps with channels
   int* bbase = best + bh * length;
   const int* rbase = reached + bh * gridDim.x;
   const UnitHead<T> uh = unit_head<T>(unit, bh);  // fp32 rows for the exact re-checks
@@ -323,8 +360,14 @@ __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
     match[tid] = i >= length ? length : (known >= i0 ? known : -1);
     cand[tid] = known;
     tile_best[tid] = -1;
-    if (tid < kTcColTile) col_best[tid] = -1;
   }
+#if KVSIFT_TC_BULK_COPIES
+  if (tid == 0) {
+    mbarrier_init(&sm.landed[0], 1);
+    mbarrier_init(&sm.landed[1], 1);
+    fence_mbarrier_init();
+  }
+#endif
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   // Warpgroup: rows 128wg .. 128wg + 127 of the block. Taken from lane 0 so that the compiler
   // knows it is the same across the warp and can keep the descriptors below in uniform registers.
@@ -342,13 +385,16 @@ __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
   const int n_col_tiles = (length + kTcColTile - 1) / kTcColTile;
   int jt = next_column_tile(upper ? n_col_tiles - 1 : own_first - 1, upper, own_first, rbase);
   int last_done = n_col_tiles;  // phase 1: the lowest column tile computed
-  // Phase 2 blocks whose rows all matched in phase 1 search nothing.
-  if (!upper && __syncthreads_and(match[tid] >= 0)) jt = -1;
-  if (jt >= 0) {  // the block's rows and its first column tile: one async group
-    stage_rows_async<kTcRowTile>(sm.rows, u16, i0, length, chunks, tc_row_slot);
-    stage_rows_async<kTcColTile>(sm.cols[0], u16, jt * kTcColTile, length, chunks, tc_same_slot);
-  }
-  cp_async_commit();
+  // match[] and the barriers visible to all; phase 2 blocks whose rows all matched in phase 1
+  // search nothing.
+  if (__syncthreads_and(match[tid] >= 0) && !upper) jt = -1;
+#if KVSIFT_TC_BULK_COPIES
+  if (jt >= 0 && tid == 0) issue_tile_copies<true>(sm, im, i0, jt, 0);
+  unsigned parity = 0;     // bit b: the parity of landed[b]'s next phase
+  bool in_flight = false;  // a copy into cols[buf] was issued and is not waited for
+#else
+  bool rows_staged = false;
+#endif
   int buf = 0;
 
   while (jt >= 0) {
@@ -356,16 +402,17 @@ __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
     // Phase 1, columns wholly right of the rows: also find each column's last matching row.
     const bool transposed = upper && jt >= own_first + kTcTilesPerRowTile;
     const int next = next_column_tile(jt - 1, upper, own_first, rbase);
+#if KVSIFT_TC_BULK_COPIES
     // cols[buf ^ 1] was last read before the barrier that ended the previous iteration.
-    if (next >= 0)
-      stage_rows_async<kTcColTile>(sm.cols[buf ^ 1], u16, next * kTcColTile, length, chunks,
-                                   tc_same_slot);
-    cp_async_commit();  // possibly empty: then waiting for all but the newest group is exact
-    cp_async_wait<1>();
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    fence_proxy_async_shared();  // the copies, visible to wgmma after the barrier
+    if (next >= 0 && tid == 0) issue_tile_copies<false>(sm, im, i0, next, buf ^ 1);
+    in_flight = next >= 0;
+    mbarrier_wait(&sm.landed[buf], (parity >> buf) & 1u);  // tile jt (the first time: the rows)
+    parity ^= 1u << buf;
+#else
+    copy_tile_sync(sm, im, i0, jt, buf, !rows_staged);
+    rows_staged = true;
+    __syncthreads();  // tile jt (the first time: the rows) visible to all
 #endif
-    __syncthreads();  // tile jt (and, the first time, the rows and match[]) visible to all
 
     // A warp multiplies when its rows still search or (transposed tiles) all its real rows count.
     const bool open = __any_sync(0xffffffffu, match[warp * kTcWarpRows + lane] < 0);
@@ -378,7 +425,7 @@ __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
     const bool multiply = wg_has_rows && (__any_sync(0xffffffffu, wg_open) || transposed);
     if (multiply) {
       const std::uint64_t cols_desc = wgmma_desc_advance(cols0_desc, buf * sizeof(sm.cols[0]));
-      if (chunks > 8) {  // block-uniform: 16 chunks staged, both halves
+      if (im.halves == 2) {  // block-uniform: both halves staged
         tc_multiply_wgmma<kTcKSteps>(acc, rows_desc, cols_desc);
       } else {
         tc_multiply_wgmma<kTcKSteps / 2>(acc, rows_desc, cols_desc);
@@ -479,8 +526,11 @@ __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
           if (found >= 0) atomicMax(&tile_best[row], found);
         }
     }
-    // Columns (transposed tiles): the last certain row per column, max over the block. Bit
-    // 8nt + 4c + 2mt + half of col_uncertain: row (mt, half) of column (nt, c) needs a re-check.
+    // tile_best of the warp's rows complete (only this warp's lanes wrote them).
+    __syncwarp();
+    // Columns (transposed tiles): the last certain row per column among the warp's rows, posted
+    // to best[] (atomicMax: the other warps and blocks post theirs too). Bit 8nt + 4c + 2mt + half
+    // of col_uncertain: row (mt, half) of column (nt, c) needs a re-check.
     unsigned long long col_uncertain = 0;
     if (transposed && near) {
 #pragma unroll
@@ -504,24 +554,23 @@ __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
                 col_uncertain |= 1ull << (shift + 2 * mt + half);
               }
             }
-          // Max over the 8 lanes holding this column (lane bits 2..4), then over warps.
+          // Max over the 8 lanes holding this column (lane bits 2..4).
           for (int off = 4; off < 32; off *= 2)
             found = max(found, __shfl_xor_sync(0xffffffffu, found, off));
-          if (g == 0 && found >= 0) atomicMax(&col_best[cl], found);
+          if (g == 0 && found >= 0) atomicMax(&bbase[j0 + cl], found);
         }
     }
-    __syncthreads();  // tile_best and the certain col_best complete
-    // Re-check uncertain rows above their column's best so far in exact fp32, highest first; a
-    // column is settled by its first success (or by a row at or below its best).
+    // Re-check uncertain rows above their column's best known so far in exact fp32, highest
+    // first; a column is settled by its first success (or by a row at or below its best).
     while (col_uncertain != 0) {
       const int bit = 63 - __clzll(col_uncertain);
       const int nt = bit / 8, c = (bit / 4) % 2, r = bit % 4;  // r = 2·mt + half
       const int cl = nt * 8 + 2 * t + c, j = j0 + cl;
       const int i = i0 + warp * kTcWarpRows + (r / 2) * 16 + g + (r % 2) * 8;
-      bool settled = i <= *static_cast<volatile int*>(&col_best[cl]);
+      bool settled = i <= *static_cast<volatile int*>(&bbase[j]);
       if (!settled && exceeds_threshold(uh.row(i), uh.row(j), head_dim, vectorized, bands.threshold,
                                         bands.filter)) {
-        atomicMax(&col_best[cl], i);
+        atomicMax(&bbase[j], i);
         settled = true;
       }
       col_uncertain &= settled ? ~(0xfull << (bit & ~3)) : ~(1ull << bit);
@@ -537,16 +586,16 @@ __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
       }
     }
     tile_best[tid] = -1;
-    const bool all_done = __syncthreads_and(match[tid] >= 0);  // also: col_best complete
-    if (transposed && tid < kTcColTile) {
-      if (col_best[tid] >= 0 && j0 + tid < length) atomicMax(&bbase[j0 + tid], col_best[tid]);
-      col_best[tid] = -1;
-    }
+    // Also: every thread is done with cols[buf] and cols[buf ^ 1] may be refilled.
+    const bool all_done = __syncthreads_and(match[tid] >= 0);
     last_done = jt;
     buf ^= 1;
     jt = all_done ? -1 : next;
   }
-  cp_async_wait<0>();  // a prefetch issued before an early exit lands before the block ends
+#if KVSIFT_TC_BULK_COPIES
+  // A prefetch issued before an early exit lands before the block ends (buf: flipped above).
+  if (in_flight) mbarrier_wait(&sm.landed[buf], (parity >> buf) & 1u);
+#endif
 
   const int i = i0 + tid;
   if (upper) {
@@ -609,7 +658,21 @@ double tc_cosine_margin(int head_dim) {
   return n2 * (rounding + tc_sum + fp32_sum) + subnormals + std::ldexp(1.0, -100);
 }
 
-int tc_row_pitch(int head_dim) { return (head_dim + 15) / 16 * 16; }
+void require_unit16_scope(const void* unit16, int head_dim) {
+  KVSIFT_CHECK(unit16 == nullptr || tc_search_supported(head_dim),
+               "the fp16 unit keys are only written for the tensor-core search's head_dims "
+               "(<= 128, multiples of 4); head_dim = ",
+               head_dim);
+}
+
+std::int64_t tc_unit16_count(std::int64_t heads, int length, int head_dim) {
+  return heads * tc_head_elements(length, head_dim);
+}
+
+std::int64_t tc_unit16_index(std::int64_t bh, int i, int d, int length, int head_dim) {
+  return bh * tc_head_elements(length, head_dim) +
+         tc_chunk_offset(i, d / 8, tc_image_halves(head_dim)) + d % 8;
+}
 
 void launch_last_match_tc(const UnitKeys& unit, DType dtype, const void* unit16, int batch,
                           int kv_heads, int length, int head_dim, float threshold, bool faithful,

@@ -137,7 +137,7 @@ bool mma_logits_supported(const StepView& step, int group, int window);
 // Key redundancy R over all `length` tokens (docs/algorithms.md §1.2 steps 1–5, before the slice)
 // of every sequence z = layer · batch + b of the step.
 //   denom       [z, kv_heads, length] scratch: each row's ||K|| + 1e-8 (0: pad), see UnitKeys
-//   unit16      [z, kv_heads, length, tc_row_pitch(head_dim)] scratch: fp16 k̂ for the
+//   unit16      tc_unit16_count(z · kv_heads, length, head_dim) scratch: fp16 k̂ for the
 //               tensor-core search; nullptr when it does not run (then the fp32 search does)
 //   tc_reached  [z, kv_heads, tc_row_tiles(length)] scratch of the tensor-core search, or nullptr
 //   spared      [z, kv_heads, length] scratch: fixed-point sums of spared cosines per column
@@ -155,7 +155,8 @@ bool launch_key_redundancy(const StepView& step, int length, float threshold, bo
 // of the unit keys, reading each key once with 16-byte accesses. Layouts as launch_key_redundancy's
 // scratch above:
 //   denom    [z, kv_heads, length]
-//   unit16   [z, kv_heads, length, tc_row_pitch(head_dim)] fp16, or nullptr
+//   unit16   tc_unit16_count(z · kv_heads, length, head_dim) fp16 (the search's tile images,
+//            cuda/tc_unit_images.cuh), or nullptr; only with tc_search_supported(head_dim)
 //   partial  [z, kv_heads, key_sum_chunks(length), head_dim]
 // Returns false, having enqueued nothing, when the keys' layout does not allow 16-byte accesses
 // (head_dim not a multiple of 8 or above 256, a stride or base not 16-byte aligned, unit16 not
@@ -201,15 +202,20 @@ double tc_cosine_margin(int head_dim);
 // Row tiles of the tensor-core search: `reached` below holds one int per (b, h, row tile).
 int tc_row_tiles(int length);
 
-// Row pitch (elements) of the fp16 unit keys the tensor-core search reads: head_dim rounded up
-// to a multiple of 16, zero-padded.
-int tc_row_pitch(int head_dim);
+// Elements (fp16) of the unit keys the tensor-core search reads, for `heads` = sequences ·
+// kv_heads heads of `length` rows, stored as its tile images (cuda/tc_unit_images.cuh: whole
+// 256-row tiles of 64 or 128 channels, zero past head_dim and past `length`); and the index in
+// such a buffer of channel d of row i of head bh. Host-side, for the scratch and the tests.
+std::int64_t tc_unit16_count(std::int64_t heads, int length, int head_dim);
+std::int64_t tc_unit16_index(std::int64_t bh, int i, int d, int length, int head_dim);
+// Throws kvsift::Error when unit16 is set for a head_dim outside tc_search_supported.
+void require_unit16_scope(const void* unit16, int head_dim);
 
 // Tensor-core search for r_i = max{ j != i : C[i,j] > threshold } (docs/algorithms.md §1.2 step 3),
 // identical to the fp32 search; adds the spared fp32 cosines C[i, r_i] (faithful: C[i, 0] of
 // unmatched rows) to `spared` in 32.32 fixed point. Requires tc_search_supported(head_dim).
 //   unit     the unit keys (storage dtype `dtype`), read for the exact fp32 re-checks
-//   unit16   [batch, kv_heads, length, tc_row_pitch(head_dim)] fp16 (RNE) copy of the unit keys
+//   unit16   tc_unit16_count(batch · kv_heads, length, head_dim): the fp16 (RNE) unit keys
 //   spared   [batch, kv_heads, length] accumulated into (zero it first)
 //   match    [batch, kv_heads, length] scratch, then r_i (−1: row i has no match)
 //   reached  [batch, kv_heads, tc_row_tiles(length)] scratch

@@ -151,7 +151,8 @@ std::size_t key_sums_count(const CallShape& s) {
 }
 
 std::size_t unit16_count(const CallShape& s) {
-  return static_cast<std::size_t>(s.rows() * s.length * tc_row_pitch(static_cast<int>(s.head_dim)));
+  return static_cast<std::size_t>(
+      tc_unit16_count(s.rows(), static_cast<int>(s.length), static_cast<int>(s.head_dim)));
 }
 std::size_t tc_reached_count(const CallShape& s) {
   return static_cast<std::size_t>(s.rows() * tc_row_tiles(static_cast<int>(s.length)));
@@ -163,7 +164,7 @@ struct Workspace {
   float* pre_pool;             // [batch, kv_heads, n]
   float* importance;           // [batch, kv_heads, n]
   float* denom;                // [batch, kv_heads, S]: ||K|| + 1e-8 per key (UnitKeys)
-  void* unit16;                // [batch, kv_heads, S, tc_row_pitch(head_dim)] fp16, or null
+  void* unit16;                // tc_unit16_count(batch · kv_heads, S, head_dim) fp16, or null
   int* tc_reached;             // [batch, kv_heads, tc_row_tiles(S)], or null
   unsigned long long* spared;  // [batch, kv_heads, S]
   float* key_sums;             // [batch, kv_heads, key_sum_chunks(S), head_dim]

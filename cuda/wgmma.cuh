@@ -53,11 +53,6 @@ template <int kPending>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 }
-// Makes this thread's generic-proxy writes to shared memory (st.shared, cp.async) visible to
-// the async proxy wgmma reads through; then a barrier publishes them to the warpgroup.
-__device__ __forceinline__ void fence_proxy_async_shared() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
 
 // Keeps the compiler from moving accesses to the accumulators across the wgmma that own them.
 template <int kN>

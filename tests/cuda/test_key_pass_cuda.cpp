@@ -2,10 +2,12 @@
 // (cuda/key_redundancy.cu) against a double-precision host oracle written from
 // docs/algorithms.md §1.2 steps 1, 4 and 6, and against the scalar kernels they replace, with
 // explicit tolerances derived from fp32 rounding (below). Cases: f32/f16/bf16 storage, head_dim
-// 8, 24, 64, 128, 136 and 256 (every lane-group width, zero-padded fp16 rows), a length that is
-// not a multiple of the 128-row chunks inside a larger capacity, two layers of a step (sequence
-// z = layer · batch + b), left and scattered pads whose memory holds NaN, and the layouts the
-// pass must refuse (nothing written) so that the scalar kernels run instead.
+// 8, 24, 64, 128, 136 and 256 (every lane-group width), a length that is not a multiple of the
+// 128-row chunks inside a larger capacity, two layers of a step (sequence z = layer · batch + b),
+// left and scattered pads whose memory holds NaN, and the layouts the pass must refuse (nothing
+// written) so that the scalar kernels run instead. The fp16 copy (head_dim <= 128, the
+// tensor-core search's scope) is read back through tc_unit16_index: every element of its tile
+// images written, zero past head_dim, for pads and from `length` to the end of the images.
 //
 // Tolerances, u = 2^-24 (fp32 unit roundoff), D = head_dim:
 //   denom   ||K|| + 1e-8: a D-term fmaf sum, sqrt and an add: |err| <= (D + 4)·u·ref;
@@ -102,7 +104,19 @@ struct KeyStep {
   int sequences() const { return layers * B; }
   std::size_t rows() const { return static_cast<std::size_t>(sequences()) * H * length; }
   int chunks() const { return cuda::detail::key_sum_chunks(length); }
-  int pitch() const { return cuda::detail::tc_row_pitch(D); }
+  // The fp16 copy exists for the tensor-core search's head_dims only.
+  bool has_unit16() const { return cuda::detail::tc_search_supported(D); }
+  std::size_t unit16_count() const {
+    return static_cast<std::size_t>(
+        cuda::detail::tc_unit16_count(static_cast<std::int64_t>(sequences()) * H, length, D));
+  }
+  // Channels of an image row (64 or 128) and rows of the images (whole 256-row tiles).
+  int image_channels() const { return D > 64 ? 128 : 64; }
+  int image_rows() const { return (length + 255) / 256 * 256; }
+  std::size_t u16(std::size_t bh, int i, int d) const {
+    return static_cast<std::size_t>(
+        cuda::detail::tc_unit16_index(static_cast<std::int64_t>(bh), i, d, length, D));
+  }
   bool pad(int z, int i) const { return !mask.empty() && mask[(z % B) * capacity + i] == 0; }
   // Key channel d of row i of (sequence z, head h) as float.
   double x(int z, int h, int i, int d) const {
@@ -119,19 +133,22 @@ struct PassOut {
 
 // Runs the one pass (or, scalar = true, the scalar kernels) into exactly sized buffers.
 template <class T>
-PassOut run_pass(const KeyStep<T>& ks, bool scalar, bool* accepted = nullptr) {
+PassOut run_pass(const KeyStep<T>& ks, bool scalar, bool* accepted = nullptr,
+                 bool fp16_copy = true) {
   DeviceBuffer<float> denom(ks.rows());
-  DeviceBuffer<std::uint16_t> unit16(ks.rows() * ks.pitch());
+  const bool copy = fp16_copy && ks.has_unit16();
+  DeviceBuffer<std::uint16_t> unit16(copy ? ks.unit16_count() : 1);
+  std::uint16_t* const u16 = copy ? unit16.get() : nullptr;
   DeviceBuffer<float> partial(static_cast<std::size_t>(ks.sequences()) * ks.H * ks.chunks() * ks.D);
   // Poison: every output element must be written.
   KVSIFT_CUDA_CHECK(cudaMemset(denom.get(), 0xff, denom.size() * sizeof(float)));
   KVSIFT_CUDA_CHECK(cudaMemset(unit16.get(), 0xff, unit16.size() * sizeof(std::uint16_t)));
   KVSIFT_CUDA_CHECK(cudaMemset(partial.get(), 0xff, partial.size() * sizeof(float)));
   if (scalar) {
-    cuda::detail::launch_key_rows_scalar(ks.step(), ks.length, denom.get(), unit16.get(),
-                                         partial.get(), nullptr);
+    cuda::detail::launch_key_rows_scalar(ks.step(), ks.length, denom.get(), u16, partial.get(),
+                                         nullptr);
   } else {
-    const bool ok = cuda::detail::launch_key_pass(ks.step(), ks.length, denom.get(), unit16.get(),
+    const bool ok = cuda::detail::launch_key_pass(ks.step(), ks.length, denom.get(), u16,
                                                   partial.get(), nullptr);
     if (accepted != nullptr) *accepted = ok;
   }
@@ -178,7 +195,7 @@ float f16_value(std::uint16_t b) { return f16_bits_to_float(b); }
 // Every output of `out` within the header's tolerances of the oracle; counts failures.
 template <class T>
 void check_against_oracle(const KeyStep<T>& ks, const PassOut& out, const Oracle& o) {
-  const int D = ks.D, pitch = ks.pitch();
+  const int D = ks.D;
   std::int64_t bad_den = 0, bad_unit = 0, bad_pad16 = 0, bad_sum = 0;
   for (std::size_t r = 0; r < ks.rows(); ++r) {
     const bool pad = o.den[r] == 0.0;
@@ -186,10 +203,12 @@ void check_against_oracle(const KeyStep<T>& ks, const PassOut& out, const Oracle
     if (pad ? den != 0.0 : !(std::fabs(den - o.den[r]) <= (D + 4) * kU * o.den[r])) {
       if (bad_den++ < 5) UNSCOPED_INFO("denom row " << r << ": " << den << " vs " << o.den[r]);
     }
-    for (int d = 0; d < pitch; ++d) {
-      const double v = f16_value(out.unit16[r * pitch + d]);
+    for (int d = 0; ks.has_unit16() && d < ks.image_channels(); ++d) {
+      const std::uint16_t bits =
+          out.unit16[ks.u16(r / ks.length, static_cast<int>(r % ks.length), d)];
+      const double v = f16_value(bits);
       if (d >= D || pad) {
-        if (out.unit16[r * pitch + d] != 0) ++bad_pad16;  // +0.0 exactly
+        if (bits != 0) ++bad_pad16;  // +0.0 exactly
         continue;
       }
       const double ref = o.unit[r * D + d];
@@ -200,6 +219,11 @@ void check_against_oracle(const KeyStep<T>& ks, const PassOut& out, const Oracle
       }
     }
   }
+  // The images' rows from `length` on: zero.
+  for (std::size_t bh = 0; ks.has_unit16() && bh * ks.length < ks.rows(); ++bh)
+    for (int i = ks.length; i < ks.image_rows(); ++i)
+      for (int d = 0; d < ks.image_channels(); ++d)
+        if (out.unit16[ks.u16(bh, i, d)] != 0) ++bad_pad16;
   for (std::size_t e = 0; e < o.partial.size(); ++e) {
     const double tol = (128 + D + 8) * kU * o.abs_partial[e];
     if (!(std::fabs(out.partial[e] - o.partial[e]) <= tol)) {
@@ -232,6 +256,14 @@ void check_pass(int layers, int B, int H, int capacity, int length, int D, bool 
   CHECK(again.denom == ours.denom);
   CHECK(again.unit16 == ours.unit16);
   CHECK(again.partial == ours.partial);
+  // Without the fp16 copy (the fp32 search's call): the same divisors and sums, bit for bit, in
+  // both kernels, as the two searches' shared column means need.
+  const PassOut bare = run_pass(ks, false, nullptr, false);
+  CHECK(bare.denom == ours.denom);
+  CHECK(bare.partial == ours.partial);
+  const PassOut bare_scalar = run_pass(ks, true, nullptr, false);
+  CHECK(bare_scalar.denom == scalar.denom);
+  CHECK(bare_scalar.partial == scalar.partial);
 }
 
 // rbar of the vectorised or scalar column means, for given denominators, chunk sums and spared
@@ -325,7 +357,7 @@ TEST_CASE("one key pass: layouts without 16-byte accesses are refused, untouched
           "[cuda][rkv][keypass]") {
   auto refused = [](const auto& ks, bool misalign_unit16) {
     DeviceBuffer<float> denom(ks.rows() + 1);
-    DeviceBuffer<std::uint16_t> unit16(ks.rows() * ks.pitch() + 8);
+    DeviceBuffer<std::uint16_t> unit16(ks.unit16_count() + 8);
     DeviceBuffer<float> partial(static_cast<std::size_t>(ks.sequences()) * ks.H * ks.chunks() *
                                 ks.D);
     KVSIFT_CUDA_CHECK(cudaMemset(denom.get(), 0x7f, denom.size() * sizeof(float)));
@@ -349,6 +381,19 @@ TEST_CASE("one key pass: layouts without 16-byte accesses are refused, untouched
   CHECK(refused(KeyStep<bf16_t>(1, 1, 1, 40, 40, 128, false, 12), true));
   CHECK_FALSE(cuda::detail::key_rows_vectorizable(
       KeyStep<bf16_t>(1, 1, 1, 40, 40, 128, false, 13, 1).step()));
+}
+
+TEST_CASE("key pass: an fp16 copy outside the tensor-core search's head_dims is refused",
+          "[cuda][rkv][keypass]") {
+  const KeyStep<f16_t> ks(1, 1, 1, 40, 40, 136, false, 14);  // vectorizable, but above 128
+  DeviceBuffer<float> denom(ks.rows()), partial(static_cast<std::size_t>(ks.chunks()) * ks.D);
+  DeviceBuffer<std::uint16_t> unit16(ks.unit16_count());
+  CHECK_THROWS_WITH(cuda::detail::launch_key_pass(ks.step(), ks.length, denom.get(), unit16.get(),
+                                                  partial.get(), nullptr),
+                    Catch::Matchers::Contains("head_dim = 136"));
+  CHECK_THROWS_AS(cuda::detail::launch_key_rows_scalar(ks.step(), ks.length, denom.get(),
+                                                       unit16.get(), partial.get(), nullptr),
+                  kvsift::Error);
 }
 
 TEST_CASE("vectorised column means match the double formula of §1.2 step 4",
@@ -438,7 +483,7 @@ void check_pass_with_logits(int D, int group, int W, bool pads, std::uint32_t se
   const std::size_t logit_count = static_cast<std::size_t>(ks.sequences()) * ks.H * W * n;
   DeviceBuffer<float> denom(ks.rows()),
       partial(static_cast<std::size_t>(ks.sequences()) * ks.H * ks.chunks() * D);
-  DeviceBuffer<std::uint16_t> unit16(ks.rows() * ks.pitch());
+  DeviceBuffer<std::uint16_t> unit16(ks.unit16_count());
   DeviceBuffer<float> fused(logit_count), separate(logit_count);
   DeviceBuffer<float> pre_pool(static_cast<std::size_t>(ks.sequences()) * ks.H * n),
       importance(static_cast<std::size_t>(ks.sequences()) * ks.H * n);

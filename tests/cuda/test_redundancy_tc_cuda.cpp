@@ -85,10 +85,15 @@ SearchResult gpu_search(const std::vector<float>& unit, int B, int H, int S, int
   u.denom = d_denom.get();
   u.kv_heads = H;
   u.length = S;
-  const int pitch = cuda::detail::tc_row_pitch(D);
-  std::vector<f16_t> unit16(n * pitch, from_float<f16_t>(0.0f));
+  // In the search's tile images (zero elsewhere), placed by the index function of the layout.
+  std::vector<f16_t> unit16(static_cast<std::size_t>(cuda::detail::tc_unit16_count(
+                                static_cast<std::int64_t>(B) * H, S, D)),
+                            from_float<f16_t>(0.0f));
   for (std::size_t r = 0; r < n; ++r)
-    for (int d = 0; d < D; ++d) unit16[r * pitch + d] = from_float<f16_t>(unit[r * D + d]);
+    for (int d = 0; d < D; ++d)
+      unit16[static_cast<std::size_t>(cuda::detail::tc_unit16_index(
+          static_cast<std::int64_t>(r / S), static_cast<int>(r % S), d, S, D))] =
+          from_float<f16_t>(unit[r * D + d]);
   DeviceBuffer<f16_t> d_unit16(unit16);
   const auto run = [&](bool vectorized) {
     KVSIFT_CUDA_CHECK(
@@ -353,7 +358,7 @@ TEST_CASE("tensor-core last match equals the exact fp32 search", "[cuda][rkv][tc
     check_search(u, 1, 1, S, D, c, false);
     check_search(u, 1, 1, S, D, std::nextafter(c, -1.0f), true);
   }
-  SECTION("head_dim 100 (zero-padded to 112) and short sequences") {
+  SECTION("head_dim 100 (zero channels to 128 in the images) and short sequences") {
     check_search(make_unit_keys(Keys::near_threshold, 2, 300, 100, 9), 2, 1, 300, 100, 0.5f, true);
     check_search(make_unit_keys(Keys::duplicates, 1, 1, 64, 10), 1, 1, 1, 64, 0.5f, true);
     check_search(make_unit_keys(Keys::clustered, 1, 70, 64, 11), 1, 1, 70, 64, 0.5f, false);
