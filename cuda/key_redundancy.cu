@@ -69,7 +69,7 @@ __device__ __forceinline__ float warp_sum(float x) {
 }
 
 // One warp per (b, h, i): the norm's divisor ||K|| + 1e-8 (0 for a pad), with the CPU reference's
-// arithmetic, and the fp16 copy of the unit key.
+// arithmetic. Only for head_dim > 256, beyond the tensor-core search, so it writes no fp16 copy.
 template <class T>
 __global__ void __launch_bounds__(kBlockThreads)
     normalize_keys_kernel(StepBases keys,  // per layer [batch, kv_heads, capacity, head_dim]
