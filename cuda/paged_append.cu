@@ -104,6 +104,7 @@ __global__ void write_rows_kernel(std::uint8_t* __restrict__ storage,
 // and value rows at 16 bits (from_float<PagedStaging>, the CPU staging's rounding); a seal then
 // quantizes the 16 rows, in position order, exactly as quantize_token_group does on the CPU:
 // keys per channel (16 slots), values per token (16 channels), each with its own fresh scale.
+// A regroup seal fills only the run's free slots from staging and re-quantizes its survivors too.
 template <class T>
 __global__ void __launch_bounds__(kStreamThreads)
     stream_ops_kernel(std::uint8_t* __restrict__ storage, std::uint64_t* __restrict__ masks,
@@ -136,23 +137,35 @@ __global__ void __launch_bounds__(kStreamThreads)
       const QuantFormat q = quant_format_of(static_cast<BlockFormat>(seal.format));
       std::uint8_t* base = storage + seal.base;
       const int group = seal.first_slot / kQuantGroupSize;
+      // A regroup's survivors enter as their dequantized rows (what attention reads), exactly as
+      // ThoughtBlockTable::regroup_run: each thread reads the one group it then rewrites.
       float x[kQuantGroupSize];
       for (int c = threadIdx.x; c < D; c += blockDim.x) {  // key group (slot group, channel c)
-        for (int i = 0; i < kQuantGroupSize; ++i) x[i] = to_float(sk[seal.order[i] * D + c]);
         const std::int64_t g = static_cast<std::int64_t>(group) * D + c;
+        if (seal.regroup) {
+          dequantize_group(q, base + g * L.code_bytes, base[L.key_scales + g], gf, kQuantGroupSize,
+                           x, 1);
+        }
+        for (int i = 0; i < kQuantGroupSize; ++i) {
+          if (seal.order[i] >= 0) x[i] = to_float(sk[seal.order[i] * D + c]);
+        }
         base[L.key_scales + g] =
             quantize_group(q, x, 1, kQuantGroupSize, gf, base + g * L.code_bytes);
       }
       for (int k = threadIdx.x; k < kQuantGroupSize * per_token; k += blockDim.x) {
         const int i = k / per_token, b = k % per_token;  // value group (slot first + i, block b)
-        const PagedStaging* row = sv + seal.order[i] * D + b * kQuantGroupSize;
-        for (int j = 0; j < kQuantGroupSize; ++j) x[j] = to_float(row[j]);
         const std::int64_t g = static_cast<std::int64_t>(seal.first_slot + i) * per_token + b;
-        base[L.value_scales + g] =
-            quantize_group(q, x, 1, kQuantGroupSize, gf, base + L.value_codes + g * L.code_bytes);
+        std::uint8_t* codes = base + L.value_codes + g * L.code_bytes;
+        if (seal.order[i] < 0) {
+          dequantize_group(q, codes, base[L.value_scales + g], gf, kQuantGroupSize, x, 1);
+        } else {
+          const PagedStaging* row = sv + seal.order[i] * D + b * kQuantGroupSize;
+          for (int j = 0; j < kQuantGroupSize; ++j) x[j] = to_float(row[j]);
+        }
+        base[L.value_scales + g] = quantize_group(q, x, 1, kQuantGroupSize, gf, codes);
       }
       const std::int64_t fh = static_cast<std::int64_t>(seal.frame) * kv_heads + task.head;
-      if (threadIdx.x < kQuantGroupSize) {
+      if (threadIdx.x < kQuantGroupSize && seal.positions[threadIdx.x] >= 0) {
         positions[fh * block_size + seal.first_slot + threadIdx.x] = seal.positions[threadIdx.x];
       }
       if (threadIdx.x == 0) {
@@ -257,17 +270,18 @@ bool bit_free(const std::uint64_t* mask, std::int32_t slot) {
 bool run_free(const std::uint64_t* mask, std::int32_t first) {  // 16 slots, never across words
   return ((mask[first / 64] >> (first % 64)) & 0xffffu) == 0xffffu;
 }
+// The 16 staging rows of a full stream in the order of their positions (rows: [16]).
+void rows_by_position(const std::int32_t* rows, std::int32_t* order) {  // order: [16]
+  for (int i = 0; i < kQuantGroupSize; ++i) order[i] = i;
+  std::sort(order, order + kQuantGroupSize,
+            [&](std::int32_t x, std::int32_t y) { return rows[x] < rows[y]; });
+}
 
 }  // namespace
 
 PagedTableSizes paged_table_sizes(const ThoughtBlockTableConfig& cfg, std::int32_t max_sequences,
                                   const PagedPoolFrames& pools) {
   cfg.validate();
-  // The device append mirrors only the default refill rule (§3.4): a regroup refill would
-  // re-quantize survivors on the host side the mirror never sees (docs/thinkv.md §6).
-  KVSIFT_CHECK(cfg.refill == RefillRule::run,
-               "paged_table_sizes: refill = ", refill_rule_name(cfg.refill),
-               " is a CPU-only experiment; the CUDA paged table mirrors only refill = run");
   KVSIFT_CHECK(max_sequences > 0, "paged_table_sizes: max_sequences must be > 0, got ",
                max_sequences);
   PagedTableSizes s;
@@ -373,6 +387,30 @@ std::uint32_t DevicePagedTable::staged_mask(std::int64_t stream) const {
   return staged_bits_[static_cast<std::size_t>(stream)];
 }
 
+SlotAddress DevicePagedTable::regroup_target(const SeqState& st, std::int32_t blocks,
+                                             ThoughtType type, std::int32_t head,
+                                             int& free_slots) const {
+  // ThoughtBlockTable::best_pinned_run on the mirror's masks: the run with the most free slots
+  // in [regroup_min_free, 15], lowest block then run on ties; none while a fully free run exists
+  // (the CPU table would have sealed there).
+  SlotAddress best;
+  free_slots = 0;
+  for (std::size_t b = 0; b < static_cast<std::size_t>(blocks); ++b) {
+    if (st.pages[b].type != type) continue;
+    const std::uint64_t* mask = host_mask(st.pages[b].frame, head);
+    for (std::int32_t first = 0; first < cfg_.block_size; first += kQuantGroupSize) {
+      const int n = __builtin_popcountll((mask[first / 64] >> (first % 64)) & 0xffffu);
+      if (n == kQuantGroupSize) return SlotAddress{};
+      if (n >= cfg_.regroup_min_free && n > free_slots) {
+        best = SlotAddress{static_cast<std::int32_t>(b), first};
+        free_slots = n;
+      }
+    }
+  }
+  if (best.block < 0) free_slots = 0;
+  return best;
+}
+
 void DevicePagedTable::record_append(const ThoughtBlockTable& table, std::int32_t seq,
                                      const SlotAddress* where) {
   check_seq(seq, "record_append");
@@ -383,12 +421,13 @@ void DevicePagedTable::record_append(const ThoughtBlockTable& table, std::int32_
                    tc.block_size == cfg_.block_size && tc.num_blocks == cfg_.num_blocks &&
                    tc.reasoning == cfg_.reasoning && tc.execution == cfg_.execution &&
                    tc.transition == cfg_.transition && tc.staging == cfg_.staging &&
-                   tc.refill == cfg_.refill,
+                   tc.refill == cfg_.refill && tc.regroup_min_free == cfg_.regroup_min_free,
                "DevicePagedTable::record_append: the CPU table's config (kv_heads ", tc.kv_heads,
                ", head_dim ", tc.head_dim, ", block_size ", tc.block_size, ", num_blocks ",
                tc.num_blocks, ") differs from the mirror's (kv_heads ", cfg_.kv_heads,
                ", head_dim ", cfg_.head_dim, ", block_size ", cfg_.block_size, ", num_blocks ",
-               cfg_.num_blocks, ") or in block formats, staging dtype or refill rule");
+               cfg_.num_blocks,
+               ") or in block formats, staging dtype or refill rule and its regroup_min_free");
   KVSIFT_CHECK(table.has_sequence(seq), "DevicePagedTable::record_append: sequence ", seq,
                " is not active in the CPU table");
   KVSIFT_CHECK(where != nullptr, "DevicePagedTable::record_append: where must not be null");
@@ -411,6 +450,17 @@ void DevicePagedTable::record_append(const ThoughtBlockTable& table, std::int32_
     int staged = 0;
     if (quantized) {
       staged = __builtin_popcount(staged_mask(stream_index(seq, static_cast<int>(type), h)));
+      if (staged == kQuantGroupSize - 1 && a.block == kStagedBlock) {
+        // Only a regroup leaves the 16th token staged: the mirror must see the same pinned run.
+        int free_slots = 0;
+        KVSIFT_CHECK(cfg_.refill == RefillRule::regroup && a.slot == position &&
+                         regroup_target(st, known, type, h, free_slots).block >= 0,
+                     "DevicePagedTable::record_append: kv head ", h, " of sequence ", seq,
+                     " completes a group of ", thought_type_name(type), " tokens at position ",
+                     position, " but the CPU table kept it staged (slot ", a.slot,
+                     ") and the mirror has no pinned run to regroup (is the mirror out of step?)");
+        continue;
+      }
       if (staged < kQuantGroupSize - 1) {
         KVSIFT_CHECK(a.block == kStagedBlock && a.slot == position,
                      "DevicePagedTable::record_append: kv head ", h, " of sequence ", seq,
@@ -496,6 +546,10 @@ void DevicePagedTable::record_append(const ThoughtBlockTable& table, std::int32_
     const std::int64_t stream = stream_index(seq, static_cast<int>(type), h);
     std::int32_t* rows = &staged_positions_[static_cast<std::size_t>(stream) * kQuantGroupSize];
     std::uint32_t& bits = staged_bits_[static_cast<std::size_t>(stream)];
+    // Only a regroup leaves the 16th token staged (rows freed by earlier regroups may lie
+    // anywhere, so count them).
+    const bool regroups =
+        a.block == kStagedBlock && __builtin_popcount(bits) == kQuantGroupSize - 1;
     // The lowest free row (one exists: < 16 staged); kept in a register, not in `op`, until the
     // op is complete.
     std::int32_t row = 0;
@@ -503,16 +557,43 @@ void DevicePagedTable::record_append(const ThoughtBlockTable& table, std::int32_
     rows[row] = position;
     bits |= 1u << row;
     std::int32_t sealed = -1;
-    if (a.block != kStagedBlock) {  // the 16th token: the group is sealed into its run
+    if (regroups) {  // the f oldest staged tokens go into the pinned run's free slots
+      int free_slots = 0;
+      // Among the blocks before this token's: a block it took is for the other heads only.
+      const SlotAddress run = regroup_target(st, known, type, h, free_slots);
+      const BlockRef& ref = st.pages[static_cast<std::size_t>(run.block)];
+      PagedSeal seal{};
+      seal.frame = ref.frame;
+      seal.first_slot = run.slot;
+      seal.format = f;
+      seal.regroup = 1;
+      seal.base = offsets_[static_cast<std::size_t>(ref.frame)] + h * head_bytes;
+      std::int32_t by_position[kQuantGroupSize];
+      rows_by_position(rows, by_position);
+      std::uint64_t* mask = host_mask(ref.frame, h);
+      int next = 0;
+      for (int i = 0; i < kQuantGroupSize; ++i) {
+        seal.order[i] = seal.positions[i] = -1;
+        if (!bit_free(mask, run.slot + i)) continue;
+        const std::int32_t r = by_position[next++];
+        seal.order[i] = r;
+        seal.positions[i] = rows[r];
+      }
+      for (int i = 0; i < free_slots; ++i) {
+        rows[by_position[i]] = -1;
+        bits &= ~(1u << by_position[i]);
+      }
+      mask[run.slot / 64] &= ~(0xffffull << (run.slot % 64));
+      sealed = static_cast<std::int32_t>(seals_.size());
+      seals_.push_back(seal);
+    } else if (a.block != kStagedBlock) {  // the 16th token: the group is sealed into its run
       const BlockRef& ref = st.pages[static_cast<std::size_t>(a.block)];
       PagedSeal seal{};
       seal.frame = ref.frame;
       seal.first_slot = a.slot - (kQuantGroupSize - 1);
       seal.format = f;
       seal.base = offsets_[static_cast<std::size_t>(ref.frame)] + h * head_bytes;
-      for (int i = 0; i < kQuantGroupSize; ++i) seal.order[i] = i;
-      std::sort(seal.order, seal.order + kQuantGroupSize,
-                [&](std::int32_t x, std::int32_t y) { return rows[x] < rows[y]; });
+      rows_by_position(rows, seal.order);
       for (int i = 0; i < kQuantGroupSize; ++i) seal.positions[i] = rows[seal.order[i]];
       std::fill_n(rows, kQuantGroupSize, -1);
       bits = 0;

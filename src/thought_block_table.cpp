@@ -66,9 +66,6 @@ void ThoughtBlockTableConfig::validate() const {
   KVSIFT_CHECK(regroup_min_free >= 1 && regroup_min_free < kQuantGroupSize,
                "ThoughtBlockTableConfig: regroup_min_free must be in [1, ", kQuantGroupSize - 1,
                "], got ", regroup_min_free);
-  KVSIFT_CHECK(holds_data || refill == RefillRule::run,
-               "ThoughtBlockTableConfig: holds_data = false requires refill = run (regroup "
-               "re-quantizes survivors from their stored values)");
 }
 
 ThoughtBlockTable::ThoughtBlockTable(ThoughtBlockTableConfig config) : config_(std::move(config)) {
@@ -280,37 +277,46 @@ void ThoughtBlockTable::regroup_run(Sequence& s, ThoughtType type, std::int32_t 
   const BlockHeadLayout L = layout(f.format);
   const std::size_t D = static_cast<std::size_t>(config_.head_dim);
   const std::size_t S = static_cast<std::size_t>(config_.block_size);
-  std::uint8_t* base = f.data.data() + head * L.bytes();
+  // Metadata only (holds_data = false): the same positions move into the same slots and no byte
+  // is touched; the device table re-quantizes the group (cuda/paged_append.cu).
+  const bool data = config_.holds_data;
   std::uint64_t* mask = &f.free[static_cast<std::size_t>(head) * mask_words_];
   std::int32_t* slot_position = &f.position[static_cast<std::size_t>(head) * S];
-  const float g = config_.global_factor(head);
-  // The survivors' current values: what attention reads today, so re-quantizing them is a second
-  // rounding of the dequantized row, never a return to values the table no longer has.
-  std::vector<float> block_keys(S * D), block_values(S * D);
-  dequantize_block_head(L, base, g, block_keys.data(), block_values.data());
-  std::vector<float> new_keys(static_cast<std::size_t>(free_slots) * D),
+  std::vector<float> new_keys(data ? static_cast<std::size_t>(free_slots) * D : 0),
       new_values(new_keys.size());
   std::vector<std::int32_t> new_positions(static_cast<std::size_t>(free_slots));
-  s.staging->take_oldest(type, head, free_slots, new_keys.data(), new_values.data(),
-                         new_positions.data());
-  // [16, D] rows in slot order: survivors where they are, new tokens (oldest first) in the free
-  // slots in ascending order.
-  std::vector<float> keys(kQuantGroupSize * D), values(keys.size());
-  int next = 0;
-  for (int i = 0; i < kQuantGroupSize; ++i) {
-    const std::int32_t slot = a.slot + i;
-    const bool free = bit(mask, slot);
-    const float* k = free ? &new_keys[next * D] : &block_keys[slot * D];
-    const float* v = free ? &new_values[next * D] : &block_values[slot * D];
-    std::copy_n(k, D, &keys[i * D]);
-    std::copy_n(v, D, &values[i * D]);
-    if (free) slot_position[slot] = new_positions[static_cast<std::size_t>(next++)];
+  s.staging->take_oldest(type, head, free_slots, data ? new_keys.data() : nullptr,
+                         data ? new_values.data() : nullptr, new_positions.data());
+  if (data) {
+    std::uint8_t* base = f.data.data() + head * L.bytes();
+    const float g = config_.global_factor(head);
+    // The survivors' current values: what attention reads today, so re-quantizing them is a
+    // second rounding of the dequantized row, never a return to values the table no longer has.
+    std::vector<float> block_keys(S * D), block_values(S * D);
+    dequantize_block_head(L, base, g, block_keys.data(), block_values.data());
+    // [16, D] rows in slot order: survivors where they are, new tokens (oldest first) in the free
+    // slots in ascending order.
+    std::vector<float> keys(kQuantGroupSize * D), values(keys.size());
+    std::size_t next = 0;
+    for (int i = 0; i < kQuantGroupSize; ++i) {
+      const std::size_t slot = static_cast<std::size_t>(a.slot + i);
+      const bool free = bit(mask, a.slot + i);
+      const float* k = free ? &new_keys[next * D] : &block_keys[slot * D];
+      const float* v = free ? &new_values[next * D] : &block_values[slot * D];
+      next += free;
+      std::copy_n(k, D, &keys[i * D]);
+      std::copy_n(v, D, &values[i * D]);
+    }
+    QuantizedGroup group;
+    quantize_token_group(f.format, keys.data(), values.data(), config_.head_dim, config_.head_dim,
+                         g, group);
+    write_token_group(L, base, a.slot / kQuantGroupSize, group.key_codes.data(),
+                      group.key_scales.data(), group.value_codes.data(), group.value_scales.data());
   }
-  QuantizedGroup group;
-  quantize_token_group(f.format, keys.data(), values.data(), config_.head_dim, config_.head_dim, g,
-                       group);
-  write_token_group(L, base, a.slot / kQuantGroupSize, group.key_codes.data(),
-                    group.key_scales.data(), group.value_codes.data(), group.value_scales.data());
+  std::size_t next = 0;
+  for (std::int32_t slot = a.slot; slot < a.slot + kQuantGroupSize; ++slot) {
+    if (bit(mask, slot)) slot_position[slot] = new_positions[next++];
+  }
   mask[a.slot / 64] &= ~(std::uint64_t{0xffff} << (a.slot % 64));
   ++refill_stats_.regroups;
   refill_stats_.survivors_requantized += kQuantGroupSize - free_slots;

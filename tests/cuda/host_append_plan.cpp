@@ -199,3 +199,45 @@ TEST_CASE("DevicePagedTable's append plan follows the CPU table's decisions", "[
   REQUIRE(empty.seals.empty());
   REQUIRE(empty.fresh.empty());
 }
+
+TEST_CASE("DevicePagedTable refuses a regroup it cannot follow", "[cuda][paged][regroup]") {
+  ThoughtBlockTableConfig cfg = config();
+  cfg.refill = RefillRule::regroup;
+  StandIn memory;
+  cuda::DevicePagedTable mirror(cfg, kSeqs, memory.memory());
+  std::vector<SlotAddress> where(kHeads);
+  {  // Another regroup threshold is another rule.
+    ThoughtBlockTableConfig other = cfg;
+    other.regroup_min_free = 4;
+    ThoughtBlockTable cpu(other);
+    const std::int32_t s = cpu.create_sequence();
+    cpu.open_segment(s, ThoughtType::reasoning);
+    cpu.append(s, nullptr, nullptr, kHeads, kDim, where.data());
+    REQUIRE_THROWS_WITH(mirror.record_append(cpu, s, where.data()),
+                        Catch::Matchers::Contains("refill rule and its regroup_min_free"));
+  }
+  // The CPU table evicts behind the mirror's back (positions 0-9 of both heads), so it regroups a
+  // pinned run the mirror cannot see: refused, naming the head, nothing recorded.
+  ThoughtBlockTable cpu(cfg);
+  const std::int32_t s = cpu.create_sequence();
+  cpu.open_segment(s, ThoughtType::reasoning);
+  for (int t = 0; t < 32; ++t) {  // two sealed groups: block 0 full
+    cpu.append(s, nullptr, nullptr, kHeads, kDim, where.data());
+    mirror.record_append(cpu, s, where.data());
+  }
+  mirror.take_append_plan();
+  for (std::int32_t h = 0; h < kHeads; ++h)
+    cpu.evict_positions(s, h, {0, 1, 2, 3, 4, 5, 6, 7, 8, 9});
+  for (int t = 0; t < 15; ++t) {
+    cpu.append(s, nullptr, nullptr, kHeads, kDim, where.data());
+    mirror.record_append(cpu, s, where.data());
+  }
+  cpu.append(s, nullptr, nullptr, kHeads, kDim, where.data());
+  REQUIRE(cpu.refill_stats().regroups == kHeads);
+  REQUIRE(where[0].block == kStagedBlock);
+  REQUIRE_THROWS_WITH(mirror.record_append(cpu, s, where.data()),
+                      Catch::Matchers::Contains("kv head 0 of sequence 0 completes a group of R "
+                                                "tokens at position 47 but the CPU table kept it "
+                                                "staged"));
+  REQUIRE(mirror.pending_tokens() == 15);
+}

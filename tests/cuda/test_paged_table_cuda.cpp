@@ -13,7 +13,9 @@
 //     CPU table; the dense bf16 kernel equals the same kind of oracle.
 // Formats f32, NVFP4 (with and without global factors), FP8, ternary; f32 and bf16 inputs; block
 // sizes 16, 32, 80, 144 (a mask word boundary inside a tile row), sequence release and frame reuse
-// (stale bytes must be re-zeroed), splits forced from 1 to many.
+// (stale bytes must be re-zeroed), splits forced from 1 to many; both refill rules (with regroup,
+// a pinned run's survivors re-quantized on the device with the new tokens, bit for bit as on the
+// CPU).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -89,6 +91,83 @@ std::vector<float> device_attention(PagedMirror& dev, std::int32_t seq,
   return out.download();
 }
 
+// Writes the recorded batch (K/V rows in recording order, [tokens, H, D], bf16-representable when
+// bf16) through DevicePagedTable::append in f32 or bf16, and clears the rows.
+void append_batch(PagedMirror& dev, std::vector<float>& batch_k, std::vector<float>& batch_v,
+                  bool bf16, DeviceBuffer<std::uint8_t>& ws) {
+  if (bf16) {
+    std::vector<bf16_t> k(batch_k.size()), v(batch_v.size());
+    for (std::size_t i = 0; i < k.size(); ++i) {
+      k[i] = from_float<bf16_t>(batch_k[i]);
+      v[i] = from_float<bf16_t>(batch_v[i]);
+    }
+    DeviceBuffer<bf16_t> dk(k), dv(v);
+    dev.table.append(dk.get(), dv.get(), DType::bf16, ws.get(), ws.size(), nullptr);
+  } else {
+    DeviceBuffer<float> dk(batch_k), dv(batch_v);
+    dev.table.append(dk.get(), dv.get(), DType::f32, ws.get(), ws.size(), nullptr);
+  }
+  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+  batch_k.clear();
+  batch_v.clear();
+}
+
+// Appends one token (k, v: [H, D], rounded to bf16 first when `bf16`) to `seq` of both tables and
+// its rows to the batch being recorded.
+void append_token(ThoughtBlockTable& cpu, PagedMirror& dev, std::int32_t seq, std::vector<float> k,
+                  std::vector<float> v, bool bf16, std::vector<float>& batch_k,
+                  std::vector<float>& batch_v) {
+  if (bf16) {
+    for (float& x : k) x = to_float(from_float<bf16_t>(x));
+    for (float& x : v) x = to_float(from_float<bf16_t>(x));
+  }
+  std::vector<SlotAddress> where(static_cast<std::size_t>(cpu.config().kv_heads));
+  cpu.append(seq, k.data(), v.data(), cpu.config().kv_heads, cpu.config().head_dim, where.data());
+  dev.table.record_append(cpu, seq, where.data());
+  batch_k.insert(batch_k.end(), k.begin(), k.end());
+  batch_v.insert(batch_v.end(), v.begin(), v.end());
+}
+
+// The device paged attention of `seq` for `query` ([q_heads, D]) against the CPU's and the dense
+// oracle over the retained tokens.
+void check_attention(const ThoughtBlockTable& cpu, PagedMirror& dev, std::int32_t seq,
+                     const std::vector<float>& query, std::int64_t q_heads, float scale,
+                     std::int32_t target_ctas) {
+  std::vector<float> want(query.size());
+  paged_decode_attention(cpu, seq, query.data(), q_heads, cpu.config().head_dim, scale,
+                         want.data());
+  const std::vector<float> got = device_attention(dev, seq, query, q_heads, scale, target_ctas);
+  require_close(got, want, 1e-4f, "device vs CPU paged attention");
+  require_close(got, dense_oracle(cpu, seq, query, q_heads, scale), 1e-4f,
+                "device paged vs dense oracle over retained tokens");
+}
+
+// One sequence of a CPU table with 2 KV heads of head_dim 32 and its mirror, fed by hand: add()
+// appends and records n tokens (keys N(0, key_scale²), values N(0, 1)), flush() writes them on
+// the device and checks every block against the CPU's.
+struct TwoHeadFeed {
+  ThoughtBlockTable& cpu;
+  PagedMirror& dev;
+  std::int32_t seq;
+  std::mt19937 rng;
+  std::normal_distribution<float> normal;
+  std::vector<float> ks, vs;  // [tokens, 2, 32]
+
+  void add(int n, float key_scale) {
+    for (int i = 0; i < n; ++i) {
+      std::vector<float> k(64), v(64);
+      for (float& x : k) x = normal(rng) * key_scale;
+      for (float& x : v) x = normal(rng);
+      append_token(cpu, dev, seq, k, v, false, ks, vs);
+    }
+  }
+  void flush() {
+    DeviceBuffer<std::uint8_t> ws(dev.table.append_workspace_bytes());
+    append_batch(dev, ks, vs, false, ws);
+    require_same_blocks(cpu, dev, seq);
+  }
+};
+
 struct Scenario {
   ThoughtBlockTableConfig cfg;
   std::int64_t group = 1;  // query heads per KV head
@@ -96,8 +175,9 @@ struct Scenario {
 };
 
 // Random appends in batches, per-head evictions (reuse), segment switches, sequence release and
-// re-creation, queries; checks bytes, masks and attention throughout.
-void run_scenario(const Scenario& sc, std::uint32_t seed, int steps) {
+// re-creation, queries; checks bytes, masks and attention throughout. Returns how the CPU table
+// refilled its quantized blocks.
+RefillStats run_scenario(const Scenario& sc, std::uint32_t seed, int steps) {
   std::mt19937 rng(seed);
   auto pick = [&](int n) { return static_cast<int>(rng() % static_cast<std::uint32_t>(n)); };
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -126,22 +206,7 @@ void run_scenario(const Scenario& sc, std::uint32_t seed, int steps) {
       REQUIRE(dev.table.pending_tokens() == pending);
       REQUIRE(dev.table.append_workspace_bytes() == ws.size());
     }
-    if (sc.bf16_input) {
-      std::vector<bf16_t> k(batch_k.size()), v(batch_v.size());
-      for (std::size_t i = 0; i < k.size(); ++i) {
-        k[i] = from_float<bf16_t>(batch_k[i]);
-        v[i] = from_float<bf16_t>(batch_v[i]);
-      }
-      DeviceBuffer<bf16_t> dk(k), dv(v);
-      dev.table.append(dk.get(), dv.get(), DType::bf16, ws.get(), ws.size(), nullptr);
-      KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
-    } else {
-      DeviceBuffer<float> dk(batch_k), dv(batch_v);
-      dev.table.append(dk.get(), dv.get(), DType::f32, ws.get(), ws.size(), nullptr);
-      KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
-    }
-    batch_k.clear();
-    batch_v.clear();
+    append_batch(dev, batch_k, batch_v, sc.bf16_input, ws);
   };
 
   int checks = 0;
@@ -157,15 +222,7 @@ void run_scenario(const Scenario& sc, std::uint32_t seed, int steps) {
       const int kind = pick(12);
       for (float& x : k) x = kind == 0 ? 0.0f : normal(rng) * (kind == 1 ? 60.0f : 2.0f);
       for (float& x : v) x = normal(rng) * (kind == 2 ? 30.0f : 1.0f);
-      if (sc.bf16_input) {
-        for (float& x : k) x = to_float(from_float<bf16_t>(x));
-        for (float& x : v) x = to_float(from_float<bf16_t>(x));
-      }
-      std::vector<SlotAddress> where(static_cast<std::size_t>(H));
-      cpu.append(seq, k.data(), v.data(), H, D, where.data());
-      dev.table.record_append(cpu, seq, where.data());
-      batch_k.insert(batch_k.end(), k.begin(), k.end());
-      batch_v.insert(batch_v.end(), v.begin(), v.end());
+      append_token(cpu, dev, seq, k, v, sc.bf16_input, batch_k, batch_v);
     } else if (op <= 13) {
       flush();
       require_same_blocks(cpu, dev, seq);
@@ -189,13 +246,8 @@ void run_scenario(const Scenario& sc, std::uint32_t seed, int steps) {
       flush();
       std::vector<float> q(static_cast<std::size_t>(q_heads * D));
       for (float& x : q) x = normal(rng);
-      std::vector<float> want(q.size());
-      paged_decode_attention(cpu, seq, q.data(), q_heads, D, scale, want.data());
       const std::int32_t ctas[3] = {1, 5, 264};
-      const std::vector<float> got = device_attention(dev, seq, q, q_heads, scale, ctas[pick(3)]);
-      require_close(got, want, 1e-4f, "device vs CPU paged attention");
-      require_close(got, dense_oracle(cpu, seq, q, q_heads, scale), 1e-4f,
-                    "device paged vs dense oracle over retained tokens");
+      check_attention(cpu, dev, seq, q, q_heads, scale, ctas[pick(3)]);
       ++checks;
     } else if (pick(4) == 0) {
       // Release and re-create: the frames go back to the pool and are handed out again with
@@ -213,6 +265,50 @@ void run_scenario(const Scenario& sc, std::uint32_t seed, int steps) {
   flush();
   for (std::int32_t s : seqs) require_same_blocks(cpu, dev, s);
   REQUIRE(checks > 0);
+  return cpu.refill_stats();
+}
+
+// A history where pinned runs are common (refill = regroup): rounds of 40 tokens of one random
+// thought type into one of two sequences, each followed by evicting about a third of one random
+// head's tokens; bytes, masks, positions and staged rows checked after every append and eviction,
+// attention every fourth round. Returns how the CPU table refilled its quantized blocks.
+RefillStats run_regroup_history(const Scenario& sc, std::uint32_t seed, int rounds) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const ThoughtBlockTableConfig& cfg = sc.cfg;
+  const std::int64_t H = cfg.kv_heads, D = cfg.head_dim, q_heads = H * sc.group;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  ThoughtBlockTable cpu(cfg);
+  PagedMirror dev(cfg, 2);
+  const std::int32_t seqs[2] = {cpu.create_sequence(), cpu.create_sequence()};
+  std::vector<float> batch_k, batch_v;
+  for (int round = 0; round < rounds; ++round) {
+    INFO("seed " << seed << " round " << round);
+    const std::int32_t seq = seqs[rng() % 2];
+    cpu.open_segment(seq, static_cast<ThoughtType>(rng() % 3));
+    for (int t = 0; t < 40; ++t) {
+      std::vector<float> k(static_cast<std::size_t>(H * D)), v(k.size());
+      for (float& x : k) x = normal(rng) * 2.0f;
+      for (float& x : v) x = normal(rng);
+      append_token(cpu, dev, seq, k, v, sc.bf16_input, batch_k, batch_v);
+    }
+    DeviceBuffer<std::uint8_t> ws(dev.table.append_workspace_bytes());
+    append_batch(dev, batch_k, batch_v, sc.bf16_input, ws);
+    require_same_blocks(cpu, dev, seq);
+    const std::int32_t h = static_cast<std::int32_t>(rng() % static_cast<std::uint32_t>(H));
+    std::vector<SlotAddress> victims;
+    for (const ResidentToken& t : cpu.resident_tokens(seq, h))
+      if (rng() % 3 == 0) victims.push_back(t.address);
+    test::evict_both(cpu, dev, seq, h, victims);
+    require_same_blocks(cpu, dev, seq);
+    if (round % 4 == 3) {
+      std::vector<float> q(static_cast<std::size_t>(q_heads * D));
+      for (float& x : q) x = normal(rng);
+      check_attention(cpu, dev, seq, q, q_heads, scale, 5);
+    }
+  }
+  for (std::int32_t s : seqs) require_same_blocks(cpu, dev, s);
+  return cpu.refill_stats();
 }
 
 ThoughtBlockTableConfig config(int kv_heads, int head_dim, int block_size, BlockFormat r,
@@ -275,6 +371,74 @@ TEST_CASE("device CT table: block sizes with several tiles and mask words, head_
   wide.cfg = config(2, 128, 32, BlockFormat::nvfp4, BlockFormat::nvfp4, BlockFormat::ternary);
   wide.group = 4;
   run_scenario(wide, 23, 500);
+}
+
+TEST_CASE("device CT table: refill = regroup re-quantizes pinned runs as the CPU table does") {
+  // By hand first. R4, 2 heads, blocks of 32: positions 0-31 fill block 0. Head 0 loses 0-9 (run
+  // 0 keeps 6 survivors), head 1 loses 16-23 (run 1 keeps 8). Positions 32-47 (keys ×4) complete
+  // a group in both heads with no free run: head 0 regroups run 0 (32-41 into slots 0-9, 42-47
+  // stay staged), head 1 run 1 (32-39 into slots 16-23, 40-47 stay staged); no block is taken.
+  ThoughtBlockTableConfig cfg =
+      config(2, 32, 32, BlockFormat::nvfp4, BlockFormat::fp8, BlockFormat::ternary);
+  cfg.num_blocks = 8;
+  cfg.refill = RefillRule::regroup;
+  cfg.global_factors = {0.75f, 3.0f};
+  ThoughtBlockTable cpu(cfg);
+  PagedMirror dev(cfg, 1);
+  const std::int32_t seq = cpu.create_sequence();
+  TwoHeadFeed feed{cpu, dev, seq, std::mt19937(5), {}, {}, {}};
+  cpu.open_segment(seq, ThoughtType::reasoning);
+  feed.add(32, 1.0f);
+  feed.flush();
+  const std::vector<std::uint8_t> sealed = dev.storage.download();
+  for (std::int32_t h = 0; h < 2; ++h) {
+    std::vector<SlotAddress> victims;
+    for (const ResidentToken& t : cpu.resident_tokens(seq, h)) {
+      if (h == 0 ? t.position < 10 : t.position >= 16 && t.position < 24)
+        victims.push_back(t.address);
+    }
+    test::evict_both(cpu, dev, seq, h, victims);
+  }
+  feed.add(16, 4.0f);
+  feed.flush();
+  REQUIRE(cpu.num_blocks(seq) == 1);
+  REQUIRE(cpu.refill_stats().regroups == 2);
+  REQUIRE(cpu.refill_stats().survivors_requantized == 6 + 8);
+  REQUIRE(dev.table.staged_count(seq, ThoughtType::reasoning, 0) == 6);
+  REQUIRE(dev.table.staged_count(seq, ThoughtType::reasoning, 1) == 8);
+  for (std::int32_t h = 0; h < 2; ++h) {
+    for (const ResidentToken& t : cpu.resident_tokens(seq, h)) {
+      if (t.address.block != 0) continue;
+      const std::int32_t first_new = h == 0 ? 0 : 16, n_new = h == 0 ? 10 : 8;
+      const std::int32_t s = t.address.slot;
+      const std::int32_t want = s >= first_new && s < first_new + n_new ? 32 + s - first_new : s;
+      INFO("head " << h << " slot " << s);
+      REQUIRE(t.position == want);
+    }
+  }
+  // The survivors' codes changed (a second rounding under the new, larger scales).
+  REQUIRE(dev.storage.download() != sealed);
+
+  // Then random histories where pinned runs are common, and the general scenario (segment
+  // switches, releases, whole-head evictions) under the rule.
+  Scenario mixed;  // R4 E8 T2, per-head g, f >= 4
+  mixed.cfg = config(3, 32, 32, BlockFormat::nvfp4, BlockFormat::fp8, BlockFormat::ternary);
+  mixed.cfg.global_factors = {37.0f, 0.5f, 2.0f};
+  mixed.cfg.refill = RefillRule::regroup;
+  mixed.cfg.regroup_min_free = 4;
+  mixed.group = 2;
+  const RefillStats a = run_regroup_history(mixed, 31, 40);
+  INFO("mixed: regroups " << a.regroups << ", runs " << a.runs);
+  REQUIRE(a.regroups >= 100);
+  run_scenario(mixed, 33, 900);
+  Scenario wide;  // bf16 inputs, blocks of 80 (the fifth run in mask word 1), the default f >= 8
+  wide.cfg = config(2, 64, 80, BlockFormat::ternary, BlockFormat::nvfp4, BlockFormat::f32);
+  wide.cfg.refill = RefillRule::regroup;
+  wide.bf16_input = true;
+  wide.group = 4;
+  const RefillStats b = run_regroup_history(wide, 32, 40);
+  INFO("wide: regroups " << b.regroups << ", runs " << b.runs);
+  REQUIRE(b.regroups >= 25);
 }
 
 TEST_CASE("device CT eviction moves no byte of block storage") {
@@ -352,37 +516,14 @@ TEST_CASE("device CT table: freed blocks, refilled runs with fresh scales, per-f
   REQUIRE(dev.sizes.pool_frames[static_cast<int>(BlockFormat::fp8)] == 0);
 
   const std::int32_t seq = cpu.create_sequence();
-  std::mt19937 rng(17);
-  std::normal_distribution<float> normal;
-  std::vector<float> ks, vs;
-  auto add = [&](int n, float key_scale) {
-    for (int i = 0; i < n; ++i) {
-      std::vector<float> k(64), v(64);
-      for (float& x : k) x = normal(rng) * key_scale;
-      for (float& x : v) x = normal(rng);
-      std::vector<SlotAddress> where(2);
-      cpu.append(seq, k.data(), v.data(), 2, 32, where.data());
-      dev.table.record_append(cpu, seq, where.data());
-      ks.insert(ks.end(), k.begin(), k.end());
-      vs.insert(vs.end(), v.begin(), v.end());
-    }
-  };
-  auto flush = [&] {
-    DeviceBuffer<float> dk(ks), dv(vs);
-    DeviceBuffer<std::uint8_t> ws(dev.table.append_workspace_bytes());
-    dev.table.append(dk.get(), dv.get(), DType::f32, ws.get(), ws.size(), nullptr);
-    KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
-    ks.clear();
-    vs.clear();
-    require_same_blocks(cpu, dev, seq);
-  };
+  TwoHeadFeed feed{cpu, dev, seq, std::mt19937(17), {}, {}, {}};
   cpu.open_segment(seq, ThoughtType::reasoning);
-  add(70, 1.0f);  // 4 groups in 2 NVFP4 blocks, 6 staged; one batch seals 4 groups
+  feed.add(70, 1.0f);  // 4 groups in 2 NVFP4 blocks, 6 staged; one batch seals 4 groups
   cpu.open_segment(seq, ThoughtType::transition);
-  add(20, 1.0f);  // 1 ternary group, 4 staged
+  feed.add(20, 1.0f);  // 1 ternary group, 4 staged
   cpu.open_segment(seq, ThoughtType::execution);
-  add(3, 1.0f);  // f32 tokens
-  flush();
+  feed.add(3, 1.0f);  // f32 tokens
+  feed.flush();
   REQUIRE(cpu.num_blocks(seq) == 4);
   REQUIRE(dev.table.used_frames(BlockFormat::nvfp4) == 2);
   REQUIRE(dev.table.used_frames(BlockFormat::ternary) == 1);
@@ -417,8 +558,8 @@ TEST_CASE("device CT table: freed blocks, refilled runs with fresh scales, per-f
   // 10 + 6 staged NVFP4 tokens from a shifted distribution (keys ×4): head 0 refills the run
   // with fresh scales, head 1 takes a new block; the freed frame is reused.
   cpu.open_segment(seq, ThoughtType::reasoning);
-  add(10, 4.0f);
-  flush();
+  feed.add(10, 4.0f);
+  feed.flush();
   REQUIRE(dev.table.used_frames(BlockFormat::nvfp4) == 2);
   REQUIRE(dev.table.page_version() == 6);
   // Reasoning tokens until the CPU table takes a fourth NVFP4 block: the mirror's NVFP4 pool holds
@@ -428,8 +569,8 @@ TEST_CASE("device CT table: freed blocks, refilled runs with fresh scales, per-f
   std::vector<SlotAddress> where(2);
   bool refused = false;
   for (int i = 0; i < 200 && !refused; ++i) {
-    for (float& x : k) x = normal(rng);
-    for (float& x : v) x = normal(rng);
+    for (float& x : k) x = feed.normal(feed.rng);
+    for (float& x : v) x = feed.normal(feed.rng);
     const std::int32_t blocks_before = cpu.num_blocks(seq);
     cpu.append(seq, k.data(), v.data(), 2, 32, where.data());
     const bool new_block = cpu.num_blocks(seq) > blocks_before;
@@ -442,9 +583,9 @@ TEST_CASE("device CT table: freed blocks, refilled runs with fresh scales, per-f
       break;
     }
     dev.table.record_append(cpu, seq, where.data());
-    ks.insert(ks.end(), k.begin(), k.end());
-    vs.insert(vs.end(), v.begin(), v.end());
-    if (new_block) flush();
+    feed.ks.insert(feed.ks.end(), k.begin(), k.end());
+    feed.vs.insert(feed.vs.end(), v.begin(), v.end());
+    if (new_block) feed.flush();
   }
   REQUIRE(refused);
 }
@@ -502,14 +643,6 @@ TEST_CASE("device CT table: argument errors name the values") {
                       Contains("max_sequences must be > 0, got 0"));
   REQUIRE_THROWS_WITH(cuda::DevicePagedTable(cfg, 1, cuda::PagedTableMemory{}),
                       Contains("must be non-null"));
-  {  // The device mirrors only refill = run (docs/thinkv.md §6): regroup is refused up front.
-    ThoughtBlockTableConfig regroup = cfg;
-    regroup.refill = RefillRule::regroup;
-    REQUIRE_THROWS_WITH(cuda::paged_table_sizes(regroup, 1),
-                        Contains("refill = regroup is a CPU-only experiment"));
-    REQUIRE_THROWS_WITH(cuda::DevicePagedTable(regroup, 1, cuda::PagedTableMemory{}),
-                        Contains("mirrors only refill = run"));
-  }
   ThoughtBlockTable cpu(cfg);
   PagedMirror dev(cfg, 1);
   const std::int32_t seq = cpu.create_sequence();

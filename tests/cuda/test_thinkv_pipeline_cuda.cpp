@@ -205,10 +205,16 @@ void run_lockstep(const ThinKVConfig& config, std::int32_t batch, std::int64_t p
       REQUIRE(have.staging == want.staging);
     }
   }
-  // The run exercised what it claims to: demotions (k-means survivors) and T segments.
-  INFO("demotions " << demotions);
+  // The run exercised what it claims to: demotions (k-means survivors), T segments, and under
+  // refill = regroup pinned runs re-quantized on the device.
+  std::int64_t regroups = 0;
+  for (const ThinKV& c : cpu)
+    for (std::int64_t l = 0; l < L; ++l)
+      regroups += c.table(static_cast<int>(l)).refill_stats().regroups;
+  INFO("demotions " << demotions << ", regroups " << regroups);
   REQUIRE(demotions >= 4);
   REQUIRE(saw_transition);
+  REQUIRE((regroups > 0) == (config.refill == RefillRule::regroup));
 }
 
 }  // namespace
@@ -217,6 +223,12 @@ TEST_CASE("DeviceThinKV follows the CPU pipeline step by step", "[thinkv][cuda]"
   SECTION("R4 E4 T2, f32 inputs, batch 3") { run_lockstep(small_config(), 3, 40, 200, DType::f32); }
   SECTION("R4 E4 T2, batch 3, each layer placed on its own host thread") {
     run_lockstep(small_config(), 3, 40, 200, DType::f32, 3);
+  }
+  SECTION("refill = regroup (f >= 4), batch 2") {
+    ThinKVConfig c = small_config();
+    c.refill = RefillRule::regroup;
+    c.regroup_min_free = 4;
+    run_lockstep(c, 2, 40, 200, DType::f32);
   }
   SECTION("bf16 inputs, FP8 execution blocks (tiled attention), batch 2") {
     ThinKVConfig c = small_config();

@@ -197,10 +197,10 @@ class StagedGroupQuantizer {
   // Removes the n oldest staged tokens of (type, head) and hands them out as stored (decoded from
   // the staging dtype), for the table's regroup refill (thought_block_table.hpp): the caller
   // quantizes them together with a partly evicted group's survivors, never under old scales.
-  // keys, values: [n, head_dim]; positions: [n], ascending.
+  // keys, values: [n, head_dim] (null, and not written, without holds_data); positions: [n],
+  // ascending.
   void take_oldest(ThoughtType type, std::int32_t head, int n, float* keys, float* values,
                    std::int32_t* positions) {
-    check_holds_data("take_oldest");
     const std::size_t s = stream(type, head, "take_oldest");
     KVSIFT_CHECK(n >= 1 && n <= count_[s], "StagedGroupQuantizer::take_oldest: n = ", n,
                  " outside [1, ", count_[s], "] (", thought_type_name(type), " stream of kv head ",
@@ -208,12 +208,13 @@ class StagedGroupQuantizer {
     const std::size_t D = static_cast<std::size_t>(config_.head_dim);
     const std::size_t first = s * kQuantGroupSize;
     for (int i = 0; i < n; ++i) {
-      staged_token(type, head, i, keys + i * D, values + i * D);
+      if (config_.holds_data) staged_token(type, head, i, keys + i * D, values + i * D);
       positions[i] = positions_[first + i];
     }
     const int left = count_[s] - n;
     for (int j = 0; j < left; ++j) {  // the rest move to the front, in position order
       positions_[first + j] = positions_[first + j + n];
+      if (!config_.holds_data) continue;
       std::copy_n(&keys_[(first + j + n) * D], D, &keys_[(first + j) * D]);
       std::copy_n(&values_[(first + j + n) * D], D, &values_[(first + j) * D]);
     }

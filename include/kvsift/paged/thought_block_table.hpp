@@ -65,7 +65,7 @@ struct ThoughtBlockTableConfig {
   // false: a metadata-only table — it places every token, keeps masks, positions, segments and
   // the pool exactly as with data, but stores no K/V byte (appends take null keys and values;
   // the reads of data refuse). A device table mirrors it and holds the data (cuda::DeviceThinKV).
-  // Requires refill = run (regroup re-reads survivors' values).
+  // Either refill rule (a regroup then moves positions only; the device re-quantizes).
   bool holds_data = true;
 
   BlockFormat format_of(ThoughtType t) const {

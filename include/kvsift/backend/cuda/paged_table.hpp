@@ -154,10 +154,10 @@ struct PagedStreamOp {  // one token staged in one (sequence, type, head), then 
 };
 struct PagedSeal {                         // where a completed group goes
   std::int32_t frame, first_slot, format;  // its first slot in the frame, the frame's format
-  std::int32_t pad;
-  std::int64_t base;           // byte offset of the (frame, head) in storage
-  std::int32_t order[16];      // staging rows in position order
-  std::int32_t positions[16];  // their positions
+  std::int32_t regroup;                    // 1: refill = regroup into a pinned run (survivors stay)
+  std::int64_t base;                       // byte offset of the (frame, head) in storage
+  std::int32_t order[16];      // per slot of the run: its staging row; -1 for a survivor
+  std::int32_t positions[16];  // per slot: the staged row's position; -1 for a survivor
 };
 struct PagedStreamTask {  // every op of a batch on one (sequence, type, head), in order
   std::int64_t stream;    // (seq · 3 + type) · kv_heads + head
@@ -197,8 +197,8 @@ class DevicePagedTable {
  public:
   // Host bookkeeping for a table built with `cfg` (the CPU ThoughtBlockTable's config) serving
   // sequence ids [0, max_sequences). Checks that every pointer of `memory` is non-null and that
-  // cfg.staging is PagedStaging's dtype. Refuses cfg.refill = regroup (kvsift::Error): the device
-  // mirrors only the default refill rule (docs/thinkv.md §6).
+  // cfg.staging is PagedStaging's dtype. Both refill rules: with regroup, a group completing in a
+  // head with no free run is regrouped into the CPU table's pinned run (docs/thinkv.md §6).
   DevicePagedTable(const ThoughtBlockTableConfig& cfg, std::int32_t max_sequences,
                    const PagedTableMemory& memory, const PagedPoolFrames& pools = {});
 
@@ -302,6 +302,11 @@ class DevicePagedTable {
     return &masks_[(static_cast<std::size_t>(frame) * cfg_.kv_heads + head) * sizes_.mask_words];
   }
   std::uint32_t staged_mask(std::int64_t stream) const;
+  // refill = regroup: the pinned run among the first `blocks` blocks of `st` that the CPU table
+  // regroups when a group of `type` completes in `head` ({} when none, or when a fully free run
+  // exists); free_slots receives its f.
+  SlotAddress regroup_target(const SeqState& st, std::int32_t blocks, ThoughtType type,
+                             std::int32_t head, int& free_slots) const;
   void release_frame(std::int32_t frame, BlockFormat format);
 
   ThoughtBlockTableConfig cfg_;

@@ -29,7 +29,7 @@
 // append() is one copy and its launches.
 // Limits (kvsift::Error at construction): refresh <= 128 tokens per segment, head_dim <= 256 and
 // retention targets <= 64 (the device k-means' limits), no prompt eviction (a prompt may exceed
-// 128 tokens), the default refill rule, staging in bf16 (cuda::PagedStaging).
+// 128 tokens), staging in bf16 (cuda::PagedStaging). Either refill rule (run, regroup).
 #pragma once
 
 #include <cuda_runtime_api.h>
