@@ -23,13 +23,19 @@
 //          measured by cudaMemcpyAsync in this run (read + write bytes per second).
 // Also printed: max |new − dense| and |new − old| over the outputs, the device append cost per
 // token, the pool bytes that differ before and after eviction (must be 0: eviction only sets
-// mask bits), and the time of cuda::paged_attention_sparsity (ThinKV §3.1) over the same batch:
-// sparsity_us without a logits scratch (two sweeps), spars1_us with one (one sweep).
+// mask bits; -1 with --evict steady, where appends and evictions interleave), the time of
+// cuda::paged_attention_sparsity (ThinKV §3.1) over the same batch: sparsity_us without a logits
+// scratch (two sweeps), spars1_us with one (one sweep), and the slots a head holds per kept token.
 //
 // Usage: gpu_bench_paged_attention [--fp8-reasoning] [--batch 1,8,64] [--min-tiles 1,2,4]
+//                                  [--evict end|steady] [--refill run|regroup|regroup:F]
 //                                  [tokens ...]
 // --min-tiles: DecodeAttentionConfig::min_tiles_per_warp for the new and the dense kernel, each
 // value a row of its own (default 1, the library's default).
+// --evict steady: each 128-token segment loses a random half of its tokens per head as soon as it
+// is written, so the groups of later segments meet the holes (default end: half of every head's
+// tokens after all appends, when no refill can happen). --refill: the table's refill rule
+// (docs/thinkv.md §6; default run): with regroup, later groups fill pinned runs' holes.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -62,6 +68,11 @@ constexpr int kAppendBatch = 4096;  // tokens per device append (each one syncs)
 
 struct Options {
   bool fp8_reasoning = false;
+  // --evict steady: each segment loses half of its tokens as soon as it is written (a random half
+  // per head), so later groups can refill the holes; default: half of everything at the end.
+  bool steady = false;
+  RefillRule refill = RefillRule::run;
+  int regroup_min_free = 8;
   std::vector<int> min_tiles = {1};
   std::vector<int> batches = {1, 8, 64};
   std::vector<int> lengths = {4096, 8192, 16384, 32768};
@@ -86,6 +97,8 @@ void run(int tokens, const Options& opt, double copy_bw, cudaStream_t stream) {
   cfg.head_dim = kHeadDim;
   cfg.block_size = kBlock;
   if (opt.fp8_reasoning) cfg.reasoning = BlockFormat::fp8;
+  cfg.refill = opt.refill;
+  cfg.regroup_min_free = opt.regroup_min_free;
   // Per sequence: its tokens plus one partly filled block per type, plus slack. `meta` places the
   // whole batch (metadata only, as cuda::DeviceThinKV's host tables do: the device quantizes);
   // `ref` holds sequence 0's data too, for the dense copy. Every sequence gets the same tokens,
@@ -133,77 +146,121 @@ void run(int tokens, const Options& opt, double copy_bw, cudaStream_t stream) {
       cudaMemcpy(dv.get(), stream_v.data(), stream_v.size() * 2, cudaMemcpyHostToDevice));
   double append_ms = 0;
   const auto setup0 = std::chrono::steady_clock::now();
-  std::unique_ptr<DeviceArray<std::uint8_t>> append_ws;
+  std::unique_ptr<DeviceArray<std::uint8_t>> append_ws, evict_ws;
   std::vector<SlotAddress> where(kKVHeads);
-  {  // sequence 0 with its data
-    std::vector<float> k(row), v(row);
-    ref.create_sequence();
-    for (int t = 0; t < tokens; ++t) {
-      if (t % kSegment == 0) ref.open_segment(0, types[static_cast<std::size_t>(t / kSegment)]);
-      for (std::size_t i = 0; i < row; ++i) {
-        k[i] = to_float(stream_k[static_cast<std::size_t>(t) * row + i]);
-        v[i] = to_float(stream_v[static_cast<std::size_t>(t) * row + i]);
-      }
-      ref.append(0, k.data(), v.data(), kKVHeads, kHeadDim, where.data());
-    }
-  }
   std::vector<std::int32_t> seqs;
-  for (int b = 0; b < max_batch; ++b) {
-    const std::int32_t seq = meta.create_sequence();
-    seqs.push_back(seq);
-    int first = 0;  // first token of the pending device batch
-    for (int t = 0; t < tokens; ++t) {
-      if (t % kSegment == 0) meta.open_segment(seq, types[static_cast<std::size_t>(t / kSegment)]);
-      meta.append(seq, nullptr, nullptr, kKVHeads, kHeadDim, where.data());
-      dev.record_append(meta, seq, where.data());
-      if (dev.pending_tokens() == kAppendBatch || t + 1 == tokens) {
-        if (!append_ws || append_ws->size() < dev.append_workspace_bytes()) {  // grown only
-          append_ws = std::make_unique<DeviceArray<std::uint8_t>>(2 * dev.append_workspace_bytes());
-        }
-        KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
-        const auto h0 = std::chrono::steady_clock::now();
-        dev.append(dk.get() + static_cast<std::size_t>(first) * row,
-                   dv.get() + static_cast<std::size_t>(first) * row, DType::bf16, append_ws->get(),
-                   append_ws->size(), stream);
-        KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
-        append_ms +=
-            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - h0)
-                .count();
-        first = t + 1;
-      }
+  // Writes the recorded batch, its rows `rows_k`, `rows_v` on the device ([pending, H, D] bf16).
+  const auto write_batch = [&](const bf16_t* rows_k, const bf16_t* rows_v) {
+    if (!append_ws || append_ws->size() < dev.append_workspace_bytes()) {  // grown only
+      append_ws = std::make_unique<DeviceArray<std::uint8_t>>(2 * dev.append_workspace_bytes());
     }
-    KVSIFT_CHECK(meta.num_blocks(seq) == ref.num_blocks(0), "bench: sequence ", b, " has ",
-                 meta.num_blocks(seq), " blocks, the reference ", ref.num_blocks(0));
-  }
-
-  // Evict exactly half of each head's tokens: a random half per head, the same positions in
-  // every sequence.
-  std::vector<std::uint8_t> pool(static_cast<std::size_t>(sizes.storage_bytes));
-  KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
-  KVSIFT_CUDA_CHECK(cudaMemcpy(pool.data(), storage.get(), pool.size(), cudaMemcpyDeviceToHost));
-  const std::vector<std::uint8_t> before = pool;
-  for (int h = 0; h < kKVHeads; ++h) {
-    std::vector<std::int32_t> victim_positions = ref.resident_positions(0, h);
-    std::shuffle(victim_positions.begin(), victim_positions.end(), rng);
-    victim_positions.resize(victim_positions.size() / 2);
-    std::sort(victim_positions.begin(), victim_positions.end());
+    KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const auto h0 = std::chrono::steady_clock::now();
+    dev.append(rows_k, rows_v, DType::bf16, append_ws->get(), append_ws->size(), stream);
+    KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    append_ms +=
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - h0).count();
+  };
+  const auto append_ref = [&](int t) {  // token t of the stream into the reference, with data
+    std::vector<float> k(row), v(row);
+    if (t % kSegment == 0) ref.open_segment(0, types[static_cast<std::size_t>(t / kSegment)]);
+    for (std::size_t i = 0; i < row; ++i) {
+      k[i] = to_float(stream_k[static_cast<std::size_t>(t) * row + i]);
+      v[i] = to_float(stream_v[static_cast<std::size_t>(t) * row + i]);
+    }
+    ref.append(0, k.data(), v.data(), kKVHeads, kHeadDim, where.data());
+  };
+  const auto append_meta = [&](std::int32_t seq, int t) {  // and into the batch's tables
+    if (t % kSegment == 0) meta.open_segment(seq, types[static_cast<std::size_t>(t / kSegment)]);
+    meta.append(seq, nullptr, nullptr, kKVHeads, kHeadDim, where.data());
+    dev.record_append(meta, seq, where.data());
+  };
+  // Evicts these positions (sorted) of head h from the reference and every sequence; `segment`
+  // >= 0: they all lie in that segment.
+  const auto evict = [&](const std::vector<std::int32_t>& victim_positions, int h, int segment) {
     ref.evict_positions(0, h, victim_positions);
     for (std::int32_t seq : seqs) {
       std::vector<SlotAddress> victims;
-      for (const ResidentToken& t : meta.resident_tokens(seq, h)) {
+      for (const ResidentToken& t :
+           segment < 0 ? meta.resident_tokens(seq, h) : meta.resident_tokens(seq, h, segment)) {
         if (std::binary_search(victim_positions.begin(), victim_positions.end(), t.position)) {
           victims.push_back(t.address);
         }
       }
       meta.evict_positions(seq, h, victim_positions);  // bits first: the addresses stay valid
-      DeviceArray<std::uint8_t> ws(dev.evict_workspace_bytes(victims.size()));
-      dev.evict(seq, h, victims, ws.get(), ws.size(), stream);
+      const std::size_t need = dev.evict_workspace_bytes(victims.size());
+      if (!evict_ws || evict_ws->size() < need) {
+        evict_ws = std::make_unique<DeviceArray<std::uint8_t>>(2 * need);
+      }
+      dev.evict(seq, h, victims, evict_ws->get(), evict_ws->size(), stream);
       KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
     }
+  };
+  // A random half of these positions, sorted.
+  const auto half_of = [&](std::vector<std::int32_t> positions) {
+    std::shuffle(positions.begin(), positions.end(), rng);
+    positions.resize(positions.size() / 2);
+    std::sort(positions.begin(), positions.end());
+    return positions;
+  };
+  std::int64_t moved = -1;  // pool bytes eviction changed (measured in the end mode only)
+  for (int b = 0; b < max_batch; ++b) seqs.push_back(meta.create_sequence());
+  ref.create_sequence();
+  if (!opt.steady) {
+    for (int t = 0; t < tokens; ++t) append_ref(t);
+    for (std::int32_t seq : seqs) {
+      int first = 0;  // first token of the pending device batch
+      for (int t = 0; t < tokens; ++t) {
+        append_meta(seq, t);
+        if (dev.pending_tokens() == kAppendBatch || t + 1 == tokens) {
+          write_batch(dk.get() + static_cast<std::size_t>(first) * row,
+                      dv.get() + static_cast<std::size_t>(first) * row);
+          first = t + 1;
+        }
+      }
+    }
+    // Exactly half of each head's tokens: a random half per head, the same positions in every
+    // sequence. Eviction must not change a byte of the pool.
+    std::vector<std::uint8_t> pool(static_cast<std::size_t>(sizes.storage_bytes));
+    KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    KVSIFT_CUDA_CHECK(cudaMemcpy(pool.data(), storage.get(), pool.size(), cudaMemcpyDeviceToHost));
+    const std::vector<std::uint8_t> before = pool;
+    for (int h = 0; h < kKVHeads; ++h) evict(half_of(ref.resident_positions(0, h)), h, -1);
+    KVSIFT_CUDA_CHECK(cudaMemcpy(pool.data(), storage.get(), pool.size(), cudaMemcpyDeviceToHost));
+    moved = 0;
+    for (std::size_t i = 0; i < pool.size(); ++i) moved += pool[i] != before[i];
+  } else {
+    // Segment by segment: its tokens into every sequence (one device batch: the segment's rows
+    // once per sequence), then half of them out, per head.
+    DeviceArray<bf16_t> seg_k(static_cast<std::size_t>(max_batch) * kSegment * row),
+        seg_v(seg_k.size());
+    for (int t0 = 0; t0 < tokens; t0 += kSegment) {
+      const int t1 = std::min(tokens, t0 + kSegment);
+      for (int t = t0; t < t1; ++t) append_ref(t);
+      const std::size_t seg_rows = static_cast<std::size_t>(t1 - t0) * row;
+      for (std::size_t b = 0; b < seqs.size(); ++b) {
+        for (int t = t0; t < t1; ++t) append_meta(seqs[b], t);
+        KVSIFT_CUDA_CHECK(cudaMemcpyAsync(seg_k.get() + b * seg_rows,
+                                          dk.get() + static_cast<std::size_t>(t0) * row,
+                                          seg_rows * 2, cudaMemcpyDeviceToDevice, stream));
+        KVSIFT_CUDA_CHECK(cudaMemcpyAsync(seg_v.get() + b * seg_rows,
+                                          dv.get() + static_cast<std::size_t>(t0) * row,
+                                          seg_rows * 2, cudaMemcpyDeviceToDevice, stream));
+      }
+      write_batch(seg_k.get(), seg_v.get());
+      const int segment = t0 / kSegment;
+      for (int h = 0; h < kKVHeads; ++h) {
+        std::vector<std::int32_t> positions;
+        for (const ResidentToken& r : ref.resident_tokens(0, h, segment))
+          positions.push_back(r.position);
+        evict(half_of(positions), h, segment);
+      }
+    }
   }
-  KVSIFT_CUDA_CHECK(cudaMemcpy(pool.data(), storage.get(), pool.size(), cudaMemcpyDeviceToHost));
-  std::int64_t moved = 0;
-  for (std::size_t i = 0; i < pool.size(); ++i) moved += pool[i] != before[i];
+  for (std::size_t b = 0; b < seqs.size(); ++b) {
+    KVSIFT_CHECK(meta.num_blocks(seqs[b]) == ref.num_blocks(0), "bench: sequence ", b, " has ",
+                 meta.num_blocks(seqs[b]), " blocks, the reference ", ref.num_blocks(0));
+  }
 
   // The retained tokens dequantized and gathered contiguously in bf16: [max_batch, H, n, D], each
   // sequence a copy of the reference's.
@@ -338,13 +395,14 @@ void run(int tokens, const Options& opt, double copy_bw, cudaStream_t stream) {
       const double floor_us = paged_bytes / copy_bw * 1e6;
       std::printf(
           "%6d %5d %5d %6lld %9.1f %9.1f %9.1f %9.1f %9.2f %9.2f %9.1f %9.1f %9.1f %8.5f %8.5f "
-          "%8.2f %6lld %9.1f %9.1f\n",
+          "%8.2f %6lld %9.1f %9.1f %10.2f\n",
           tokens, batch, tiles, static_cast<long long>(n), new_ms * 1e3, old_ms * 1e3,
           dense_ms * 1e3, floor_us, new_ms * 1e3 / (dense_ms * 1e3), new_ms * 1e3 / floor_us,
           paged_bytes / 1e6, dense_bytes / 1e6, paged_bytes / (new_ms * 1e-3) / 1e9,
           max_abs_diff(on, od), max_abs_diff(on, oo),
           append_ms * 1e3 / (static_cast<double>(tokens) * max_batch),
-          static_cast<long long>(moved), sparsity_ms * 1e3, sparsity1_ms * 1e3);
+          static_cast<long long>(moved), sparsity_ms * 1e3, sparsity1_ms * 1e3,
+          static_cast<double>(meta.num_blocks(seqs[0])) * kBlock / static_cast<double>(n));
       std::fflush(stdout);
     }
   }
@@ -377,6 +435,16 @@ int main(int argc, char** argv) {
       opt.batches = parse_list(argv[++i]);
     } else if (std::strcmp(argv[i], "--min-tiles") == 0 && i + 1 < argc) {
       opt.min_tiles = parse_list(argv[++i]);
+    } else if (std::strcmp(argv[i], "--evict") == 0 && i + 1 < argc) {
+      const std::string mode = argv[++i];
+      KVSIFT_CHECK(mode == "end" || mode == "steady", "--evict must be end or steady, got '", mode,
+                   "'");
+      opt.steady = mode == "steady";
+    } else if (std::strcmp(argv[i], "--refill") == 0 && i + 1 < argc) {
+      const std::string rule = argv[++i];  // run, regroup or regroup:F
+      const std::size_t colon = rule.find(':');
+      opt.refill = parse_refill_rule(rule.substr(0, colon));
+      if (colon != std::string::npos) opt.regroup_min_free = std::atoi(rule.c_str() + colon + 1);
     } else {
       lengths.push_back(std::atoi(argv[i]));
     }
@@ -390,16 +458,17 @@ int main(int argc, char** argv) {
   const double copy_bw = bench::d2d_copy_bandwidth(std::size_t{1} << 30, stream, kWarmup, 20);
   std::printf(
       "CT paged decode attention on %s: %s, block %d, Hkv %d / Hq %d, head_dim %d, 50%% evicted "
-      "per head; D2D copy bandwidth %.0f GB/s (read + write)\n",
+      "per head (%s), refill %s (f >= %d); D2D copy bandwidth %.0f GB/s (read + write)\n",
       prop.name, opt.fp8_reasoning ? "R8 E4 T2" : "R4 E4 T2", kBlock, kKVHeads, kQHeads, kHeadDim,
-      copy_bw / 1e9);
+      opt.steady ? "each segment as it is written" : "at the end",
+      std::string(refill_rule_name(opt.refill)).c_str(), opt.regroup_min_free, copy_bw / 1e9);
   std::printf(
       "new = split-sequence paged kernel (batch API), old = tiled paged kernel per sequence, dense "
       "= split-sequence bf16 kernel over the kept tokens, floor = paged bytes / copy bandwidth\n");
-  std::printf("%6s %5s %5s %6s %9s %9s %9s %9s %9s %9s %9s %9s %9s %8s %8s %8s %6s %9s %9s\n",
+  std::printf("%6s %5s %5s %6s %9s %9s %9s %9s %9s %9s %9s %9s %9s %8s %8s %8s %6s %9s %9s %10s\n",
               "tokens", "batch", "tiles", "kept", "new_us", "old_us", "dense_us", "floor_us",
               "new/dense", "new/floor", "paged_MB", "dense_MB", "new_GB/s", "d(n,dns)", "d(n,old)",
-              "app_us/t", "moved", "sparsity_us", "spars1_us");
+              "app_us/t", "moved", "sparsity_us", "spars1_us", "slots/kept");
   for (int t : opt.lengths) run(t, opt, copy_bw, stream);
   KVSIFT_CUDA_CHECK(cudaStreamDestroy(stream));
   return 0;

@@ -56,8 +56,9 @@
 //     the tiled kernel.
 //   - staged tokens (16-bit keys and values waiting for their 16-token group, §3.4) never enter
 //     the MMAs: bf16 staging is not exact in the fp16 MMA path. merge_kernel computes their
-//     logits and P·V in fp32 on CUDA cores (at most 3 · 16 tokens per KV head) and folds them in
-//     after the CTAs' partials.
+//     logits and P·V in fp32 on CUDA cores (at most 3 · 16 tokens per KV head) while the split
+//     kernel still runs (it is that kernel's programmatic dependent) and folds them in after the
+//     CTAs' partials.
 // Evicted and never-written slots get weight exactly 0: their logits are replaced by −inf (a
 // stale key only reaches its own column of S), and their value codes and scales are zeroed before
 // decoding, so that stale codes (possibly a NaN scale) never meet a zero weight in the MMA.
@@ -735,6 +736,7 @@ __global__ void __launch_bounds__(kThreads, D >= 256 ? 2 : 4) split_decode_kerne
   float* sQf = reinterpret_cast<float*>(sQa + kChunks * 32);  // [G, D] the query, fp32
   float* sQs = sQf + a.group * D;                             // [kMaxGroup] 2^e per head
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  cudaTriggerProgrammaticLaunchCompletion();  // the merge may start (launch_merge)
   const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z, G = a.group;
   const int H = a.t.kv_heads;
   // --- this warp's run of tiles -----------------------------------------------------------------
@@ -856,6 +858,7 @@ __global__ void __launch_bounds__(kThreads, 2) dense_split_kernel(DenseArgs a) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   __nv_bfloat16* sK = sAll + static_cast<std::size_t>(warp) * 2 * kTileSlots * kPitch;
   __nv_bfloat16* sV = sK + kTileSlots * kPitch;
+  cudaTriggerProgrammaticLaunchCompletion();  // the merge may start (launch_merge)
   const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z, G = a.group, H = a.kv_heads;
   setup_query<D, true>(a.query + (static_cast<std::int64_t>(b) * H + h) * G * D, G, sQf, sQs, sQa);
 
@@ -974,11 +977,12 @@ constexpr int kStagedRows = kPagedThoughtTypes * 16;
 constexpr int kMergeUnroll = 8;  // partial rows a lane has in flight (the merge is latency-bound)
 
 // The staged rows of one (KV head, sequence), in shared memory: their count n, their rows
-// srow[k < n] in order, the weights sx[g][k] = e^{x − sm[g]} of their logits x and
-// sl[g] = Σ_k sx[g][k].
+// srow[k < n] in order, the weights sx[g][k] = e^{x − sm[g]} of their logits x,
+// sl[g] = Σ_k sx[g][k] and the weighted values sv[g][d] = Σ_k sx[g][k] · v_k[d].
 struct StagedRows {
   float sx[kMaxGroup][kStagedRows];
   float sm[kMaxGroup], sl[kMaxGroup];
+  float sv[kMaxGroup][256];  // head_dim <= 256
   int srow[kStagedRows];
   int n;
 };
@@ -989,10 +993,12 @@ __device__ __forceinline__ std::int64_t staged_row(std::int64_t stream0, int r, 
   return (stream0 + static_cast<std::int64_t>(r / 16) * H + h) * 16 + r % 16;
 }
 
-// Fills `s` for KV head h of sequence b. Warp w takes rows w, w + 4, ...: its lanes load the row's
-// channels (coalesced) and reduce the G logits by shuffles. All threads call this.
-__device__ void staged_weights(const MergeArgs& a, int h, int b, std::int64_t stream0,
-                               StagedRows& s) {
+// Fills `s` for KV head h of sequence b: the logits (warp w takes rows w, w + 4, ...: its lanes
+// load the row's channels, coalesced, and reduce the G logits by shuffles), their weights and the
+// weighted values. All threads call this. It reads only the query and the staging, never the
+// split kernel's partials, so merge_kernel runs it before waiting for that kernel.
+__device__ void staged_tokens(const MergeArgs& a, int h, int b, std::int64_t stream0,
+                              StagedRows& s) {
   const int G = a.group, D = a.head_dim, H = a.kv_heads;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const float* q = a.query + (static_cast<std::int64_t>(b) * H + h) * G * D;  // [G, D]
@@ -1041,6 +1047,27 @@ __device__ void staged_weights(const MergeArgs& a, int h, int b, std::int64_t st
     s.sl[g] = l;
   }
   __syncthreads();
+  // sv: warp w takes the query heads w, w + 4, ..., lane j channels 4j .. 4j + 3 (+ 128), the rows
+  // in order (a fixed summation order).
+  for (int g = warp; g < G; g += kWarps) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int d = 4 * lane + 128 * j;
+      if (d >= D) break;
+      float4 sv = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 4
+      for (int k = 0; k < n; ++k) {
+        const float w = s.sx[g][k];
+        const PagedStaging* vr = a.values + staged_row(stream0, s.srow[k], H, h) * D + d;
+        sv.x += w * to_float(vr[0]);
+        sv.y += w * to_float(vr[1]);
+        sv.z += w * to_float(vr[2]);
+        sv.w += w * to_float(vr[3]);
+      }
+      *reinterpret_cast<float4*>(&s.sv[g][d]) = sv;
+    }
+  }
+  __syncthreads();
 }
 
 // Grid (kv_heads, batch), kThreads threads; warp w merges query heads w, w + 4, ... of its KV
@@ -1058,9 +1085,12 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(MergeArgs a) {
   int n = 0;
   if (a.masks != nullptr) {  // the same for the whole grid: the barriers inside are uniform
     stream0 = static_cast<std::int64_t>(a.seq_ids[b]) * kPagedThoughtTypes * H;
-    staged_weights(a, h, b, stream0, staged);
+    staged_tokens(a, h, b, stream0, staged);
     n = staged.n;
   }
+  // The partials are the split kernel's: launched as its programmatic dependent (launch_merge),
+  // this kernel may start while that one still runs; the staged tokens above overlap it.
+  cudaGridDependencySynchronize();
   for (int g = warp; g < G; g += kWarps) {
     const std::int64_t first = (static_cast<std::int64_t>(b) * H + h) * a.parts * G + g;
     const auto ml = [&](int p, int i) {
@@ -1117,16 +1147,7 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(MergeArgs a) {
       for (int j = 0; j < 2; ++j) {
         const int d = 4 * lane + 128 * j;
         if (d >= D) break;
-        float4 sv = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll 4
-        for (int k = 0; k < n; ++k) {
-          const float w = staged.sx[g][k];
-          const PagedStaging* vr = a.values + staged_row(stream0, staged.srow[k], H, h) * D + d;
-          sv.x += w * to_float(vr[0]);
-          sv.y += w * to_float(vr[1]);
-          sv.z += w * to_float(vr[2]);
-          sv.w += w * to_float(vr[3]);
-        }
+        const float4 sv = *reinterpret_cast<const float4*>(&staged.sv[g][d]);
         acc[j].x += sv.x * ws;
         acc[j].y += sv.y * ws;
         acc[j].z += sv.z * ws;
@@ -1145,10 +1166,21 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(MergeArgs a) {
   }
 }
 
+// The merge is launched as the split kernel's programmatic dependent (CUDA programming guide,
+// "Programmatic Dependent Launch"): the split kernels allow it at their start, so at batch 1 the
+// merge's launch, its staged tokens and the split kernel's tiles overlap instead of following each
+// other (the merge waits for the partials with cudaGridDependencySynchronize).
 void launch_merge(const MergeArgs& args, std::int64_t batch, cudaStream_t stream) {
-  merge_kernel<<<dim3(static_cast<unsigned>(args.kv_heads), static_cast<unsigned>(batch)), kThreads,
-                 0, stream>>>(args);
-  KVSIFT_CUDA_CHECK(cudaGetLastError());
+  cudaLaunchAttribute attr[1] = {};
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(args.kv_heads), static_cast<unsigned>(batch));
+  cfg.blockDim = dim3(kThreads);
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  KVSIFT_CUDA_CHECK(cudaLaunchKernelEx(&cfg, merge_kernel, args));
 }
 
 struct SplitPlan {
