@@ -29,16 +29,13 @@
 //
 // Usage: gpu_bench_paged_attention [--fp8-reasoning] [--batch 1,8,64] [--min-tiles 1,2,4]
 //                                  [--evict end|steady] [--refill run|regroup|regroup:F]
-//                                  [--staged] [tokens ...]
+//                                  [tokens ...]
 // --min-tiles: DecodeAttentionConfig::min_tiles_per_warp for the new and the dense kernel, each
 // value a row of its own (default 1, the library's default).
 // --evict steady: each 128-token segment loses a random half of its tokens per head as soon as it
 // is written, so the groups of later segments meet the holes (default end: half of every head's
 // tokens after all appends, when no refill can happen). --refill: the table's refill rule
 // (docs/thinkv.md §6; default run): with regroup, later groups fill pinned runs' holes.
-// --staged: then 15 more tokens of each thought type, never evicted, so every KV head has 45 rows
-// in 16-bit staging (the most §3.4 leaves there; by default the 128-token segments leave none),
-// which attention reads beside the blocks.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -68,15 +65,12 @@ namespace {
 constexpr int kKVHeads = 8, kQHeads = 32, kHeadDim = 128, kBlock = 32, kSegment = 128;
 constexpr int kWarmup = 5, kReps = 50;
 constexpr int kAppendBatch = 4096;  // tokens per device append (each one syncs)
-constexpr int kStagedPerType = 15;  // --staged: one short of a quantization group
-constexpr int kStagedTail = 3 * kStagedPerType;
 
 struct Options {
   bool fp8_reasoning = false;
   // --evict steady: each segment loses half of its tokens as soon as it is written (a random half
   // per head), so later groups can refill the holes; default: half of everything at the end.
   bool steady = false;
-  bool staged = false;  // --staged: kStagedTail tokens appended last, 15 of each type
   RefillRule refill = RefillRule::run;
   int regroup_min_free = 8;
   std::vector<int> min_tiles = {1};
@@ -136,8 +130,7 @@ void run(int tokens, const Options& opt, double copy_bw, cudaStream_t stream) {
   std::mt19937 rng(1234 + tokens);
   std::normal_distribution<float> normal;
   const std::size_t row = static_cast<std::size_t>(kKVHeads) * kHeadDim;
-  const int total = tokens + (opt.staged ? kStagedTail : 0);  // the stream, with the staged tail
-  std::vector<bf16_t> stream_k(static_cast<std::size_t>(total) * row), stream_v(stream_k.size());
+  std::vector<bf16_t> stream_k(static_cast<std::size_t>(tokens) * row), stream_v(stream_k.size());
   for (std::size_t i = 0; i < stream_k.size(); ++i) {
     stream_k[i] = from_float<bf16_t>(2.0f * normal(rng));
     stream_v[i] = from_float<bf16_t>(normal(rng));
@@ -146,14 +139,6 @@ void run(int tokens, const Options& opt, double copy_bw, cudaStream_t stream) {
   for (int s = 0; s < (tokens + kSegment - 1) / kSegment; ++s) {
     types.push_back(static_cast<ThoughtType>(rng() % 3));
   }
-  // Token t opens a segment: every 128 tokens, then every 15 in the staged tail (types 0, 1, 2).
-  const auto opens = [&](int t) {
-    return t < tokens ? t % kSegment == 0 : (t - tokens) % kStagedPerType == 0;
-  };
-  const auto type_at = [&](int t) {
-    return t < tokens ? types[static_cast<std::size_t>(t / kSegment)]
-                      : static_cast<ThoughtType>((t - tokens) / kStagedPerType);
-  };
   DeviceArray<bf16_t> dk(stream_k.size()), dv(stream_v.size());
   KVSIFT_CUDA_CHECK(
       cudaMemcpy(dk.get(), stream_k.data(), stream_k.size() * 2, cudaMemcpyHostToDevice));
@@ -178,7 +163,7 @@ void run(int tokens, const Options& opt, double copy_bw, cudaStream_t stream) {
   };
   const auto append_ref = [&](int t) {  // token t of the stream into the reference, with data
     std::vector<float> k(row), v(row);
-    if (opens(t)) ref.open_segment(0, type_at(t));
+    if (t % kSegment == 0) ref.open_segment(0, types[static_cast<std::size_t>(t / kSegment)]);
     for (std::size_t i = 0; i < row; ++i) {
       k[i] = to_float(stream_k[static_cast<std::size_t>(t) * row + i]);
       v[i] = to_float(stream_v[static_cast<std::size_t>(t) * row + i]);
@@ -186,7 +171,7 @@ void run(int tokens, const Options& opt, double copy_bw, cudaStream_t stream) {
     ref.append(0, k.data(), v.data(), kKVHeads, kHeadDim, where.data());
   };
   const auto append_meta = [&](std::int32_t seq, int t) {  // and into the batch's tables
-    if (opens(t)) meta.open_segment(seq, type_at(t));
+    if (t % kSegment == 0) meta.open_segment(seq, types[static_cast<std::size_t>(t / kSegment)]);
     meta.append(seq, nullptr, nullptr, kKVHeads, kHeadDim, where.data());
     dev.record_append(meta, seq, where.data());
   };
@@ -271,21 +256,6 @@ void run(int tokens, const Options& opt, double copy_bw, cudaStream_t stream) {
         evict(half_of(positions), h, segment);
       }
     }
-  }
-  if (opt.staged) {  // the tail into every sequence, one device batch, no eviction
-    const std::size_t tail_rows = static_cast<std::size_t>(kStagedTail) * row;
-    DeviceArray<bf16_t> tail_k(static_cast<std::size_t>(max_batch) * tail_rows),
-        tail_v(tail_k.size());
-    for (int t = tokens; t < total; ++t) append_ref(t);
-    for (std::size_t b = 0; b < seqs.size(); ++b) {
-      for (int t = tokens; t < total; ++t) append_meta(seqs[b], t);
-      const std::size_t from = static_cast<std::size_t>(tokens) * row;
-      KVSIFT_CUDA_CHECK(cudaMemcpyAsync(tail_k.get() + b * tail_rows, dk.get() + from,
-                                        tail_rows * 2, cudaMemcpyDeviceToDevice, stream));
-      KVSIFT_CUDA_CHECK(cudaMemcpyAsync(tail_v.get() + b * tail_rows, dv.get() + from,
-                                        tail_rows * 2, cudaMemcpyDeviceToDevice, stream));
-    }
-    write_batch(tail_k.get(), tail_v.get());
   }
   for (std::size_t b = 0; b < seqs.size(); ++b) {
     KVSIFT_CHECK(meta.num_blocks(seqs[b]) == ref.num_blocks(0), "bench: sequence ", b, " has ",
@@ -470,8 +440,6 @@ int main(int argc, char** argv) {
       KVSIFT_CHECK(mode == "end" || mode == "steady", "--evict must be end or steady, got '", mode,
                    "'");
       opt.steady = mode == "steady";
-    } else if (std::strcmp(argv[i], "--staged") == 0) {
-      opt.staged = true;
     } else if (std::strcmp(argv[i], "--refill") == 0 && i + 1 < argc) {
       const std::string rule = argv[++i];  // run, regroup or regroup:F
       const std::size_t colon = rule.find(':');
@@ -490,12 +458,10 @@ int main(int argc, char** argv) {
   const double copy_bw = bench::d2d_copy_bandwidth(std::size_t{1} << 30, stream, kWarmup, 20);
   std::printf(
       "CT paged decode attention on %s: %s, block %d, Hkv %d / Hq %d, head_dim %d, 50%% evicted "
-      "per head (%s), refill %s (f >= %d), staged rows per head: %s; D2D copy bandwidth %.0f GB/s "
-      "(read + write)\n",
+      "per head (%s), refill %s (f >= %d); D2D copy bandwidth %.0f GB/s (read + write)\n",
       prop.name, opt.fp8_reasoning ? "R8 E4 T2" : "R4 E4 T2", kBlock, kKVHeads, kQHeads, kHeadDim,
       opt.steady ? "each segment as it is written" : "at the end",
-      std::string(refill_rule_name(opt.refill)).c_str(), opt.regroup_min_free,
-      opt.staged ? "45 (--staged)" : "those the segments leave", copy_bw / 1e9);
+      std::string(refill_rule_name(opt.refill)).c_str(), opt.regroup_min_free, copy_bw / 1e9);
   std::printf(
       "new = split-sequence paged kernel (batch API), old = tiled paged kernel per sequence, dense "
       "= split-sequence bf16 kernel over the kept tokens, floor = paged bytes / copy bandwidth\n");

@@ -660,25 +660,22 @@ struct SplitTileRef {
 };
 
 // The description of tile `it` of the warp whose first unit is u_first (unit u_first + 4·it of
-// the sequence whose blocks start at `begin`), or a dead one past the warp's tiles_per_warp or
-// the batch's blocks. It does not know the sequence's length: a tile past the sequence's end
-// (the next sequence's block) is described too and never used (the warp stops at its `tiles`),
-// so these loads need not wait for the sequence's end in block_begin.
+// the sequence whose blocks start at `begin`), or a dead one past `tiles`.
 __device__ __forceinline__ SplitTileRef split_tile_ref(const SplitArgs& a, int begin, int u_first,
-                                                       int it, int h) {
+                                                       int it, int tiles, int h) {
   SplitTileRef r;
+  if (it >= tiles) return r;
   const int u = u_first + it * kWarps;
   const int blk = begin + u / a.tiles_per_block, start = (u % a.tiles_per_block) * kTileSlots;
-  if (it >= a.tiles_per_warp || blk >= a.t.total_blocks) return r;
   const int n = min(kTileSlots, a.t.block_size - start);
   const std::int64_t frame = a.t.frames[blk];
-  r.nvfp4 = (a.t.meta[blk] & 0xf) == kFormatNvfp4;  // else ternary (split_kernel_takes)
-  const std::int64_t head_bytes = r.nvfp4 ? a.t.layouts.by_format[kFormatNvfp4].head_bytes
-                                          : a.t.layouts.by_format[kFormatTernary].head_bytes;
-  r.offset = a.t.offsets[blk] + h * head_bytes;
   const std::uint64_t word =
       a.t.masks[(frame * a.t.kv_heads + h) * a.t.mask_words + start / 64];  // free bit = 1
   r.live = ~static_cast<unsigned>(word >> (start % 64)) & (n == 32 ? 0xffffffffu : 0xffffu);
+  r.nvfp4 = (a.t.meta[blk] & 0xf) == kFormatNvfp4;  // else ternary (split_kernel_takes)
+  const std::int64_t head_bytes = r.nvfp4 ? a.t.layouts.by_format[kFormatNvfp4].head_bytes
+                                          : a.t.layouts.by_format[kFormatTernary].head_bytes;
+  r.offset = a.t.frame_offsets[frame] + h * head_bytes;
   r.start = start;
   r.n = n;
   return r;
@@ -744,8 +741,7 @@ __global__ void __launch_bounds__(kThreads, D >= 256 ? 2 : 4) split_decode_kerne
   const int H = a.t.kv_heads;
   // --- this warp's run of tiles -----------------------------------------------------------------
   const int g = lane / 4, t = lane % 4;  // MMA row (query head) and column pair of this lane
-  // Sequence 0's blocks start at 0: at batch 1 the tiles' descriptions need no load before them.
-  const int begin = b == 0 ? 0 : a.t.block_begin[b];
+  const int begin = a.t.block_begin[b];
   const int units = (a.t.block_begin[b + 1] - begin) * a.tiles_per_block;
 
   // Tile it of this warp is unit u_first + 4·it. Its description (live bits, format, byte offset of
@@ -756,10 +752,10 @@ __global__ void __launch_bounds__(kThreads, D >= 256 ? 2 : 4) split_decode_kerne
                          static_cast<std::size_t>(kWarps - warp) * kSplitStages * Stage::bytes;
   const int u_first = split * kWarps * a.tiles_per_warp + warp;
   const int tiles = max(0, min(a.tiles_per_warp, (units - u_first + kWarps - 1) / kWarps));
-  SplitTileRef mine;  // this lane's tile of the current run of 32
-  // Tile it's description (it < tiles, it / 32 the loaded run): where its bytes are, then live.
-  const auto tile_bytes = [&](int it) {
+  SplitTileRef mine;               // this lane's tile of the current run of 32
+  const auto tile = [&](int it) {  // tile it's description; it < tiles, it / 32 the loaded run
     SplitTileRef r;
+    r.live = __shfl_sync(0xffffffffu, mine.live, it % 32);
     r.offset = __shfl_sync(0xffffffffu, mine.offset, it % 32);
     // format and first slot in one shuffle (recomputing the slot costs an integer division)
     const int packed = __shfl_sync(0xffffffffu, mine.nvfp4 | (mine.start << 1), it % 32);
@@ -768,23 +764,15 @@ __global__ void __launch_bounds__(kThreads, D >= 256 ? 2 : 4) split_decode_kerne
     r.n = min(kTileSlots, a.t.block_size - r.start);  // 16 or 32 (block_size % 16 == 0)
     return r;
   };
-  const auto tile = [&](int it) {
-    SplitTileRef r = tile_bytes(it);
-    r.live = __shfl_sync(0xffffffffu, mine.live, it % 32);
-    return r;
-  };
-  mine = split_tile_ref(a, begin, u_first, lane, h);
+  if (tiles > 0) mine = split_tile_ref(a, begin, u_first, lane, tiles, h);
   SplitTileRef cur;
   if (tiles > 0) {
-    // The first tile's bytes are copied before its live bits have arrived (a dead tile's copy is
-    // never read): its chain is the page table's entries, then its bytes and mask together, in
-    // flight while the query is set up.
-    cur = tile_bytes(0);
-    cur.live = ~0u;
+    cur = tile(0);
     split_stage_tile<D>(stages, a, cur, lane);
-    cur.live = __shfl_sync(0xffffffffu, mine.live, 0);
   }
   detail::cp_async_commit();
+  // The first tile's chain of dependent loads (block list, frame, mask, its bytes) is in flight
+  // while the query is set up.
   const float* q = a.query + (static_cast<std::int64_t>(b) * H + h) * G * D;
 
   setup_query<D, false>(q, G, sQf, sQs, sQa);
@@ -804,7 +792,7 @@ __global__ void __launch_bounds__(kThreads, D >= 256 ? 2 : 4) split_decode_kerne
 
   for (int it = 0; it < tiles; ++it) {
     if ((it + 1) % 32 == 0 && it + 1 < tiles)
-      mine = split_tile_ref(a, begin, u_first, it + 1 + lane, h);
+      mine = split_tile_ref(a, begin, u_first, it + 1 + lane, tiles, h);
     SplitTileRef next;
     if (it + 1 < tiles) {
       next = tile(it + 1);
@@ -986,20 +974,7 @@ MergeArgs merge_args(const float* part_acc, const float* part_ml, int kv_heads, 
 }
 
 constexpr int kStagedRows = kPagedThoughtTypes * 16;
-// The staged logits take kRowLanes lanes a row, so the CTA loads kThreads / kRowLanes rows at once
-// and every staged row (≤ kStagedRows) in one round trip, kLogitRounds rows a thread.
-constexpr int kRowLanes = 8;
-constexpr int kLogitRounds = kStagedRows * kRowLanes / kThreads;
-static_assert(kLogitRounds * kThreads == kStagedRows * kRowLanes, "rows a thread");
-// The weighted values: thread t takes channels 4·(t % (D/4)) .. + 3 of the rows k ≡ t / (D/4)
-// (mod 512 / D): at most kValueRows rows a thread (D = 256), all loaded before they are used.
-constexpr int kValueRows = kStagedRows / 2;
-
-// The two bf16 halves of a 32-bit word, exactly (PagedStaging is bf16).
-__device__ __forceinline__ float bf16_low(std::uint32_t w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf16_high(std::uint32_t w) {
-  return __uint_as_float(w & 0xffff0000u);
-}
+constexpr int kMergeUnroll = 8;  // partial rows a lane has in flight (the merge is latency-bound)
 
 // The staged rows of one (KV head, sequence), in shared memory: their count n, their rows
 // srow[k < n] in order, the weights sx[g][k] = e^{x − sm[g]} of their logits x,
@@ -1008,10 +983,6 @@ struct StagedRows {
   float sx[kMaxGroup][kStagedRows];
   float sm[kMaxGroup], sl[kMaxGroup];
   float sv[kMaxGroup][256];  // head_dim <= 256
-  union {
-    float q[kMaxGroup][256];      // the query while the logits are computed
-    float part[kMaxGroup * 512];  // then the row groups' sums of sv: [512 / D][G][D]
-  };
   int srow[kStagedRows];
   int n;
 };
@@ -1022,178 +993,91 @@ __device__ __forceinline__ std::int64_t staged_row(std::int64_t stream0, int r, 
   return (stream0 + static_cast<std::int64_t>(r / 16) * H + h) * 16 + r % 16;
 }
 
-// Fills `s` for KV head h of sequence b. All threads call this; it reads only the query and the
-// staging, never the split kernel's partials, so merge_kernel runs it before waiting for that
-// kernel. Latency-bound (≤ 48 rows, 8 CTAs at batch 1), so every load of a phase is issued before
-// any is used: the masks and the query, then all key and value rows at once (two round trips).
-// Fixed summation orders: a logit sums its row's 8 lane chunks by a shuffle tree; a weighted value
-// sums its thread's rows in order, then the row groups in order.
+// Fills `s` for KV head h of sequence b: the logits (warp w takes rows w, w + 4, ...: its lanes
+// load the row's channels, coalesced, and reduce the G logits by shuffles), their weights and the
+// weighted values. All threads call this. It reads only the query and the staging, never the
+// split kernel's partials, so merge_kernel runs it before waiting for that kernel.
 __device__ void staged_tokens(const MergeArgs& a, int h, int b, std::int64_t stream0,
                               StagedRows& s) {
   const int G = a.group, D = a.head_dim, H = a.kv_heads;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  // 1. The rows: thread r < 48 places row r (type r / 16, row r % 16) if it is staged. The query.
-  if (threadIdx.x < kStagedRows) {
-    const int r = threadIdx.x, type = r / 16;
-    std::uint32_t mask[kPagedThoughtTypes];
-    int before = 0, n = 0;
-#pragma unroll
-    for (int t = 0; t < kPagedThoughtTypes; ++t) {
-      mask[t] = a.masks[stream0 + static_cast<std::int64_t>(t) * H + h];
-      n += __popc(mask[t]);
-      if (t < type) before += __popc(mask[t]);
-    }
-    const std::uint32_t own = type == 0 ? mask[0] : type == 1 ? mask[1] : mask[2];
-    static_assert(kPagedThoughtTypes == 3, "own: one of the three masks, without local memory");
-    if ((own >> (r % 16)) & 1u) s.srow[before + __popc(own & ((1u << (r % 16)) - 1u))] = r;
-    if (r == 0) s.n = n;
-  }
   const float* q = a.query + (static_cast<std::int64_t>(b) * H + h) * G * D;  // [G, D]
-  for (int i = threadIdx.x; i < G * D; i += kThreads) s.q[i / D][i % D] = q[i];
+  if (threadIdx.x == 0) {
+    int n = 0;
+    for (int t = 0; t < kPagedThoughtTypes; ++t) {
+      const std::uint32_t mask = a.masks[stream0 + static_cast<std::int64_t>(t) * H + h];
+      for (int r = 0; r < 16; ++r) {
+        if ((mask >> r) & 1u) s.srow[n++] = t * 16 + r;
+      }
+    }
+    s.n = n;
+  }
   __syncthreads();
   const int n = s.n;
-  // 2. The key rows, all at once: thread t takes row t / 8 + 16·i, the 16-byte chunks
-  // j·D/64 .. (j + 1)·D/64 − 1 of lane j = t % 8.
-  const int kr0 = threadIdx.x / kRowLanes, kl = threadIdx.x % kRowLanes;
-  const int kvec = D / 64;  // 16-byte chunks per lane and key row: 1, 2 or 4
-  uint4 kx[kLogitRounds][4];
+  for (int k = warp; k < n; k += kWarps) {
+    const PagedStaging* kr = a.keys + staged_row(stream0, s.srow[k], H, h) * D;
+    float dot[kMaxGroup] = {};
+    for (int c = lane; c < D; c += 32) {
+      const float kv = to_float(kr[c]);
 #pragma unroll
-  for (int i = 0; i < kLogitRounds; ++i) {
-    const int k = kr0 + i * (kThreads / kRowLanes);
-#pragma unroll
-    for (int v = 0; v < 4; ++v) {
-      kx[i][v] = make_uint4(0, 0, 0, 0);
-      if (k < n && v < kvec) {
-        kx[i][v] = reinterpret_cast<const uint4*>(a.keys + staged_row(stream0, s.srow[k], H, h) *
-                                                               D)[kl * kvec + v];
+      for (int g = 0; g < kMaxGroup; ++g) {
+        if (g < G) dot[g] += q[g * D + c] * kv;
       }
     }
-  }
-  // 3. Logits: lane chunk dot products, summed over the row's 8 lanes (all lanes shuffle).
-#pragma unroll
-  for (int i = 0; i < kLogitRounds; ++i) {
-    const int k = kr0 + i * (kThreads / kRowLanes);
-    for (int g = 0; g < G; ++g) {
-      float dot = 0.0f;
-#pragma unroll
-      for (int v = 0; v < 4; ++v) {
-        if (v >= kvec) break;
-        const float* qg = &s.q[g][(kl * kvec + v) * 8];
-        const uint4 w = kx[i][v];
-        const std::uint32_t u[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          dot += qg[2 * e] * bf16_low(u[e]);
-          dot += qg[2 * e + 1] * bf16_high(u[e]);
-        }
-      }
-#pragma unroll
-      for (int o = kRowLanes / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-      if (kl == 0 && k < n) s.sx[g][k] = dot * a.softmax_scale;
-    }
-  }
-  // The value rows, in flight while the logits are written and the softmax runs: thread t takes the
-  // channel quad vc = t % (D/4) of the rows k ≡ rg = t / (D/4) (mod R).
-  const int quads = D / 4, R = kThreads / quads;  // R = 512 / D row groups
-  const int vc = threadIdx.x % quads, rg = threadIdx.x / quads;
-  uint2 vx[kValueRows];
-#pragma unroll
-  for (int i = 0; i < kValueRows; ++i) {
-    const int k = rg + i * R;
-    vx[i] = make_uint2(0, 0);
-    if (k < n) {
-      vx[i] =
-          reinterpret_cast<const uint2*>(a.values + staged_row(stream0, s.srow[k], H, h) * D)[vc];
-    }
-  }
-  __syncthreads();
-  // 4. Softmax per query head: warp w takes heads w, w + 4, ...; lane j rows j, j + 32.
-  for (int g = warp; g < G; g += kWarps) {
-    const float x0 = lane < n ? s.sx[g][lane] : -INFINITY;
-    const float x1 = lane + 32 < n ? s.sx[g][lane + 32] : -INFINITY;
-    float m = fmaxf(x0, x1);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    // A finite x implies a finite max; rows past n get weight 0.
-    const float w0 = x0 > -INFINITY ? expf(x0 - m) : 0.0f;
-    const float w1 = x1 > -INFINITY ? expf(x1 - m) : 0.0f;
-    float l = w0 + w1;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
-    if (lane < n) s.sx[g][lane] = w0;
-    if (lane + 32 < n) s.sx[g][lane + 32] = w1;
-    if (lane == 0) {
-      s.sm[g] = m;
-      s.sl[g] = l;
-    }
-  }
-  __syncthreads();  // the weights are written; the query (under `part`) is no longer read
-  // 5. Weighted values: this thread's rows in order, then the R row groups in order.
-  float acc[kMaxGroup][4] = {};
-#pragma unroll
-  for (int i = 0; i < kValueRows; ++i) {
-    const int k = rg + i * R;
-    if (k >= n) break;
-    const float v0 = bf16_low(vx[i].x), v1 = bf16_high(vx[i].x), v2 = bf16_low(vx[i].y),
-                v3 = bf16_high(vx[i].y);
 #pragma unroll
     for (int g = 0; g < kMaxGroup; ++g) {
-      if (g >= G) break;
-      const float w = s.sx[g][k];
-      acc[g][0] += w * v0;
-      acc[g][1] += w * v1;
-      acc[g][2] += w * v2;
-      acc[g][3] += w * v3;
+      if (g >= G) break;  // G is the same for the whole warp: no padding head is reduced
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) dot[g] += __shfl_xor_sync(0xffffffffu, dot[g], o);
+      if (lane == 0) s.sx[g][k] = dot[g] * a.softmax_scale;
     }
   }
-#pragma unroll
-  for (int g = 0; g < kMaxGroup; ++g) {
-    if (g >= G) break;
-    *reinterpret_cast<float4*>(&s.part[(rg * G + g) * D + 4 * vc]) =
-        make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+  __syncthreads();
+  for (int g = threadIdx.x; g < G; g += blockDim.x) {
+    float m = -INFINITY;
+    for (int k = 0; k < n; ++k) m = fmaxf(m, s.sx[g][k]);
+    float l = 0.0f;
+    for (int k = 0; k < n; ++k) {
+      const float x = s.sx[g][k];
+      const float w = x > -INFINITY ? expf(x - m) : 0.0f;  // a finite x implies a finite max
+      s.sx[g][k] = w;
+      l += w;
+    }
+    s.sm[g] = m;
+    s.sl[g] = l;
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < G * D; i += kThreads) {
-    float sum = 0.0f;
-    for (int r = 0; r < R; ++r) sum += s.part[r * G * D + i];
-    s.sv[i / D][i % D] = sum;
-  }
-  __syncthreads();
-}
-
-// Partial rows a lane has in flight: 16 at head_dim <= 128 (one float4 a row), 8 at 256 (two).
-template <bool kWide>
-constexpr int kMergeRows = kWide ? 8 : 16;
-
-// Rows c0 .. c0 + cn − 1 (cn <= kMergeRows) of the partials from `src` (row stride G · D): this
-// lane's channels 4·lane .. + 3 (and 128 + 4·lane .. for kWide); zeros past cn or D.
-template <bool kWide>
-__device__ __forceinline__ void load_partial_rows(float4 (&x)[kMergeRows<kWide>][kWide ? 2 : 1],
-                                                  const float* src, int c0, int cn, int G, int D,
-                                                  int lane) {
+  // sv: warp w takes the query heads w, w + 4, ..., lane j channels 4j .. 4j + 3 (+ 128), the rows
+  // in order (a fixed summation order).
+  for (int g = warp; g < G; g += kWarps) {
 #pragma unroll
-  for (int u = 0; u < kMergeRows<kWide>; ++u) {
-#pragma unroll
-    for (int j = 0; j < (kWide ? 2 : 1); ++j) {
+    for (int j = 0; j < 2; ++j) {
       const int d = 4 * lane + 128 * j;
-      x[u][j] = u < cn && d < D ? *reinterpret_cast<const float4*>(
-                                      src + static_cast<std::int64_t>(c0 + u) * G * D + d)
-                                : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      if (d >= D) break;
+      float4 sv = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 4
+      for (int k = 0; k < n; ++k) {
+        const float w = s.sx[g][k];
+        const PagedStaging* vr = a.values + staged_row(stream0, s.srow[k], H, h) * D + d;
+        sv.x += w * to_float(vr[0]);
+        sv.y += w * to_float(vr[1]);
+        sv.z += w * to_float(vr[2]);
+        sv.w += w * to_float(vr[3]);
+      }
+      *reinterpret_cast<float4*>(&s.sv[g][d]) = sv;
     }
   }
+  __syncthreads();
 }
 
 // Grid (kv_heads, batch), kThreads threads; warp w merges query heads w, w + 4, ... of its KV
-// head. Lane j takes the parts j, j + 32, ... for the max; then, kMergeRows parts at a time,
-// lane k's part weight e^{m_p − m} is computed once, added to the denominator with l_p and
-// broadcast by a shuffle while every lane sums acc_p over its channels 4j .. 4j + 3 (+ 128), in
-// part order, the staged tokens last: a fixed order, so the result is the same on every run. The
-// first rows are loaded before the max is known (one round trip for both at batch 1). Every part's
-// accumulator was written (combine_cta_partials writes zeros where no slot was live), so no load
-// reads stale memory.
-template <bool kWide>
-__global__ void __launch_bounds__(kThreads, 4) merge_kernel(MergeArgs a) {
-  constexpr int kRows = kMergeRows<kWide>, kJ = kWide ? 2 : 1;
+// head. Lane j takes the parts j, j + 32, ... for the max and, 32 parts at a time, computes its
+// part's weight e^{m_p − m} once and adds l_p times it to its share of the denominator; the
+// weights are then broadcast by shuffles while every lane sums acc_p over its channels 4j.. 4j + 3
+// (+ 128), kMergeUnroll rows loaded before they are used, in part order, the staged tokens last:
+// a fixed order, so the result is the same on every run. Every part's accumulator was written
+// (combine_cta_partials writes zeros where no slot was live), so no load reads stale memory.
+__global__ void __launch_bounds__(kThreads) merge_kernel(MergeArgs a) {
   __shared__ StagedRows staged;
   const int h = blockIdx.x, b = blockIdx.y, G = a.group, D = a.head_dim, H = a.kv_heads;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -1209,39 +1093,48 @@ __global__ void __launch_bounds__(kThreads, 4) merge_kernel(MergeArgs a) {
   cudaGridDependencySynchronize();
   for (int g = warp; g < G; g += kWarps) {
     const std::int64_t first = (static_cast<std::int64_t>(b) * H + h) * a.parts * G + g;
-    const float* src = a.part_acc + first * D;
-    const auto ml = [&](int p) {
-      return *reinterpret_cast<const float2*>(a.part_ml +
-                                              (first + static_cast<std::int64_t>(p) * G) * 2);
+    const auto ml = [&](int p, int i) {
+      return a.part_ml[(first + static_cast<std::int64_t>(p) * G) * 2 + i];
     };
-    float4 x[kRows][kJ];
-    load_partial_rows<kWide>(x, src, 0, min(kRows, a.parts), G, D, lane);
     float m = -INFINITY;
     for (int p = lane; p < a.parts; p += 32) {
-      const float2 v = ml(p);
-      if (v.y > 0.0f) m = fmaxf(m, v.x);
+      if (ml(p, 1) > 0.0f) m = fmaxf(m, ml(p, 0));
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
     const bool has_staged = n > 0 && staged.sl[g] > 0.0f;
     if (has_staged) m = fmaxf(m, staged.sm[g]);
     float denom = 0.0f;
-    float4 acc[kJ] = {};
-    for (int c0 = 0; c0 < a.parts; c0 += kRows) {
-      const int cn = min(kRows, a.parts - c0);
-      if (c0 > 0) load_partial_rows<kWide>(x, src, c0, cn, G, D, lane);
-      const float2 v = lane < cn ? ml(c0 + lane) : make_float2(0.0f, 0.0f);
-      const float wl = v.y > 0.0f ? expf(v.x - m) : 0.0f;  // 0 past cn
-      denom += v.y * wl;
+    float4 acc[2] = {};  // channels 4·lane .. + 3 and 128 + 4·lane .. + 3 (head_dim <= 256)
+    for (int c0 = 0; c0 < a.parts; c0 += 32) {
+      const int cn = min(32, a.parts - c0);
+      const float l = lane < cn ? ml(c0 + lane, 1) : 0.0f;
+      const float wl = l > 0.0f ? expf(ml(c0 + lane, 0) - m) : 0.0f;  // 0 past cn
+      denom += l * wl;
+      const float* src = a.part_acc + (first + static_cast<std::int64_t>(c0) * G) * D;
+      for (int k0 = 0; k0 < cn; k0 += kMergeUnroll) {  // k0 + u < 32: lane k0 + u's weight
+        float4 x[kMergeUnroll][2];
 #pragma unroll
-      for (int u = 0; u < kRows; ++u) {
-        const float w = __shfl_sync(0xffffffffu, wl, u);
+        for (int u = 0; u < kMergeUnroll; ++u) {
 #pragma unroll
-        for (int j = 0; j < kJ; ++j) {
-          acc[j].x += x[u][j].x * w;
-          acc[j].y += x[u][j].y * w;
-          acc[j].z += x[u][j].z * w;
-          acc[j].w += x[u][j].w * w;
+          for (int j = 0; j < 2; ++j) {
+            const int d = 4 * lane + 128 * j;
+            x[u][j] = k0 + u < cn && d < D
+                          ? *reinterpret_cast<const float4*>(
+                                src + static_cast<std::int64_t>(k0 + u) * G * D + d)
+                          : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kMergeUnroll; ++u) {
+          const float w = __shfl_sync(0xffffffffu, wl, k0 + u);
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            acc[j].x += x[u][j].x * w;
+            acc[j].y += x[u][j].y * w;
+            acc[j].z += x[u][j].z * w;
+            acc[j].w += x[u][j].w * w;
+          }
         }
       }
     }
@@ -1251,7 +1144,7 @@ __global__ void __launch_bounds__(kThreads, 4) merge_kernel(MergeArgs a) {
       const float ws = expf(staged.sm[g] - m);
       denom += staged.sl[g] * ws;
 #pragma unroll
-      for (int j = 0; j < kJ; ++j) {
+      for (int j = 0; j < 2; ++j) {
         const int d = 4 * lane + 128 * j;
         if (d >= D) break;
         const float4 sv = *reinterpret_cast<const float4*>(&staged.sv[g][d]);
@@ -1264,7 +1157,7 @@ __global__ void __launch_bounds__(kThreads, 4) merge_kernel(MergeArgs a) {
     const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
     float* o = a.out + ((static_cast<std::int64_t>(b) * H + h) * G + g) * D;
 #pragma unroll
-    for (int j = 0; j < kJ; ++j) {
+    for (int j = 0; j < 2; ++j) {
       const int d = 4 * lane + 128 * j;
       if (d >= D) break;
       *reinterpret_cast<float4*>(o + d) =
@@ -1287,11 +1180,7 @@ void launch_merge(const MergeArgs& args, std::int64_t batch, cudaStream_t stream
   cfg.stream = stream;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  if (args.head_dim > 128) {
-    KVSIFT_CUDA_CHECK(cudaLaunchKernelEx(&cfg, merge_kernel<true>, args));
-  } else {
-    KVSIFT_CUDA_CHECK(cudaLaunchKernelEx(&cfg, merge_kernel<false>, args));
-  }
+  KVSIFT_CUDA_CHECK(cudaLaunchKernelEx(&cfg, merge_kernel, args));
 }
 
 struct SplitPlan {
@@ -1392,18 +1281,17 @@ std::size_t paged_batch_bytes(const DevicePagedTable& table, const std::int32_t*
     blocks += static_cast<std::size_t>(table.num_blocks(seqs[i]));
   }
   const std::size_t n = static_cast<std::size_t>(batch);
-  return 2 * align_up(std::max<std::size_t>(blocks, 1) * 4) +
-         align_up(std::max<std::size_t>(blocks, 1) * 8) + align_up((n + 1) * 4) + align_up(n * 4);
+  return 2 * align_up(std::max<std::size_t>(blocks, 1) * 4) + align_up((n + 1) * 4) +
+         align_up(n * 4);
 }
 
 namespace {
 
-// describe_paged_batch's fields in one walk over the batch's blocks; with `frames`, `meta`,
-// `offsets` and `begin` also the page tables themselves, as upload_paged_batch copies them.
+// describe_paged_batch's fields in one walk over the batch's blocks; with `frames`, `meta` and
+// `begin` also the page tables themselves, as upload_paged_batch copies them.
 PagedBatch walk_paged_batch(const DevicePagedTable& table, const std::int32_t* seqs,
                             std::int32_t batch, std::vector<std::int32_t>* frames,
-                            std::vector<std::int32_t>* meta, std::vector<std::int64_t>* offsets,
-                            std::vector<std::int32_t>* begin) {
+                            std::vector<std::int32_t>* meta, std::vector<std::int32_t>* begin) {
   KVSIFT_CHECK(batch >= 1 && batch <= 65535 && seqs != nullptr,
                "cuda::describe_paged_batch: batch (", batch,
                ") must be in [1, 65535] with a non-null sequence list");
@@ -1420,7 +1308,6 @@ PagedBatch walk_paged_batch(const DevicePagedTable& table, const std::int32_t* s
       out.has_f32_blocks = out.has_f32_blocks || !split_kernel_takes(f);
       if (frames == nullptr) continue;
       frames->push_back(table.frame_of(s, k));
-      offsets->push_back(table.block_offset(s, k));
       meta->push_back(static_cast<std::int32_t>(f) |
                       (static_cast<std::int32_t>(table.type_of_block(s, k)) << 4));
     }
@@ -1434,7 +1321,7 @@ PagedBatch walk_paged_batch(const DevicePagedTable& table, const std::int32_t* s
 
 PagedBatch describe_paged_batch(const DevicePagedTable& table, const std::int32_t* seqs,
                                 std::int32_t batch) {
-  return walk_paged_batch(table, seqs, batch, nullptr, nullptr, nullptr, nullptr);
+  return walk_paged_batch(table, seqs, batch, nullptr, nullptr, nullptr);
 }
 
 PagedBatch paged_batch_image(const DevicePagedTable& table, const std::int32_t* seqs,
@@ -1442,8 +1329,7 @@ PagedBatch paged_batch_image(const DevicePagedTable& table, const std::int32_t* 
                              std::vector<std::uint8_t>& image) {
   const char* fn = "cuda::paged_batch_image";
   std::vector<std::int32_t> frames, meta, begin;
-  std::vector<std::int64_t> offsets;
-  PagedBatch out = walk_paged_batch(table, seqs, batch, &frames, &meta, &offsets, &begin);
+  PagedBatch out = walk_paged_batch(table, seqs, batch, &frames, &meta, &begin);
   const std::size_t need = paged_batch_bytes(table, seqs, batch);
   KVSIFT_CHECK(workspace_bytes >= need, fn, ": workspace of ", workspace_bytes,
                " bytes is too small (", need, " needed)");
@@ -1451,28 +1337,23 @@ PagedBatch paged_batch_image(const DevicePagedTable& table, const std::int32_t* 
   const std::size_t nb = std::max<std::size_t>(frames.size(), 1);
   std::int32_t* d_frames = carver.take<std::int32_t>(nb);
   std::int32_t* d_meta = carver.take<std::int32_t>(nb);
-  std::int64_t* d_offsets = carver.take<std::int64_t>(nb);
   std::int32_t* d_begin = carver.take<std::int32_t>(begin.size());
   std::int32_t* d_seqs = carver.take<std::int32_t>(static_cast<std::size_t>(batch));
-  // The five arrays at their carved offsets in one host image of the region.
-  const auto offset = [&](const void* p) {
+  // The four arrays at their carved offsets in one host image of the region.
+  const auto offset = [&](const std::int32_t* p) {
     return static_cast<std::size_t>(reinterpret_cast<const std::uint8_t*>(p) -
                                     reinterpret_cast<const std::uint8_t*>(d_frames));
   };
   image.resize(offset(d_seqs) + static_cast<std::size_t>(batch) * 4);
-  const auto put = [&](const void* dst, const auto& src) {
-    if (!src.empty()) {
-      std::memcpy(image.data() + offset(dst), src.data(), src.size() * sizeof(src[0]));
-    }
+  const auto put = [&](const std::int32_t* dst, const std::vector<std::int32_t>& src) {
+    if (!src.empty()) std::memcpy(image.data() + offset(dst), src.data(), src.size() * 4);
   };
   put(d_frames, frames);
   put(d_meta, meta);
-  put(d_offsets, offsets);
   put(d_begin, begin);
   put(d_seqs, out.host_seq_ids);
   out.frames = d_frames;
   out.meta = d_meta;
-  out.offsets = d_offsets;
   out.block_begin = d_begin;
   out.seq_ids = d_seqs;
   return out;

@@ -4,10 +4,8 @@
 #pragma once
 
 #include <cstdint>
-#include <limits>
 
 #include "kvsift/backend/cuda/paged_table.hpp"
-#include "kvsift/core/error.hpp"
 
 namespace kvsift::cuda::detail {
 
@@ -18,12 +16,10 @@ struct PagedBatchRefs {
   const float* global_factors;        // [kv_heads] NVFP4 global factors
   const std::int32_t* frames;         // [total_blocks] the batch's page tables
   const std::int32_t* meta;           // [total_blocks] format | thought type << 4
-  const std::int64_t* offsets;        // [total_blocks] = frame_offsets[frames[i]]
   const std::int32_t* block_begin;    // [batch + 1] first block of each sequence
   const std::int32_t* seq_ids;        // [batch] sequence ids (their staging rows)
   PagedLayouts layouts;
   int kv_heads, block_size, mask_words;
-  int total_blocks;  // Σ blocks of the batch (the extent of frames, meta and offsets)
 };
 
 inline PagedBatchRefs paged_batch_refs(const DevicePagedTable& table, const PagedBatch& batch) {
@@ -36,16 +32,12 @@ inline PagedBatchRefs paged_batch_refs(const DevicePagedTable& table, const Page
   r.global_factors = m.global_factors;
   r.frames = batch.frames;
   r.meta = batch.meta;
-  r.offsets = batch.offsets;
   r.block_begin = batch.block_begin;
   r.seq_ids = batch.seq_ids;
   r.layouts = paged_layouts(tc);
   r.kv_heads = tc.kv_heads;
   r.block_size = tc.block_size;
   r.mask_words = table.sizes().mask_words;
-  KVSIFT_CHECK(batch.total_blocks <= std::numeric_limits<int>::max(), "cuda: a batch of ",
-               batch.total_blocks, " blocks is too large");
-  r.total_blocks = static_cast<int>(batch.total_blocks);
   return r;
 }
 

@@ -372,11 +372,8 @@ void paged_decode_attention_tiled(const DevicePagedTable& table, std::int32_t se
 // bits and staging are read live), so an engine uploads again only after an append took a block
 // or an eviction freed one (num_blocks changed), not once per step.
 struct PagedBatch {
-  const std::int32_t* frames = nullptr;  // [total_blocks] pool frame, sequence after sequence
-  const std::int32_t* meta = nullptr;    // [total_blocks] format | thought type << 4
-  // [total_blocks] byte offset of each block's frame in the pools, so that a kernel finds a
-  // block's bytes with one load fewer than through the table's frame offsets.
-  const std::int64_t* offsets = nullptr;
+  const std::int32_t* frames = nullptr;       // [total_blocks] pool frame, sequence after sequence
+  const std::int32_t* meta = nullptr;         // [total_blocks] format | thought type << 4
   const std::int32_t* block_begin = nullptr;  // [batch + 1] first block of each sequence
   const std::int32_t* seq_ids = nullptr;      // [batch] sequence id (its staging rows)
   std::int32_t batch = 0;
