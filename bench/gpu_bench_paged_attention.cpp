@@ -1,14 +1,13 @@
 // ThinKV path on the GPU (docs/algorithms.md §3.4): decode attention over the device Continuous
 // Thinking table, R1-Llama-8B shapes (32 query heads, 8 KV heads, head_dim 128), blocks of 32
-// slots, R4 E4 T2 formats by default (NVFP4 for reasoning and execution segments, ternary for
-// transitions; --fp8-reasoning makes reasoning blocks FP8), segments of 128 tokens with random
-// thought types, exactly half of every head's tokens evicted (mask bits; staged tokens dropped; a
-// random half per head, the same positions in every sequence). The batch's tables are placed by a
-// metadata-only host table and quantized on the device (as in cuda::DeviceThinKV); one host table
-// with data holds sequence 0 for the dense copy, so the setup costs ~2 µs per token and sequence
-// on the host instead of the host codec's ~25.
-// Per sequence length (default 4K 8K 16K 32K) and batch (default 1 8 64), all in one run, CUDA
-// events, median of 50 after 5 warm-up launches:
+// slots (--block N), R4 E4 T2 formats by default (NVFP4 for reasoning and execution segments,
+// ternary for transitions; --fp8-reasoning makes reasoning blocks FP8), segments of 128 tokens with
+// random thought types, exactly half of every head's tokens evicted (mask bits; staged tokens
+// dropped; a random half per head, the same positions in every sequence). The batch's tables are
+// placed by a metadata-only host table and quantized on the device (as in cuda::DeviceThinKV); one
+// host table with data holds sequence 0 for the dense copy, so the setup costs ~2 µs per token and
+// sequence on the host instead of the host codec's ~25. Per sequence length (default 4K 8K 16K 32K)
+// and batch (default 1 8 64), all in one run, CUDA events, median of 50 after 5 warm-up launches:
 //   new    cuda::paged_decode_attention_batch: the split-sequence tensor-core kernel, one launch
 //          for the whole batch (page tables uploaded once, outside the timing);
 //   old    cuda::paged_decode_attention_tiled, once per sequence (its API uploads the sequence's
@@ -29,13 +28,15 @@
 //
 // Usage: gpu_bench_paged_attention [--fp8-reasoning] [--batch 1,8,64] [--min-tiles 1,2,4]
 //                                  [--evict end|steady] [--refill run|regroup|regroup:F]
-//                                  [tokens ...]
+//                                  [--block 16|32|...] [tokens ...]
 // --min-tiles: DecodeAttentionConfig::min_tiles_per_warp for the new and the dense kernel, each
 // value a row of its own (default 1, the library's default).
 // --evict steady: each 128-token segment loses a random half of its tokens per head as soon as it
 // is written, so the groups of later segments meet the holes (default end: half of every head's
 // tokens after all appends, when no refill can happen). --refill: the table's refill rule
 // (docs/thinkv.md §6; default run): with regroup, later groups fill pinned runs' holes.
+// --block: slots per block (default 32; a multiple of 16): smaller blocks return memory sooner
+// (docs/thinkv.md §6) and give the kernel shorter tiles.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -62,7 +63,7 @@ using bench::DeviceArray;
 
 namespace {
 
-constexpr int kKVHeads = 8, kQHeads = 32, kHeadDim = 128, kBlock = 32, kSegment = 128;
+constexpr int kKVHeads = 8, kQHeads = 32, kHeadDim = 128, kSegment = 128;
 constexpr int kWarmup = 5, kReps = 50;
 constexpr int kAppendBatch = 4096;  // tokens per device append (each one syncs)
 
@@ -73,6 +74,7 @@ struct Options {
   bool steady = false;
   RefillRule refill = RefillRule::run;
   int regroup_min_free = 8;
+  int block = 32;  // --block: slots per block (a multiple of 16; the table checks it)
   std::vector<int> min_tiles = {1};
   std::vector<int> batches = {1, 8, 64};
   std::vector<int> lengths = {4096, 8192, 16384, 32768};
@@ -95,7 +97,7 @@ void run(int tokens, const Options& opt, double copy_bw, cudaStream_t stream) {
   ThoughtBlockTableConfig cfg;  // R4 E4 T2 by default
   cfg.kv_heads = kKVHeads;
   cfg.head_dim = kHeadDim;
-  cfg.block_size = kBlock;
+  cfg.block_size = opt.block;
   if (opt.fp8_reasoning) cfg.reasoning = BlockFormat::fp8;
   cfg.refill = opt.refill;
   cfg.regroup_min_free = opt.regroup_min_free;
@@ -104,7 +106,7 @@ void run(int tokens, const Options& opt, double copy_bw, cudaStream_t stream) {
   // `ref` holds sequence 0's data too, for the dense copy. Every sequence gets the same tokens,
   // types and evicted positions, so sequence 0's kept tokens are every sequence's.
   ThoughtBlockTableConfig ref_cfg = cfg;
-  ref_cfg.num_blocks = tokens / kBlock + 8;
+  ref_cfg.num_blocks = tokens / opt.block + 8;
   cfg.num_blocks = max_batch * ref_cfg.num_blocks;
   cfg.holds_data = false;
   ThoughtBlockTable meta(cfg), ref(ref_cfg);
@@ -268,7 +270,7 @@ void run(int tokens, const Options& opt, double copy_bw, cudaStream_t stream) {
   const std::size_t per_seq = static_cast<std::size_t>(kKVHeads) * n * kHeadDim;
   std::vector<bf16_t> dense_k(static_cast<std::size_t>(max_batch) * per_seq),
       dense_v(dense_k.size());
-  std::vector<float> bk(static_cast<std::size_t>(kBlock) * kHeadDim), bv(bk.size());
+  std::vector<float> bk(static_cast<std::size_t>(opt.block) * kHeadDim), bv(bk.size());
   for (int h = 0; h < kKVHeads; ++h) {
     std::int64_t j = 0;
     const std::size_t head0 = static_cast<std::size_t>(h) * n;
@@ -284,7 +286,7 @@ void run(int tokens, const Options& opt, double copy_bw, cudaStream_t stream) {
     for (std::int32_t blk = 0; blk < ref.num_blocks(0); ++blk) {
       ref.dequantize_block(0, blk, h, bk.data(), bv.data());
       const std::uint64_t* free = ref.free_mask(0, blk, h);
-      for (int s = 0; s < kBlock; ++s) {
+      for (int s = 0; s < opt.block; ++s) {
         if (!((free[s / 64] >> (s % 64)) & 1u)) put(&bk[s * kHeadDim], &bv[s * kHeadDim]);
       }
     }
@@ -358,7 +360,7 @@ void run(int tokens, const Options& opt, double copy_bw, cudaStream_t stream) {
                                          stream);
         },
         stream, kWarmup, kReps);
-    const std::int64_t slots = cuda::paged_sparsity_slots(meta.num_blocks(seqs[0]), kBlock);
+    const std::int64_t slots = cuda::paged_sparsity_slots(meta.num_blocks(seqs[0]), opt.block);
     DeviceArray<float> logits(static_cast<std::size_t>(batch) * kQHeads * slots);
     const float sparsity1_ms = bench::median_ms(
         [&] {
@@ -402,7 +404,7 @@ void run(int tokens, const Options& opt, double copy_bw, cudaStream_t stream) {
           max_abs_diff(on, od), max_abs_diff(on, oo),
           append_ms * 1e3 / (static_cast<double>(tokens) * max_batch),
           static_cast<long long>(moved), sparsity_ms * 1e3, sparsity1_ms * 1e3,
-          static_cast<double>(meta.num_blocks(seqs[0])) * kBlock / static_cast<double>(n));
+          static_cast<double>(meta.num_blocks(seqs[0])) * opt.block / static_cast<double>(n));
       std::fflush(stdout);
     }
   }
@@ -435,6 +437,8 @@ int main(int argc, char** argv) {
       opt.batches = parse_list(argv[++i]);
     } else if (std::strcmp(argv[i], "--min-tiles") == 0 && i + 1 < argc) {
       opt.min_tiles = parse_list(argv[++i]);
+    } else if (std::strcmp(argv[i], "--block") == 0 && i + 1 < argc) {
+      opt.block = std::atoi(argv[++i]);
     } else if (std::strcmp(argv[i], "--evict") == 0 && i + 1 < argc) {
       const std::string mode = argv[++i];
       KVSIFT_CHECK(mode == "end" || mode == "steady", "--evict must be end or steady, got '", mode,
@@ -459,8 +463,8 @@ int main(int argc, char** argv) {
   std::printf(
       "CT paged decode attention on %s: %s, block %d, Hkv %d / Hq %d, head_dim %d, 50%% evicted "
       "per head (%s), refill %s (f >= %d); D2D copy bandwidth %.0f GB/s (read + write)\n",
-      prop.name, opt.fp8_reasoning ? "R8 E4 T2" : "R4 E4 T2", kBlock, kKVHeads, kQHeads, kHeadDim,
-      opt.steady ? "each segment as it is written" : "at the end",
+      prop.name, opt.fp8_reasoning ? "R8 E4 T2" : "R4 E4 T2", opt.block, kKVHeads, kQHeads,
+      kHeadDim, opt.steady ? "each segment as it is written" : "at the end",
       std::string(refill_rule_name(opt.refill)).c_str(), opt.regroup_min_free, copy_bw / 1e9);
   std::printf(
       "new = split-sequence paged kernel (batch API), old = tiled paged kernel per sequence, dense "

@@ -62,6 +62,7 @@ flags:
   --thinkv-refill R ThinKV's refill of partly evicted groups: run (default, docs/algorithms.md
                     §3.4) or regroup (the experiment of docs/thinkv.md §6), or regroup:F to
                     re-quantize a group only with at least F (1..15) free slots (regroup = regroup:8)
+  --thinkv-block N  ThinKV's slots per block, a multiple of 16 in [16, 256] (default 32)
   --device D        cpu (default) or cuda: every method's select() runs on device copies of the
                     caches (R-KV and SkipKV on CUDA kernels, the others staged to the host by the
                     library); ThinKV stays on the CPU. Needs the CUDA backend and a CUDA device
@@ -115,7 +116,8 @@ std::vector<std::string> chosen_policies(const Args& args) {
 std::unique_ptr<demo::DemoPolicy> make_demo_policy(const std::string& name,
                                                    const std::string& shared_config, int budget,
                                                    std::int64_t length, const std::string& device,
-                                                   const std::string& thinkv_refill) {
+                                                   const std::string& thinkv_refill,
+                                                   int thinkv_block) {
   if (method_info(name).family == "quantizer")
     return std::make_unique<demo::QuantizerDemoPolicy>(name, length);
   if (method_info(name).owns_cache) {
@@ -125,6 +127,7 @@ std::unique_ptr<demo::DemoPolicy> make_demo_policy(const std::string& name,
     o.budget = budget;
     o.length = length;
     demo::parse_thinkv_refill(thinkv_refill, o);
+    o.block_size = thinkv_block;
     return std::make_unique<demo::ThinKVDemoPolicy>(o);
   }
   auto policy =
@@ -270,7 +273,7 @@ void print_legend(const demo::DemoConfig& cfg, bool with_skipkv, bool with_think
 int run_demo_command(const std::vector<std::string>& argv) {
   const Args args(argv,
                   {"budget", "length", "batch", "seed", "layers", "dtype", "policies", "window",
-                   "buffer", "tokens", "device", "thinkv-refill"},
+                   "buffer", "tokens", "device", "thinkv-refill", "thinkv-block"},
                   {"help"});
   if (args.has("help")) {
     print_help();
@@ -305,7 +308,8 @@ int run_demo_command(const std::vector<std::string>& argv) {
   std::vector<std::unique_ptr<demo::DemoPolicy>> policies;
   for (const auto& name : names)
     policies.push_back(make_demo_policy(name, shared, cfg.budget, length, device,
-                                        args.str("thinkv-refill", "run")));
+                                        args.str("thinkv-refill", "run"),
+                                        positive_flag(args, "thinkv-block", 32, 256)));
 
   SentenceSource src =
       sentence_source(args.str("tokens", "auto"), length, cfg.generator.batch, cfg.generator.seed);

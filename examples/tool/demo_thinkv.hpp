@@ -52,6 +52,9 @@ struct ThinKVDemoOptions {
   // Refill of partly evicted groups (paged/refill_rule.hpp; docs/thinkv.md §6).
   kvsift::RefillRule refill = kvsift::RefillRule::run;
   int regroup_min_free = 8;
+  // Slots per block (--thinkv-block): smaller blocks go back to the pool sooner, since a block is
+  // held while any slot of any KV head is live (docs/thinkv.md §6).
+  int block_size = 32;
 
   void validate() const {
     KVSIFT_CHECK(budget >= 1, "ThinKVDemoOptions: budget must be >= 1, got ", budget);
@@ -59,6 +62,10 @@ struct ThinKVDemoOptions {
     KVSIFT_CHECK(calibration_steps >= 1, "ThinKVDemoOptions: calibration_steps must be >= 1, got ",
                  calibration_steps);
     KVSIFT_CHECK(refresh >= 1, "ThinKVDemoOptions: refresh must be >= 1, got ", refresh);
+    KVSIFT_CHECK(block_size >= 16 && block_size <= 256 && block_size % 16 == 0,
+                 "ThinKVDemoOptions: block_size (--thinkv-block) must be a multiple of 16 in "
+                 "[16, 256], got ",
+                 block_size);
   }
 };
 
@@ -324,6 +331,7 @@ class ThinKVDemoPolicy final : public DemoPolicy {
     cfg.refresh = options_.refresh;
     cfg.refill = options_.refill;
     cfg.regroup_min_free = options_.regroup_min_free;
+    cfg.block_size = options_.block_size;
     cfg.theta1 = theta1_;
     cfg.theta2 = theta2_;
     for (int l = 0; l < layers_; ++l) cfg.calibrated_layers.push_back(l);

@@ -175,7 +175,7 @@ TEST_CASE("split paged attention: a head without live tokens gives zeros") {
 
 TEST_CASE("split paged attention: NVFP4 and ternary blocks with global factors") {
   // (FP8 blocks take the tiled kernel: see split_kernel_takes in cuda/paged_attention_split.cu.)
-  for (int block_size : {32, 48}) {
+  for (int block_size : {16, 32, 48}) {  // one 16-slot tile, one 32-slot tile, one of each
     ThoughtBlockTableConfig cfg = test::table_config(2, 64, block_size, BlockFormat::nvfp4,
                                                      BlockFormat::ternary, BlockFormat::nvfp4, 128);
     cfg.global_factors = {300.0f, 0.7f};

@@ -55,6 +55,8 @@ TEST_CASE("the ThinKV adapter's positions, bytes and evictions match ThinKV's ow
   o.length = T;
   o.calibration_steps = 32;
   o.refresh = 32;
+  o.block_size = GENERATE(16, 32);  // --thinkv-block: the held-slot columns follow the table's
+  INFO("block_size " << o.block_size);
   std::vector<std::unique_ptr<DemoPolicy>> policies;
   policies.push_back(std::make_unique<ThinKVDemoPolicy>(o));
   const auto& adapter = static_cast<const ThinKVDemoPolicy&>(*policies[0]);
@@ -72,6 +74,7 @@ TEST_CASE("the ThinKV adapter's positions, bytes and evictions match ThinKV's ow
   for (int b = 0; b < 2; ++b) {
     const ThinKV& kv = adapter.thinkv()->sequence(b);
     REQUIRE(kv.length() == T);
+    REQUIRE(kv.table(0).config().block_size == o.block_size);
     REQUIRE(kv.resident_tokens() < T);  // something was evicted
     table_bytes += kv.resident_bytes().total();
     evicting += kv.eviction_counter().evicting();
@@ -215,6 +218,14 @@ TEST_CASE("the ThinKV adapter rejects bad options and select()", "[demo][thinkv]
   o = ThinKVDemoOptions{};
   o.calibration_steps = -3;
   REQUIRE_THROWS_WITH(ThinKVDemoPolicy(o), Contains("calibration_steps must be >= 1, got -3"));
+  for (int bad : {0, 24, 272}) {
+    o = ThinKVDemoOptions{};
+    o.block_size = bad;
+    REQUIRE_THROWS_WITH(ThinKVDemoPolicy(o),
+                        Contains("block_size (--thinkv-block) must be a multiple of 16 in [16, "
+                                 "256], got " +
+                                 std::to_string(bad)));
+  }
   ThinKVDemoPolicy ok{ThinKVDemoOptions{}};
   REQUIRE_THROWS_WITH(ok.select(StepInputs{}), Contains("never by select()"));
 }
