@@ -47,7 +47,7 @@ struct HostPipeline {
     auto* p = memory.data();
     return cuda::PagedTableMemory{
         reinterpret_cast<std::uint8_t*>(p),       p,
-        reinterpret_cast<std::int32_t*>(p),       reinterpret_cast<std::int64_t*>(p),
+        reinterpret_cast<std::uint8_t*>(p),       reinterpret_cast<std::int64_t*>(p),
         reinterpret_cast<cuda::PagedStaging*>(p), reinterpret_cast<cuda::PagedStaging*>(p),
         reinterpret_cast<std::uint32_t*>(p),      reinterpret_cast<float*>(p)};
   }

@@ -113,7 +113,7 @@ void run(int tokens, const Options& opt, double copy_bw, cudaStream_t stream) {
   const cuda::PagedTableSizes sizes = cuda::paged_table_sizes(cfg, max_batch);
   DeviceArray<std::uint8_t> storage(static_cast<std::size_t>(sizes.storage_bytes));
   DeviceArray<std::uint64_t> masks(static_cast<std::size_t>(sizes.mask_bytes / 8));
-  DeviceArray<std::int32_t> positions(static_cast<std::size_t>(sizes.position_bytes / 4));
+  DeviceArray<std::uint8_t> positions(static_cast<std::size_t>(sizes.position_bytes));
   DeviceArray<std::int64_t> offsets(static_cast<std::size_t>(sizes.frame_offset_bytes / 8));
   const std::size_t staged_rows =
       static_cast<std::size_t>(sizes.staging_bytes) / sizeof(cuda::PagedStaging);

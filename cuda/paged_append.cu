@@ -44,7 +44,7 @@ constexpr int kStreamThreads = 128;
 // ThoughtBlockTable::take_frame), and its byte offset published. One CTA per frame.
 __global__ void init_frames_kernel(std::uint8_t* __restrict__ storage,
                                    std::uint64_t* __restrict__ masks,
-                                   std::int32_t* __restrict__ positions,
+                                   std::uint8_t* __restrict__ positions,
                                    std::int64_t* __restrict__ frame_offsets, int kv_heads,
                                    int block_size, int mask_words, PagedLayouts layouts,
                                    const PagedFreshFrame* __restrict__ fresh) {  // [gridDim.x]
@@ -59,8 +59,9 @@ __global__ void init_frames_kernel(std::uint8_t* __restrict__ storage,
     const int bits = min(64, block_size - 64 * w);
     masks[frame * kv_heads * mask_words + i] = bits == 64 ? ~0ull : ((1ull << bits) - 1ull);
   }
-  for (int i = threadIdx.x; i < kv_heads * block_size; i += blockDim.x) {
-    positions[frame * kv_heads * block_size + i] = -1;
+  std::uint8_t* frame_positions = positions + frame * kv_heads * block_size * kSlotPositionBytes;
+  for (int i = threadIdx.x; i < kv_heads * block_size * kSlotPositionBytes; i += blockDim.x) {
+    frame_positions[i] = 0xFF;  // every slot kUnwrittenSlotPosition
   }
   if (threadIdx.x == 0) frame_offsets[frame] = f.offset;
 }
@@ -70,7 +71,7 @@ __global__ void init_frames_kernel(std::uint8_t* __restrict__ storage,
 template <class T>
 __global__ void write_rows_kernel(std::uint8_t* __restrict__ storage,
                                   std::uint64_t* __restrict__ masks,
-                                  std::int32_t* __restrict__ positions, int mask_words,
+                                  std::uint8_t* __restrict__ positions, int mask_words,
                                   int kv_heads, int block_size, int head_dim,
                                   std::int64_t value_offset,    // f32 values within a head
                                   const T* __restrict__ key,    // [tokens, kv_heads, head_dim]
@@ -94,7 +95,7 @@ __global__ void write_rows_kernel(std::uint8_t* __restrict__ storage,
   }
   if (cb == 0) {
     const std::int64_t fh = static_cast<std::int64_t>(r.frame) * kv_heads + r.head;
-    positions[fh * block_size + r.slot] = r.position;
+    store_slot_position(positions, fh * block_size + r.slot, r.position);
     atomicAnd(reinterpret_cast<unsigned long long*>(&masks[fh * mask_words + r.slot / 64]),
               ~(1ull << (r.slot % 64)));
   }
@@ -108,7 +109,7 @@ __global__ void write_rows_kernel(std::uint8_t* __restrict__ storage,
 template <class T>
 __global__ void __launch_bounds__(kStreamThreads)
     stream_ops_kernel(std::uint8_t* __restrict__ storage, std::uint64_t* __restrict__ masks,
-                      std::int32_t* __restrict__ positions,
+                      std::uint8_t* __restrict__ positions,
                       PagedStaging* __restrict__ staged_keys,    // [streams, 16, head_dim]
                       PagedStaging* __restrict__ staged_values,  // [streams, 16, head_dim]
                       std::uint32_t* __restrict__ staged_masks,  // [streams]
@@ -166,7 +167,8 @@ __global__ void __launch_bounds__(kStreamThreads)
       }
       const std::int64_t fh = static_cast<std::int64_t>(seal.frame) * kv_heads + task.head;
       if (threadIdx.x < kQuantGroupSize && seal.positions[threadIdx.x] >= 0) {
-        positions[fh * block_size + seal.first_slot + threadIdx.x] = seal.positions[threadIdx.x];
+        store_slot_position(positions, fh * block_size + seal.first_slot + threadIdx.x,
+                            seal.positions[threadIdx.x]);
       }
       if (threadIdx.x == 0) {
         atomicAnd(
@@ -306,7 +308,7 @@ PagedTableSizes paged_table_sizes(const ThoughtBlockTableConfig& cfg, std::int32
   s.storage_bytes = offset;
   const std::int64_t N = cfg.num_blocks, H = cfg.kv_heads;
   s.mask_bytes = N * H * s.mask_words * 8;
-  s.position_bytes = N * H * cfg.block_size * 4;
+  s.position_bytes = N * H * cfg.block_size * kSlotPositionBytes;
   s.frame_offset_bytes = N * 8;
   const std::int64_t streams = static_cast<std::int64_t>(max_sequences) * kPagedThoughtTypes * H;
   s.staging_bytes =

@@ -89,7 +89,7 @@ PagedTableMemory carve_table(WorkspaceCarver& c, const PagedTableSizes& s, std::
   PagedTableMemory m;
   m.storage = c.take<std::uint8_t>(static_cast<std::size_t>(s.storage_bytes));
   m.free_masks = c.take<std::uint64_t>(static_cast<std::size_t>(s.mask_bytes / 8));
-  m.positions = c.take<std::int32_t>(static_cast<std::size_t>(s.position_bytes / 4));
+  m.positions = c.take<std::uint8_t>(static_cast<std::size_t>(s.position_bytes));
   m.frame_offsets = c.take<std::int64_t>(static_cast<std::size_t>(s.frame_offset_bytes / 8));
   const std::size_t staged = static_cast<std::size_t>(s.staging_bytes) / sizeof(PagedStaging);
   m.staged_keys = c.take<PagedStaging>(staged);

@@ -217,7 +217,7 @@ std::int32_t ThoughtBlockTable::take_frame(std::int32_t seq, ThoughtType type) {
   f.free.clear();
   for (std::int64_t h = 0; h < H; ++h)
     f.free.insert(f.free.end(), head_mask.begin(), head_mask.end());
-  f.position.assign(static_cast<std::size_t>(H * S), -1);
+  f.position.assign(static_cast<std::size_t>(H * S * kSlotPositionBytes), 0xFF);  // all -1
   return id;
 }
 
@@ -281,7 +281,8 @@ void ThoughtBlockTable::regroup_run(Sequence& s, ThoughtType type, std::int32_t 
   // is touched; the device table re-quantizes the group (cuda/paged_append.cu).
   const bool data = config_.holds_data;
   std::uint64_t* mask = &f.free[static_cast<std::size_t>(head) * mask_words_];
-  std::int32_t* slot_position = &f.position[static_cast<std::size_t>(head) * S];
+  std::uint8_t* slot_position =
+      &f.position[static_cast<std::size_t>(head) * S * kSlotPositionBytes];
   std::vector<float> new_keys(data ? static_cast<std::size_t>(free_slots) * D : 0),
       new_values(new_keys.size());
   std::vector<std::int32_t> new_positions(static_cast<std::size_t>(free_slots));
@@ -315,7 +316,7 @@ void ThoughtBlockTable::regroup_run(Sequence& s, ThoughtType type, std::int32_t 
   }
   std::size_t next = 0;
   for (std::int32_t slot = a.slot; slot < a.slot + kQuantGroupSize; ++slot) {
-    if (bit(mask, slot)) slot_position[slot] = new_positions[next++];
+    if (bit(mask, slot)) store_slot_position(slot_position, slot, new_positions[next++]);
   }
   mask[a.slot / 64] &= ~(std::uint64_t{0xffff} << (a.slot % 64));
   ++refill_stats_.regroups;
@@ -354,6 +355,9 @@ std::int32_t ThoughtBlockTable::append(std::int32_t seq, const float* key, const
                "ThoughtBlockTable::append: key and value must not be null");
   KVSIFT_CHECK(!s.segment_starts.empty(), "ThoughtBlockTable::append: sequence ", seq,
                " has no open segment (call open_segment first)");
+  KVSIFT_CHECK(s.length <= kMaxSlotPosition, "ThoughtBlockTable::append: sequence ", seq,
+               " already holds ", s.length, " positions, the most a 3-byte slot position stores (",
+               kMaxSlotPosition + 1, ")");
   const std::int64_t n = data ? kv_heads * head_dim : 0;
   for (std::int64_t i = 0; i < n; ++i) {
     KVSIFT_CHECK(std::isfinite(key[i]) && std::isfinite(value[i]),
@@ -421,13 +425,14 @@ std::int32_t ThoughtBlockTable::append(std::int32_t seq, const float* key, const
     const BlockHeadLayout L = layout(f.format);
     std::uint8_t* base = data ? f.data.data() + h * L.bytes() : nullptr;
     std::uint64_t* mask = &f.free[static_cast<std::size_t>(h) * mask_words_];
-    std::int32_t* slot_position = &f.position[static_cast<std::size_t>(h) * config_.block_size];
+    std::uint8_t* slot_position =
+        &f.position[static_cast<std::size_t>(h) * config_.block_size * kSlotPositionBytes];
     if (!is_quantized(format)) {
       if (data) {
         write_value_row(L, base, a.slot, v, 1.0f);
         write_key_row_f32(L, base, a.slot, k);
       }
-      slot_position[a.slot] = position;
+      store_slot_position(slot_position, a.slot, position);
       mask[a.slot / 64] &= ~(std::uint64_t{1} << (a.slot % 64));
       if (where != nullptr) where[h] = a;
       continue;
@@ -441,7 +446,8 @@ std::int32_t ThoughtBlockTable::append(std::int32_t seq, const float* key, const
                         group.key_scales.data(), group.value_codes.data(),
                         group.value_scales.data());
     }
-    for (int i = 0; i < kQuantGroupSize; ++i) slot_position[a.slot + i] = group.positions[i];
+    for (int i = 0; i < kQuantGroupSize; ++i)
+      store_slot_position(slot_position, a.slot + i, group.positions[i]);
     mask[a.slot / 64] &= ~(std::uint64_t{0xffff} << (a.slot % 64));
     // The new token is the group's last (positions ascend).
     if (where != nullptr) where[h] = SlotAddress{a.block, a.slot + kQuantGroupSize - 1};
@@ -575,7 +581,8 @@ std::vector<std::uint64_t> ThoughtBlockTable::segment_mask(std::int32_t seq, std
   const std::uint64_t* free = &f.free[static_cast<std::size_t>(head) * mask_words_];
   for (std::int32_t slot = 0; slot < config_.block_size; ++slot) {
     if (!bit(free, slot) &&
-        segment_of(s, f.position[static_cast<std::size_t>(head) * config_.block_size + slot]) ==
+        segment_of(s, load_slot_position(f.position.data(),
+                                         std::int64_t{head} * config_.block_size + slot)) ==
             segment) {
       mask[slot / 64] |= std::uint64_t{1} << (slot % 64);
     }
@@ -593,7 +600,8 @@ std::vector<ResidentToken> ThoughtBlockTable::resident_tokens(std::int32_t seq, 
     const std::uint64_t* free = &f.free[static_cast<std::size_t>(head) * mask_words_];
     for (std::int32_t slot = 0; slot < config_.block_size; ++slot) {
       if (bit(free, slot)) continue;
-      const std::int32_t p = f.position[static_cast<std::size_t>(head) * config_.block_size + slot];
+      const std::int32_t p =
+          load_slot_position(f.position.data(), std::int64_t{head} * config_.block_size + slot);
       const std::int32_t seg = segment_of(s, p);
       if (segment >= 0 && seg != segment) continue;
       out.push_back(ResidentToken{SlotAddress{static_cast<std::int32_t>(b), slot}, p, seg});
@@ -764,9 +772,9 @@ TableBytes ThoughtBlockTable::allocated_bytes() const {
     const std::int64_t heads = static_cast<std::int64_t>(f.data.size()) / L.bytes();
     out.codes += heads * L.codes_bytes();
     out.scales += heads * L.scales_bytes();
-    out.metadata += static_cast<std::int64_t>(f.free.size() * sizeof(std::uint64_t) +
-                                              f.position.size() * sizeof(std::int32_t)) +
-                    kBlockHeaderBytes;
+    out.metadata +=
+        static_cast<std::int64_t>(f.free.size() * sizeof(std::uint64_t) + f.position.size()) +
+        kBlockHeaderBytes;
     any_nvfp4 = any_nvfp4 || f.format == BlockFormat::nvfp4;
   }
   if (any_nvfp4) out.metadata += global_factor_bytes(config_.kv_heads);

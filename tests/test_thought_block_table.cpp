@@ -446,9 +446,9 @@ TEST_CASE("resident bytes count codes, scales, metadata and staging", "[thought_
   REQUIRE(b.codes == 2 * (32 * 8) + 2 * (32 * 4));
   REQUIRE(b.scales == 2 * 32 + 2 * 32);
   // Per block: header (type, format, owner, frame: 10) and per head the mask (8) and 16 slot
-  // positions (64); one global factor per head; the sequence: 2 page-table entries, 2 segments
-  // and its length.
-  REQUIRE(b.metadata == 2 * (10 + 2 * (8 + 64)) + 2 * 4 + (2 * 4 + 2 * 5 + 4));
+  // positions at 3 B (48); one global factor per head; the sequence: 2 page-table entries, 2
+  // segments and its length.
+  REQUIRE(b.metadata == 2 * (10 + 2 * (8 + 48)) + 2 * 4 + (2 * 4 + 2 * 5 + 4));
   // Staging: 3 types x 2 heads x 16 tokens x (key + value at 2 B + a 4 B position).
   REQUIRE(b.staging == 3 * 2 * 16 * (2 * 16 * 2 + 4));
   REQUIRE(t.allocated_bytes().total() == b.total());
@@ -502,7 +502,7 @@ TEST_CASE("resident bytes equal the blocks actually held, per format, after chur
     const std::int64_t per_group = f == BlockFormat::nvfp4 ? 8 : f == BlockFormat::fp8 ? 16 : 4;
     codes += H * groups * per_group;
     scales += H * groups;
-    metadata += H * (8 + S * 4) + 10;
+    metadata += H * (8 + S * 3) + 10;  // mask word, 3 B positions, header
     nvfp4 = nvfp4 || f == BlockFormat::nvfp4;
     REQUIRE(static_cast<std::int64_t>(t.block_storage(seq, b).size()) ==
             H * groups * (per_group + 1));
@@ -658,4 +658,53 @@ TEST_CASE("block formats: names, every accepted spelling, and unknown names", "[
                       Catch::Matchers::Contains("unknown block format 'int4'"));
   REQUIRE_THROWS_WITH(parse_quant_format("f32"),
                       Catch::Matchers::Contains("unknown quantization format 'f32'"));
+}
+
+TEST_CASE("slot positions: 3 little-endian bytes, -1 for a never-written slot",
+          "[thought_block_table]") {
+  REQUIRE(kMaxSlotPosition == 16777214);
+  std::vector<std::uint8_t> bytes(4 * kSlotPositionBytes, 0x5A);
+  store_slot_position(bytes.data(), 1, 0x123456);
+  REQUIRE(bytes == std::vector<std::uint8_t>{0x5A, 0x5A, 0x5A, 0x56, 0x34, 0x12, 0x5A, 0x5A, 0x5A,
+                                             0x5A, 0x5A, 0x5A});  // neighbours untouched
+  store_slot_position(bytes.data(), 2, kUnwrittenSlotPosition);
+  REQUIRE((bytes[6] == 0xFF && bytes[7] == 0xFF && bytes[8] == 0xFF));
+  for (const std::int32_t p : {0, 1, 255, 256, 65535, 65536, 0x7FFFFF, 0x800000, kMaxSlotPosition,
+                               kUnwrittenSlotPosition}) {
+    store_slot_position(bytes.data(), 3, p);
+    REQUIRE(load_slot_position(bytes.data(), 3) == p);
+    REQUIRE(load_slot_position(bytes.data(), 1) == 0x123456);
+  }
+}
+
+TEST_CASE("append refuses a position past the 3-byte slot position limit",
+          "[thought_block_table][errors]") {
+  // One head, 16-slot f32 blocks without data: each block is evicted as soon as it is full, so the
+  // pool never runs dry and 16.7M appends take a few seconds at most.
+  ThoughtBlockTableConfig c = full_precision(1, 16, 16, 2);
+  c.holds_data = false;
+  ThoughtBlockTable t(c);
+  const std::int32_t seq = t.create_sequence();
+  t.open_segment(seq, ThoughtType::execution);
+  std::vector<std::int32_t> block(16);
+  for (std::int32_t p = 0; p <= kMaxSlotPosition; ++p) {
+    t.append(seq, nullptr, nullptr, 1, 16);
+    if (p % 16 == 15) {
+      for (std::int32_t i = 0; i < 16; ++i) block[static_cast<std::size_t>(i)] = p - 15 + i;
+      t.evict_positions(seq, 0, block);
+    }
+  }
+  // 16,777,215 = 16 · 1,048,575 + 15 tokens: the last 15 are resident with their exact positions.
+  REQUIRE(t.length(seq) == kMaxSlotPosition + 1);
+  const std::vector<std::int32_t> resident = t.resident_positions(seq, 0);
+  REQUIRE(resident.size() == 15);
+  REQUIRE(resident.front() == kMaxSlotPosition - 14);
+  REQUIRE(resident.back() == kMaxSlotPosition);
+  const TableBytes before = t.resident_bytes();
+  REQUIRE_THROWS_WITH(
+      t.append(seq, nullptr, nullptr, 1, 16),
+      Contains("sequence 0 already holds 16777215 positions") && Contains("3-byte slot position"));
+  REQUIRE(t.length(seq) == kMaxSlotPosition + 1);  // nothing changed
+  REQUIRE(t.resident_bytes().total() == before.total());
+  REQUIRE(t.resident_positions(seq, 0) == resident);
 }

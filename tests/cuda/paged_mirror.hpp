@@ -49,7 +49,7 @@ struct PagedMirror {
   cuda::PagedTableSizes sizes;
   DeviceBuffer<std::uint8_t> storage;
   DeviceBuffer<std::uint64_t> masks;
-  DeviceBuffer<std::int32_t> positions;
+  DeviceBuffer<std::uint8_t> positions;
   DeviceBuffer<std::int64_t> offsets;
   DeviceBuffer<cuda::PagedStaging> staged_keys, staged_values;
   DeviceBuffer<std::uint32_t> staged_masks;
@@ -61,7 +61,7 @@ struct PagedMirror {
       : sizes(cuda::paged_table_sizes(cfg, max_sequences, pools)),
         storage(static_cast<std::size_t>(sizes.storage_bytes)),
         masks(static_cast<std::size_t>(sizes.mask_bytes / 8)),
-        positions(static_cast<std::size_t>(sizes.position_bytes / 4)),
+        positions(static_cast<std::size_t>(sizes.position_bytes)),
         offsets(static_cast<std::size_t>(sizes.frame_offset_bytes / 8)),
         staged_keys(static_cast<std::size_t>(sizes.staging_bytes) / sizeof(cuda::PagedStaging)),
         staged_values(staged_keys.size()),
@@ -84,7 +84,7 @@ struct PagedMirror {
 struct DeviceTableSnapshot {
   std::vector<std::uint8_t> pool;
   std::vector<std::uint64_t> masks;
-  std::vector<std::int32_t> positions;
+  std::vector<std::uint8_t> positions;  // 3 B per slot (slot_positions.hpp)
   std::vector<cuda::PagedStaging> staged_keys, staged_values;
   std::vector<std::uint32_t> staged_masks;
 };
@@ -119,7 +119,7 @@ inline void require_same_sequence(const ThoughtBlockTable& cpu, std::int32_t cpu
                                   bool same_frames) {
   const std::vector<std::uint8_t>& pool = dev.pool;
   const std::vector<std::uint64_t>& masks = dev.masks;
-  const std::vector<std::int32_t>& positions = dev.positions;
+  const std::vector<std::uint8_t>& positions = dev.positions;
   const std::int32_t seq = cpu_seq;
   REQUIRE(table.num_blocks(dev_seq) == cpu.num_blocks(seq));
   const std::int32_t H = cpu.config().kv_heads, W = cpu.mask_words(), S = cpu.config().block_size;
@@ -169,8 +169,8 @@ inline void require_same_sequence(const ThoughtBlockTable& cpu, std::int32_t cpu
       if (t.address.block < 0) continue;
       const std::int32_t frame = table.frame_of(dev_seq, t.address.block);
       INFO("head " << h << " block " << t.address.block << " slot " << t.address.slot);
-      REQUIRE(positions[(static_cast<std::size_t>(frame) * H + h) * S + t.address.slot] ==
-              t.position);
+      REQUIRE(load_slot_position(positions.data(),
+                                 (std::int64_t{frame} * H + h) * S + t.address.slot) == t.position);
     }
     // Staged rows as (key bits, value bits) strings, sorted.
     std::vector<float> ck, cv;

@@ -9,9 +9,9 @@
 //  - key groups: S/16 · D (16 slots of one channel); value groups: S · D/16 (16 channels of one
 //    slot); each group has code_bytes_per_group(format) code bytes and 1 scale byte
 //    (quant/format.hpp). f32 blocks: keys and values [S, D] f32, no scales.
-//  - metadata: the eviction bitmask (1 bit per slot, whole uint64 words) and the int32 generation
-//    position of every slot (a slot's segment follows from its position and the sequence's
-//    segment starts, so no segment id is stored per slot).
+//  - metadata: the eviction bitmask (1 bit per slot, whole uint64 words) and the 3-byte generation
+//    position of every slot (slot_positions.hpp; a slot's segment follows from its position and
+//    the sequence's segment starts, so no segment id is stored per slot).
 // One block: kv_heads (block, head)s + a header (thought type, format: 1 B each; owner sequence,
 // frame id: 4 B each).
 // Staging (§3.4): per (sequence, layer, thought type, KV head) up to 16 tokens, keys and values at
@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include "kvsift/core/config.hpp"
+#include "kvsift/paged/slot_positions.hpp"
 #include "kvsift/quant/format.hpp"
 
 namespace kvsift {
@@ -59,7 +60,7 @@ KVSIFT_HOST_DEVICE constexpr std::int64_t block_head_scale_bytes(BlockFormat for
              : slots / kQuantGroupSize * head_dim + slots * (head_dim / kQuantGroupSize);
 }
 KVSIFT_HOST_DEVICE constexpr std::int64_t block_head_metadata_bytes(std::int64_t slots) {
-  return block_mask_words(slots) * 8 + slots * 4;
+  return block_mask_words(slots) * 8 + slots * kSlotPositionBytes;
 }
 
 struct BlockBytes {

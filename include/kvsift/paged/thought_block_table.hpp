@@ -221,7 +221,7 @@ class ThoughtBlockTable {
     std::int32_t owner = -1;             // sequence, -1 when in the pool
     std::vector<std::uint8_t> data;      // [kv_heads, head bytes] (block_codec.hpp layout)
     std::vector<std::uint64_t> free;     // [kv_heads, mask_words] 1 = free (evicted/unwritten)
-    std::vector<std::int32_t> position;  // [kv_heads, block_size]
+    std::vector<std::uint8_t> position;  // [kv_heads, block_size, kSlotPositionBytes]
   };
   struct Sequence {
     bool active = false;

@@ -64,7 +64,7 @@ struct PagedTableSizes {
   std::int64_t pool_offset[4] = {};      // byte offset of each pool in storage
   std::int64_t storage_bytes = 0;        // Σ pool_frames · frame_bytes
   std::int64_t mask_bytes = 0;           // num_blocks · kv_heads · mask_words · 8
-  std::int64_t position_bytes = 0;       // num_blocks · kv_heads · block_size · 4
+  std::int64_t position_bytes = 0;       // num_blocks · kv_heads · block_size · 3
   std::int64_t frame_offset_bytes = 0;   // num_blocks · 8
   std::int64_t staging_bytes = 0;        // per buffer (keys, values): max_sequences · 3 ·
                                          // kv_heads · 16 · head_dim · 2
@@ -81,7 +81,8 @@ PagedTableSizes paged_table_sizes(const ThoughtBlockTableConfig& cfg, std::int32
 struct PagedTableMemory {
   std::uint8_t* storage = nullptr;        // [storage_bytes] the format pools
   std::uint64_t* free_masks = nullptr;    // [num_blocks, kv_heads, mask_words] bit set = slot free
-  std::int32_t* positions = nullptr;      // [num_blocks, kv_heads, block_size] generation position
+  std::uint8_t* positions = nullptr;      // [num_blocks, kv_heads, block_size, 3] generation
+                                          // position (slot_positions.hpp)
   std::int64_t* frame_offsets = nullptr;  // [num_blocks] byte offset of CPU frame f in storage
   PagedStaging* staged_keys = nullptr;    // [max_sequences, 3 types, kv_heads, 16, head_dim]
   PagedStaging* staged_values = nullptr;  // [max_sequences, 3 types, kv_heads, 16, head_dim]
