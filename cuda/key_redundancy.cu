@@ -21,11 +21,15 @@
 //      rbar_j = (total·k̂_j − k̂_j·k̂_j − spared_j) / S (step 4), total = the chunk sums added in
 //      chunk order (the second, fixed-order stage of the key sums), the two dot products taken on
 //      the raw key and divided once. It reads the keys a second time: it needs the finished total.
+//      Its blocks stay resident and loop over tiles of 64 rows, each tile loaded while the one
+//      before is worked on (bench/RESULTS.md runs 121–122).
 //   5. redundancy_softmax_kernel: R = softmax(rbar) over all S (step 5), one block per (b, h).
 // Steps 3–4 are spread over many blocks: at batch 1 one block per (b, h) would leave the GPU
 // idle and be bound by memory latency.
 #include <cuda_fp16.h>
 
+#include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <cub/block/block_reduce.cuh>
 
@@ -378,11 +382,65 @@ __device__ __forceinline__ float chunk_total(const float* __restrict__ part, int
   return t;
 }
 
-// column_means_kernel with 16-byte row reads (key_vec.cuh; the host checked the alignment):
-// grid (column blocks of kVecColumns, kv_heads, sequences). Group g (G lanes) takes columns g,
-// g + kGroups, ... of the block, lane c channels 8c .. 8c + 7; the dot products are summed per
-// lane then across the group (another order than column_means_kernel's, same tolerance).
-constexpr int kVecColumns = 128;  // columns of rbar per block
+// column_means_kernel with 16-byte row reads (key_vec.cuh; the host checked the alignment). The
+// rows are cut into tiles of one (sequence, head), tile t = bh · tiles_per_head + k holding rows
+// k·tile .. k·tile + tile − 1 of head bh; the grid is as many blocks as fit on the GPU at once, and
+// block b takes a contiguous run of tiles, loading the next tile's rows before it works on the
+// current one. One block per tile (the earlier layout) spent most of its life in latency chains
+// (launch, the loads, the total, the sums, the stores) with nothing else of its own in flight: the
+// kernel read the keys at about half the copy bandwidth (bench/RESULTS.md runs 85, 120).
+// Group g (G lanes) takes rows g, g + kGroups, ... of a tile, lane c channels 8c .. 8c + 7; the dot
+// products are summed per lane then across the group (another order than column_means_kernel's,
+// same tolerance) by group_sum_scatter: with every lane summing every row (group_sum), the
+// shuffles and additions outnumbered the products and took the issue slots the loads needed
+// (run 122: SM throughput 58 % -> 52 %, DRAM 63 % -> 76 %).
+constexpr int kVecTileRows = 64;  // rows of a tile (at least one per group)
+
+template <class T, int G>
+struct ColumnTile {
+  static constexpr int kGroups = kBlockThreads / G;
+  static constexpr int kPer = kVecTileRows > kGroups ? kVecTileRows / kGroups : 1;  // rows a group
+  static constexpr int kRows = kGroups * kPer;
+  static constexpr int kLanesPerRow = G / kPer;  // lanes left holding a row's sums
+  static_assert(G % kPer == 0, "a group's rows end on whole sets of its lanes");
+  // The rows' key vectors and, for the lane that finishes a row (lane c finishes row
+  // c / kLanesPerRow if kLanesPerRow divides c), its divisor and spared sum, all issued before
+  // any is used.
+  RawVec<T> raw[kPer];
+  float den;
+  unsigned long long sp;
+};
+
+// The sums over the G lanes of a group of n (dot, sq) pairs, with group_sum's additions in its
+// order (levels G/2, G/4, .., 1, each lane adding its partner's value to its own), so with the
+// same bits, but scattered: while a lane holds several pairs it keeps half of them and sends the
+// other half, so a level exchanges half as many values. At the end lane c holds pair
+// c / (G / n) in dot[0], sq[0]. For n = 4 rows at G = 16: 10 shuffles a lane instead of 32.
+template <int G, int n>
+__device__ __forceinline__ void group_sum_scatter(float (&dot)[n], float (&sq)[n], int c) {
+  int m = n;  // pairs still held: a compile-time count once unrolled
+#pragma unroll
+  for (int off = G / 2; off > 0; off /= 2) {
+    if (m > 1) {
+      const bool upper = (c & off) != 0;  // keeps the upper half of the pairs
+#pragma unroll
+      for (int i = 0; i < n / 2; ++i) {
+        if (i >= m / 2) break;
+        const float send_d = upper ? dot[i] : dot[i + m / 2];
+        const float send_s = upper ? sq[i] : sq[i + m / 2];
+        const float keep_d = upper ? dot[i + m / 2] : dot[i];
+        const float keep_s = upper ? sq[i + m / 2] : sq[i];
+        dot[i] = keep_d + __shfl_xor_sync(0xffffffffu, send_d, off);
+        sq[i] = keep_s + __shfl_xor_sync(0xffffffffu, send_s, off);
+      }
+      m /= 2;
+    } else {
+      dot[0] += __shfl_xor_sync(0xffffffffu, dot[0], off);
+      sq[0] += __shfl_xor_sync(0xffffffffu, sq[0], off);
+    }
+  }
+}
+
 template <class T, int G>
 __global__ void __launch_bounds__(kBlockThreads) column_means_vec_kernel(
     StepBases keys,                                 // per layer [batch, kv_heads, capacity, D]
@@ -390,60 +448,54 @@ __global__ void __launch_bounds__(kBlockThreads) column_means_vec_kernel(
     const float* __restrict__ denom,                // [sequences, kv_heads, length]
     const unsigned long long* __restrict__ spared,  // [sequences, kv_heads, length]
     const float* __restrict__ partial,              // [sequences, kv_heads, chunks, head_dim]
-    int chunks, int length, int head_dim,
+    int chunks, int length, int head_dim, int kv_heads, int tiles_per_head, int tiles,
     float* __restrict__ rbar) {  // [sequences, kv_heads, length]
-  constexpr int kGroups = kBlockThreads / G;
-  constexpr int kIters = (kVecColumns + kGroups - 1) / kGroups;
-  constexpr int kBatchCap = sizeof(T) == 4 ? 4 : 8;
-  constexpr int kBatch = kIters < kBatchCap ? kIters : kBatchCap;
-  static_assert(kIters % kBatch == 0, "whole batches of rows");
-  __shared__ __align__(16) float total[kVecMaxDim];  // sum_i k̂_i
-  const int z = blockIdx.z, h = blockIdx.y, kv_heads = gridDim.y;
-  const std::int64_t bh = static_cast<std::int64_t>(z) * kv_heads + h;
+  using Tile = ColumnTile<T, G>;
+  constexpr int kGroups = Tile::kGroups, kPer = Tile::kPer;
+  __shared__ __align__(16) float total[kVecMaxDim];  // sum_i k̂_i of head `total_bh`
   const int g = static_cast<int>(threadIdx.x) / G, c = static_cast<int>(threadIdx.x) % G;
   const int vectors = head_dim / kVecChannels;
-  const T* kbase = keys.seq<const T>(z) + h * stride_h;
-  const int j0 = blockIdx.x * kVecColumns, j1 = min(length, j0 + kVecColumns);
-  // A batch of rows: their key vectors and, for the lane that finishes each row (lane u % G of
-  // the group finishes row u of the batch), its divisor and spared sum, all issued before any is
-  // used. Loaded one row at a time after the row's dot products, on lane 0 alone, with lane 0 then
-  // dividing row after row, these were most of the kernel's stalls (ncu, bench/RESULTS.md run 85).
-  constexpr int kRowsPerLane = (kBatch + G - 1) / G;
-  RawVec<T> raw[kBatch];
-  float den[kRowsPerLane];
-  unsigned long long sp[kRowsPerLane];
-  const auto row_of = [&](int it0, int u) { return j0 + g + (it0 + u) * kGroups; };
-  const auto load_batch = [&](int it0) {
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int j = row_of(it0, u);
-      raw[u] = (j < j1 && c < vectors) ? load_vec(kbase + j * stride_s, c) : zero_vec<T>();
-    }
-#pragma unroll
-    for (int k = 0; k < kRowsPerLane; ++k) {
-      const int u = c + k * G, j = row_of(it0, u);
-      const bool mine = u < kBatch && j < j1;
-      den[k] = mine ? denom[bh * length + j] : 0.0f;
-      sp[k] = mine ? spared[bh * length + j] : 0ull;
-    }
+  const auto head_of = [&](int t) { return static_cast<std::int64_t>(t / tiles_per_head); };
+  const auto row_of = [&](int t, int u) {
+    return (t % tiles_per_head) * Tile::kRows + g + u * kGroups;
   };
-  load_batch(0);  // in flight while the chunk sums are added
-  const float* part = partial + bh * chunks * head_dim;
-  for (int d = threadIdx.x; d < head_dim; d += kBlockThreads)
-    total[d] = chunk_total(part, chunks, head_dim, d);
-  __syncthreads();
-  // This lane's 8 channels of the total (zeros past head_dim: those lanes read zero keys).
-  float tot[kVecChannels];
+  const auto load = [&](int t, Tile& tile) {
+    const std::int64_t bh = head_of(t);
+    const T* kbase =
+        keys.seq<const T>(static_cast<int>(bh / kv_heads)) + (bh % kv_heads) * stride_h;
 #pragma unroll
-  for (int k = 0; k < kVecChannels; ++k) tot[k] = c < vectors ? total[c * kVecChannels + k] : 0.0f;
+    for (int u = 0; u < kPer; ++u) {
+      const int j = row_of(t, u);
+      tile.raw[u] = (j < length && c < vectors) ? load_vec(kbase + j * stride_s, c) : zero_vec<T>();
+    }
+    const int j = row_of(t, c / Tile::kLanesPerRow);
+    const bool mine = c % Tile::kLanesPerRow == 0 && j < length;
+    tile.den = mine ? denom[bh * length + j] : 0.0f;
+    tile.sp = mine ? spared[bh * length + j] : 0ull;
+  };
+  // Block b's tiles: [t_begin, t_end), contiguous, so its head changes at most a few times.
+  const int t_begin = static_cast<int>(static_cast<std::int64_t>(blockIdx.x) * tiles / gridDim.x);
+  const int t_end = static_cast<int>(static_cast<std::int64_t>(blockIdx.x + 1) * tiles / gridDim.x);
+  std::int64_t total_bh = -1;
+  float tot[kVecChannels];  // this lane's 8 channels of the total (zeros past head_dim)
+  const auto work = [&](int t, const Tile& tile) {
+    const std::int64_t bh = head_of(t);
+    if (bh != total_bh) {  // the same for the whole block
+      __syncthreads();     // every lane has its copy of the previous head's total
+      const float* part = partial + bh * chunks * head_dim;
+      for (int d = threadIdx.x; d < head_dim; d += kBlockThreads)
+        total[d] = chunk_total(part, chunks, head_dim, d);
+      __syncthreads();
 #pragma unroll
-  for (int it0 = 0; it0 < kIters; it0 += kBatch) {
-    if (it0 > 0) load_batch(it0);
-    float dot[kBatch], sq[kBatch];
+      for (int k = 0; k < kVecChannels; ++k)
+        tot[k] = c < vectors ? total[c * kVecChannels + k] : 0.0f;
+      total_bh = bh;
+    }
+    float dot[kPer], sq[kPer];
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
+    for (int u = 0; u < kPer; ++u) {
       float x[kVecChannels];
-      unpack_vec(raw[u], x);
+      unpack_vec(tile.raw[u], x);
       dot[u] = 0.0f;
       sq[u] = 0.0f;
 #pragma unroll
@@ -452,21 +504,36 @@ __global__ void __launch_bounds__(kBlockThreads) column_means_vec_kernel(
         sq[u] = fmaf(x[k], x[k], sq[u]);
       }
     }
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {  // every lane of the group gets every row's sums
-      dot[u] = group_sum<G>(dot[u]);
-      sq[u] = group_sum<G>(sq[u]);
-    }
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int j = row_of(it0, u);
-      if (u % G != c || j >= j1) continue;
+    group_sum_scatter<G>(dot, sq, c);
+    const int j = row_of(t, c / Tile::kLanesPerRow);
+    if (c % Tile::kLanesPerRow == 0 && j < length) {
       // As column_means_kernel: k̂_j·total = (K_j·total) / den_j, k̂_j·k̂_j = (K_j·K_j) / den_j².
-      const float dj = den[u / G];
-      const float own = dj == 0.0f ? 0.0f : dot[u] / dj - sq[u] / (dj * dj);
-      rbar[bh * length + j] = (own - fixed_to_float(sp[u / G])) / static_cast<float>(length);
+      const float dj = tile.den;
+      const float own = dj == 0.0f ? 0.0f : dot[0] / dj - sq[0] / (dj * dj);
+      rbar[bh * length + j] = (own - fixed_to_float(tile.sp)) / static_cast<float>(length);
     }
+  };
+  // Two tiles in registers, each loaded while the other is worked on.
+  Tile a, b;
+  if (t_begin < t_end) load(t_begin, a);
+  for (int t = t_begin; t < t_end; t += 2) {
+    if (t + 1 < t_end) load(t + 1, b);
+    work(t, a);
+    if (t + 2 < t_end) load(t + 2, a);
+    if (t + 1 < t_end) work(t + 1, b);
   }
+}
+
+// Blocks of `kernel` (kBlockThreads threads, static shared memory) resident on the current
+// device at once.
+template <class Kernel>
+int resident_blocks(Kernel kernel) {
+  int device = 0, sms = 0, per_sm = 0;
+  KVSIFT_CUDA_CHECK(cudaGetDevice(&device));
+  KVSIFT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  KVSIFT_CUDA_CHECK(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlockThreads, 0));
+  return sms * (per_sm > 0 ? per_sm : 1);
 }
 
 template <class T, int G>
@@ -474,11 +541,18 @@ void launch_column_means_vec(const StepView& step, int length, const float* deno
                              const unsigned long long* spared, const float* partial, float* rbar,
                              cudaStream_t stream) {
   const KVCacheView& kv = step.first();
-  const dim3 grid(static_cast<unsigned>((length + kVecColumns - 1) / kVecColumns),
-                  static_cast<unsigned>(kv.kv_heads()), static_cast<unsigned>(step.sequences()));
-  column_means_vec_kernel<T, G><<<grid, kBlockThreads, 0, stream>>>(
+  const int kv_heads = static_cast<int>(kv.kv_heads());
+  const int tiles_per_head = (length + ColumnTile<T, G>::kRows - 1) / ColumnTile<T, G>::kRows;
+  const std::int64_t tiles =
+      static_cast<std::int64_t>(step.sequences()) * kv_heads * tiles_per_head;
+  KVSIFT_CHECK(tiles <= INT32_MAX, "column means: ", tiles, " tiles of ", ColumnTile<T, G>::kRows,
+               " rows exceed the 32-bit tile index");
+  const auto kernel = column_means_vec_kernel<T, G>;
+  const int blocks = static_cast<int>(std::min<std::int64_t>(tiles, resident_blocks(kernel)));
+  kernel<<<blocks, kBlockThreads, 0, stream>>>(
       key_bases(step), kv.keys.stride[1], kv.keys.stride[2], denom, spared, partial,
-      key_sum_chunks(length), length, static_cast<int>(kv.head_dim()), rbar);
+      key_sum_chunks(length), length, static_cast<int>(kv.head_dim()), kv_heads, tiles_per_head,
+      static_cast<int>(tiles), rbar);
   KVSIFT_CUDA_CHECK(cudaGetLastError());
 }
 

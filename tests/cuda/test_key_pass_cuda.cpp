@@ -267,11 +267,14 @@ void check_pass(int layers, int B, int H, int capacity, int length, int D, bool 
 }
 
 // rbar of the vectorised or scalar column means, for given denominators, chunk sums and spared
-// sums, against the double formula of §1.2 step 4 with the same inputs.
+// sums, against the double formula of §1.2 step 4 with the same inputs. `B` sequences a layer,
+// `H` heads, two layers.
 template <class T>
-void check_column_means(int D, bool pads, std::uint32_t seed) {
-  INFO("column means, dtype " << dtype_name(dtype_of<T>::value) << " D " << D << " pads " << pads);
-  const KeyStep<T> ks(2, 2, 2, 320, 300, D, pads, seed);
+void check_column_means(int D, bool pads, std::uint32_t seed, int B = 2, int H = 2,
+                        int length = 300) {
+  INFO("column means, dtype " << dtype_name(dtype_of<T>::value) << " D " << D << " pads " << pads
+                              << " B " << B << " H " << H << " length " << length);
+  const KeyStep<T> ks(2, B, H, length + 20, length, D, pads, seed);
   const cuda::detail::StepView step = ks.step();
   REQUIRE(cuda::detail::key_rows_vectorizable(step));
   const std::size_t rows = ks.rows();
@@ -401,6 +404,14 @@ TEST_CASE("vectorised column means match the double formula of §1.2 step 4",
   check_column_means<bf16_t>(128, true, 21);
   check_column_means<f16_t>(24, false, 22);
   check_column_means<float>(256, true, 23);
+}
+
+TEST_CASE("vectorised column means: many tiles a block, heads changing inside a block",
+          "[cuda][rkv][keypass]") {
+  // 2 layers x 16 sequences x 8 heads x 18 tiles of 64 rows (the last one partial): more tiles
+  // than the GPU holds blocks, so each block runs several tiles, double-buffered, across heads.
+  check_column_means<bf16_t>(128, true, 24, 16, 8, 1100);
+  check_column_means<f16_t>(64, false, 25, 16, 8, 1031);
 }
 
 // The compaction's software pipeline (cuda/compact.cu: the reads of tile k + 1 overlap the writes
