@@ -20,8 +20,8 @@
 // with the fp32 path's arithmetic (a sequential fmaf chain over d = 0 .. D−1 from 0.0f), whose
 // comparison is final. Most of those pairs never run the chain: a cheap fp32 cosine within a
 // proven m_f ≈ 9.2e-6 of the chain's value (cosine_filter.cuh) decides all farther from t.
-// The spared cosine C[i, r_i] (and, faithful, C[i, 0]) is always recomputed with the chain, so
-// the fixed-point column sums are identical too.
+// The spared cosine C[i, r_i] (and, faithful, C[i, 0]) is always recomputed with the chain
+// (spare_kernel, after the search), so the fixed-point column sums are identical too.
 //
 // Why fp16 and not bf16: a unit key's channels lie in [−1, 1], where fp16's 11 significant bits
 // lose nothing to range, so the rounding term of m is 2^-10 instead of bf16's 2^-7 — a margin
@@ -216,6 +216,64 @@ __device__ __noinline__ float exact_cosine(const UnitRow<T>& ui, const UnitRow<T
   return acc;
 }
 
+// UnitRow::unit_channel of 8 channels x of one row: quotient_rn's arithmetic for all 8 with no
+// branch between them, so that their latencies overlap, and the per-channel unit_channel (with
+// its division) only for a vector holding a channel outside quotient_rn's range (zero, tiny,
+// huge, NaN). The same bits as unit_channel channel by channel. Channel by channel, each
+// quotient behind its own range branch, one exact cosine took 20,000-33,000 cycles with its rows
+// already in cache (bench/RESULTS.md run 126).
+template <class T>
+__device__ __forceinline__ void unit_channels(const UnitRow<T>& u, float y,
+                                              const float (&x)[kVecChannels],
+                                              float (&out)[kVecChannels]) {
+  bool in_range = true;
+#pragma unroll
+  for (int e = 0; e < kVecChannels; ++e) {
+    const float q = __fmul_rn(x[e], y);
+    const float ax = fabsf(x[e]), aq = fabsf(q);
+    in_range &= ax >= 0x1p-80f && aq >= 0x1p-80f && aq <= 0x1p80f;
+    out[e] = fmaf(fmaf(-q, u.den, x[e]), y, q);
+  }
+  if (in_range && u.den != 0.0f) return;
+#pragma unroll
+  for (int e = 0; e < kVecChannels; ++e) out[e] = u.unit_channel(x[e], y);
+}
+
+// exact_cosine's value with the loads of both rows issued eight vectors at a time (two trips to
+// memory for 16-bit keys of head_dim 128 instead of eight), for spare_kernel, which has
+// registers to spare for them.
+template <class T>
+__device__ __forceinline__ float exact_cosine_batched(const UnitRow<T>& ui, const UnitRow<T>& uj,
+                                                      int head_dim, bool vectorized) {
+  constexpr int kBatch = sizeof(T) == 4 ? 4 : 8;  // 64 registers of words either way
+  if (!vectorized) return exact_cosine(ui, uj, head_dim, false);
+  const float yi = 1.0f / ui.den, yj = 1.0f / uj.den;
+  const int vectors = head_dim / kVecChannels;
+  float acc = 0.0f;
+  for (int c0 = 0; c0 < vectors; c0 += kBatch) {
+    RawVec<T> ra[kBatch], rb[kBatch];
+#pragma unroll
+    for (int q = 0; q < kBatch; ++q) {
+      if (c0 + q < vectors) {
+        ra[q] = load_vec<T>(ui.k, c0 + q);
+        rb[q] = load_vec<T>(uj.k, c0 + q);
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < kBatch; ++q) {
+      if (c0 + q >= vectors) break;
+      float a[kVecChannels], b[kVecChannels], ua[kVecChannels], ub[kVecChannels];
+      unpack_vec<T>(ra[q], a);
+      unpack_vec<T>(rb[q], b);
+      unit_channels(ui, yi, a, ua);
+      unit_channels(uj, yj, b, ub);
+#pragma unroll
+      for (int e = 0; e < kVecChannels; ++e) acc = fmaf(ua[e], ub[e], acc);
+    }
+  }
+  return acc;
+}
+
 // The thresholds of one search: t, the tensor-core band t ∓ m and the filter's band t ∓ m_f.
 struct TcBands {
   float threshold;
@@ -316,7 +374,7 @@ __device__ __forceinline__ int next_column_tile(int jt, bool upper, int own_firs
 //   Phase 2 (lower): rows without a match >= i0 search the column tiles left of i0, from i0 down;
 //     tiles some phase-1 block covered are not recomputed (their matches are already in best[]).
 //     A row is answered once its best known match lies in a tile at or above the current one.
-//     Then the spared cosines are added and best[] becomes r_i.
+//     Then best[] becomes r_i, and spare_kernel adds the spared cosines.
 // Warp w owns rows 32w .. 32w + 31 of the tile against all 64 columns of the staged tile, in
 // mma.sync's fragment layout on both paths (tc_row_slot); wgmma reads both operands from shared
 // memory, mma.sync takes them through ldmatrix, and the next column tile is copied in while this
@@ -330,11 +388,10 @@ template <class T>
 __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
     UnitKeys unit,                      // the unit keys in fp32, for the exact re-checks
     const __half* __restrict__ unit16,  // tc_head_elements(length, head_dim) per (b, h)
-    int length, int head_dim, TcBands bands, bool faithful, bool upper,
-    bool vectorized,                            // key_rows_vectorizable: 16-byte re-check loads
-    int* __restrict__ best,                     // [sequences, kv_heads, length], −1 at start
-    int* __restrict__ reached,                  // [sequences, kv_heads, gridDim.x]
-    unsigned long long* __restrict__ spared) {  // [sequences, kv_heads, length]
+    int length, int head_dim, TcBands bands, bool upper,
+    bool vectorized,              // key_rows_vectorizable: 16-byte re-check loads
+    int* __restrict__ best,       // [sequences, kv_heads, length], −1 at start
+    int* __restrict__ reached) {  // [sequences, kv_heads, gridDim.x]
   extern __shared__ __align__(16) unsigned char tc_shared_bytes[];
   // The swizzle works on shared addresses: the tiles start on a 1024-byte boundary.
   const unsigned shared_base = static_cast<unsigned>(__cvta_generic_to_shared(tc_shared_bytes));
@@ -464,6 +521,21 @@ __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
       }
     }
 #endif
+    // The warp's own diagonal C[i, i] ≈ 1 is never a match (j != i) but lies above t − m: left
+    // in, it sent the warp through the rows' bookkeeping on its diagonal tile while the block's
+    // other warps waited at the barrier (random keys: over half of phase 1, bench/RESULTS.md run
+    // 123). The warp's 32 rows lie inside one 64-column tile.
+    if (multiply && j0 / kTcColTile == (i0 + warp * kTcWarpRows) / kTcColTile) {
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            const int i = i0 + warp * kTcWarpRows + mt * 16 + g + (q / 2) * 8;
+            if (j0 + nt * 8 + 2 * t + q % 2 == i) acc[mt][nt][q] = -INFINITY;
+          }
+    }
     // Nothing in the warp's 32×64 tile above t − m (random keys: almost every tile) decides or
     // needs a re-check, so both bookkeeping passes below are skipped (fmaxf drops NaN, which
     // cannot match anyway).
@@ -603,18 +675,31 @@ __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
     if (i < length && match[tid] >= 0) atomicMax(&bbase[i], match[tid]);
     return;
   }
-  // Phase 2: every tile accounted for, a row still searching has its answer in cand (or none);
-  // spare C[i, r_i] (faithful: C[i, 0] of unmatched rows i != 0) with the fp32 path's values.
+  // Phase 2: every tile accounted for, a row still searching has its answer in cand (or none).
+  if (i < length) bbase[i] = match[tid] >= 0 ? match[tid] : cand[tid];
+}
+
+// After both phases: row i spares C[i, r_i] (faithful: C[i, 0] when it has no match and i != 0),
+// added to that column's fixed-point sum with the fp32 path's value, one row a thread. Phase 2
+// used to end with these cosines, each block waiting for its 256: on structured keys, where
+// nearly every row spares one, that was 96 % of phase 2 (bench/RESULTS.md run 123), and any
+// faster version of it inside the search reshaped the search's registers and slowed its tile
+// loop (runs 124, 127). Here phase 2 with structured keys takes 41 µs instead of 277, and this
+// kernel 126 (run 128, batch 64 / 1024 on an H100).
+template <class T>
+__global__ void __launch_bounds__(kTcThreads)
+    spare_kernel(UnitKeys unit, int length, int head_dim, bool faithful, bool vectorized,
+                 const int* __restrict__ best,  // [sequences, kv_heads, length]: r_i or −1
+                 unsigned long long* __restrict__ spared) {  // [sequences, kv_heads, length]
+  const int i = static_cast<int>(blockIdx.x) * kTcThreads + static_cast<int>(threadIdx.x);
   if (i >= length) return;
-  const int r = match[tid] >= 0 ? match[tid] : cand[tid];
-  const UnitRow<T> ui = uh.row(i);
-  unsigned long long* sp = spared + bh * length;
-  if (r >= 0) {
-    tc_add_fixed(&sp[r], exact_cosine(ui, uh.row(r), head_dim, vectorized));
-  } else if (faithful && i != 0) {
-    tc_add_fixed(&sp[0], exact_cosine(ui, uh.row(0), head_dim, vectorized));
-  }
-  bbase[i] = r;
+  const std::int64_t bh = static_cast<std::int64_t>(blockIdx.z) * gridDim.y + blockIdx.y;
+  const int r = best[bh * length + i];
+  const int column = r >= 0 ? r : (faithful && i != 0 ? 0 : -1);
+  if (column < 0) return;
+  const UnitHead<T> uh = unit_head<T>(unit, bh);
+  tc_add_fixed(&spared[bh * length + column],
+               exact_cosine_batched(uh.row(i), uh.row(column), head_dim, vectorized));
 }
 
 // Which multiply the loaded code of this file has (see tc_search_uses_wgmma).
@@ -693,10 +778,13 @@ void launch_last_match_tc(const UnitKeys& unit, DType dtype, const void* unit16,
         last_match_tc_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes));
     for (bool upper : {true, false}) {
       last_match_tc_kernel<T><<<grid, kTcThreads, kSharedBytes, stream>>>(
-          unit, static_cast<const __half*>(unit16), length, head_dim, bands, faithful, upper,
-          vectorized, match, reached, spared);
+          unit, static_cast<const __half*>(unit16), length, head_dim, bands, upper, vectorized,
+          match, reached);
       KVSIFT_CUDA_CHECK(cudaGetLastError());
     }
+    spare_kernel<T><<<dim3(grid.x, grid.y, grid.z), kTcThreads, 0, stream>>>(
+        unit, length, head_dim, faithful, vectorized, match, spared);
+    KVSIFT_CUDA_CHECK(cudaGetLastError());
   });
 }
 
