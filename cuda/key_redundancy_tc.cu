@@ -534,8 +534,8 @@ __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
 #endif
     // The warp's own diagonal C[i, i] ≈ 1 is never a match (j != i) but lies above t − m: left
     // in, it sent the warp through the rows' bookkeeping on its diagonal tile while the block's
-    // other warps waited at the barrier (random keys: over half of phase 1, bench/RESULTS.md run
-    // 123). The warp's 32 rows lie inside one 64-column tile.
+    // other warps waited at the barrier (random keys, batch 64: phase 1 450 -> 280 µs without it,
+    // bench/RESULTS.md runs 123, 128). The warp's 32 rows lie inside one 64-column tile.
     if (multiply && j0 / kTcColTile == (i0 + warp * kTcWarpRows) / kTcColTile) {
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
@@ -793,8 +793,9 @@ void launch_last_match_tc(const UnitKeys& unit, DType dtype, const void* unit16,
           match, reached);
       KVSIFT_CUDA_CHECK(cudaGetLastError());
     }
-    spare_kernel<T><<<dim3(grid.x, grid.y, grid.z), kTcThreads, 0, stream>>>(
-        unit, length, head_dim, faithful, vectorized, match, spared);
+    // One thread a row: the search's grid, whose row tiles are kTcThreads rows.
+    spare_kernel<T><<<grid, kTcThreads, 0, stream>>>(unit, length, head_dim, faithful, vectorized,
+                                                     match, spared);
     KVSIFT_CUDA_CHECK(cudaGetLastError());
   });
 }
