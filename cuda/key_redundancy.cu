@@ -29,7 +29,6 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
-#include <climits>
 #include <cstdint>
 #include <cub/block/block_reduce.cuh>
 
