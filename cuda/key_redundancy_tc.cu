@@ -78,10 +78,14 @@ constexpr int kTcMaxDim = 128;                               // head_dim of the 
 constexpr int kTcKSteps = kTcMaxDim / 16;
 constexpr int kTcHalfDim = 64;  // channels per staged row piece: 128 bytes, one swizzle row
 constexpr int kTcHalves = kTcMaxDim / kTcHalfDim;
+// Phase 1's deferred re-checks (resolve_deferred): room for this many pairs a block (4 KiB), a
+// resolution once half of it is taken; a pair that finds it full is re-checked where it is found.
+constexpr int kTcPairSlots = 512;
+constexpr int kTcColumnPair = 1 << 8;  // tag of a column's pair; a row's tag is its row (< 256)
 static_assert(kTcRowTile == kTcThreads, "one thread per row for the tile bookkeeping");
 static_assert(kTcLengthQuantum % kTcRowTile == 0, "every row tile lies inside the images");
 
-// Shared memory of one block (dynamic: 101 KiB with the alignment slack, two blocks per SM): the
+// Shared memory of one block (dynamic: 105 KiB with the alignment slack, two blocks per SM): the
 // block's rows once, the column tiles double-buffered (the next one arrives during the current
 // multiply). Channels 0–63 and 64–127 of the rows are stored apart, as 128-byte rows with the
 // 128-byte swizzle (wgmma.cuh): the layout wgmma reads, conflict-free for ldmatrix, and the
@@ -93,6 +97,13 @@ struct TcShared {
   int match[kTcRowTile];      // final r_i of the tile's rows; -1 while still searching
   int cand[kTcRowTile];       // best match known so far of a row still searching
   int tile_best[kTcRowTile];  // last match inside the current column tile, -1: none
+  int2 pairs[kTcPairSlots];   // phase 1's deferred re-checks: {j, row or row | kTcColumnPair}
+  int pair_count;             // pairs offered since the last resolution (past the slots: full)
+  unsigned char pending[kTcRowTile];  // 1: the row has a deferred pair not resolved yet
+  // Offers of one tile, read after its barrier: kOffered, kCrowded. Three sets, tiles in turn:
+  // thread 0 clears the next tile's set before this tile's barrier, when every thread has read it
+  // (two barriers ago) and none can write it yet (after this barrier).
+  int offer_flags[3];
 };
 static_assert(kTcColTile == kTcImageRows && kTcHalfDim == kTcImageChannels,
               "a column tile is one tile image");
@@ -376,13 +387,56 @@ __device__ __forceinline__ int next_column_tile(int jt, bool upper, int own_firs
   return jt;
 }
 
+constexpr int kOffered = 1;  // offer_flags: a pair offered this tile
+constexpr int kCrowded = 2;  // ... and the list half full or more
+
+// Phase 1 offers a pair it cannot decide from the tensor-core cosine to the block's list instead
+// of re-checking it at once; true if it took it (a free slot among the first `slots`).
+__device__ __forceinline__ bool defer_pair(TcShared& sm, int slots, int j, int tag, int flag_set) {
+  const int slot = atomicAdd(&sm.pair_count, 1);
+  atomicOr(&sm.offer_flags[flag_set], 2 * (slot + 1) >= slots ? kOffered | kCrowded : kOffered);
+  if (slot >= slots) return false;
+  sm.pairs[slot] = make_int2(j, tag);
+  return true;
+}
+
+// The first `pairs` deferred re-checks, resolved by all the block's threads at once (pair e by
+// thread e % 256), so their loads' latency is paid once for the lot, not pair after pair by one
+// lane while its block waits at the tile barrier (a re-check took ~8,800 cycles there,
+// bench/RESULTS.md run 129). A row's pair {j, row} that exceeds the threshold raises match[row]
+// to j: a pair is deferred only above the row's certain matches, and atomicMax keeps the highest
+// success. A column's pair {j, row | kTcColumnPair} posts row i0 + row to best[j] unless a row
+// at or above it is posted already. The caller synchronises the block before and after.
+template <class T>
+__device__ __forceinline__ void resolve_deferred(TcShared& sm, int pairs, int i0, UnitHead<T> uh,
+                                                 int head_dim, bool vectorized, TcBands bands,
+                                                 int* best) {
+  for (int e = static_cast<int>(threadIdx.x); e < pairs; e += kTcThreads) {
+    const int2 p = sm.pairs[e];
+    const int row = p.y & (kTcRowTile - 1), i = i0 + row, j = p.x;
+    const bool column = (p.y & kTcColumnPair) != 0;
+    if (column && i <= *static_cast<volatile int*>(&best[j])) continue;
+    if (!exceeds_threshold(uh.row(i), uh.row(j), head_dim, vectorized, bands.threshold,
+                           bands.filter))
+      continue;
+    if (column) {
+      atomicMax(&best[j], i);
+    } else {
+      atomicMax(&sm.match[row], j);
+    }
+  }
+}
+
 // Grid (row tiles, kv_heads, sequences), 256 threads; launched twice.
 //   Phase 1 (upper): row tile I against the column tiles right of and over its own rows, from the
 //     sequence end down, stopping once every row has matched. A row's first match is final
 //     (r_i >= i0 beats anything left of i0). Column tiles wholly right of the rows also give their
 //     columns' matches among our rows, C[j, i] = C[i, j] (the fp32 chain is symmetric: fmaf(a, b,
 //     c) = fmaf(b, a, c)), posted to best[j] with atomicMax; reached[I] records how far down I
-//     went.
+//     went. Pairs needing the exact re-check are deferred (defer_pair) while the block has room:
+//     a row with one is "pending" and searches on for a certain match below it; once every row
+//     has matched or is pending (or the list is half full, or the tiles end) the block resolves
+//     them together (resolve_deferred), and rows whose pairs all failed search on.
 //   Phase 2 (lower): rows without a match >= i0 search the column tiles left of i0, from i0 down;
 //     tiles some phase-1 block covered are not recomputed (their matches are already in best[]).
 //     A row is answered once its best known match lies in a tile at or above the current one.
@@ -401,9 +455,10 @@ __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
     UnitKeys unit,                      // the unit keys in fp32, for the exact re-checks
     const __half* __restrict__ unit16,  // tc_head_elements(length, head_dim) per (b, h)
     int length, int head_dim, TcBands bands, bool upper,
-    bool vectorized,              // key_rows_vectorizable: 16-byte re-check loads
-    int* __restrict__ best,       // [sequences, kv_heads, length], −1 at start
-    int* __restrict__ reached) {  // [sequences, kv_heads, gridDim.x]
+    bool vectorized,            // key_rows_vectorizable: 16-byte re-check loads
+    int* __restrict__ best,     // [sequences, kv_heads, length], −1 at start
+    int* __restrict__ reached,  // [sequences, kv_heads, gridDim.x]
+    int pair_slots) {           // phase 1's deferral room, <= kTcPairSlots (0: none)
   extern __shared__ __align__(16) unsigned char tc_shared_bytes[];
   // The swizzle works on shared addresses: the tiles start on a 1024-byte boundary.
   const unsigned shared_base = static_cast<unsigned>(__cvta_generic_to_shared(tc_shared_bytes));
@@ -429,7 +484,13 @@ __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
     match[tid] = i >= length ? length : (known >= i0 ? known : -1);
     cand[tid] = known;
     tile_best[tid] = -1;
+    sm.pending[tid] = 0;
+    if (tid < 3) sm.offer_flags[tid] = 0;
+    if (tid == 0) sm.pair_count = 0;
   }
+  const bool defer = upper && pair_slots > 0;
+  int flag_set = 0;         // offer_flags[flag_set]: this tile's
+  bool unresolved = false;  // pairs deferred since the last resolution (the same in every thread)
 #if KVSIFT_TC_BULK_COPIES
   if (tid == 0) {
     mbarrier_init(&sm.landed[0], 1);
@@ -570,9 +631,11 @@ __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
         for (int c = 0; c < w; ++c) top[c] = fmaxf(top[c], top[c + w]);
       near = __any_sync(0xffffffffu, top[0] > bands.below);
     }
+    // Rows: each thread holds 4 rows × 16 columns: row g (+8) of each m tile, columns 8nt + 2t
+    // (+1). Bit 16r + 2nt + c of row_uncertain (r = 2mt + half): that column of row r lies within
+    // m of the threshold, above the row's certain match in this tile.
+    unsigned long long row_uncertain = 0;
     if (near && open) {
-      // Rows: each thread holds 4 rows × 16 columns: row g (+8) of each m tile, columns 8nt + 2t
-      // (+1).
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
@@ -595,23 +658,10 @@ __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
                 uncertain |= 1u << (nt * 2 + c);
               }
             }
-          // Re-check the uncertain columns above `found` in exact fp32, highest first.
-          const UnitRow<T> ui = uh.row(i);
-          while (uncertain != 0) {
-            const int bit = 31 - __clz(uncertain);
-            uncertain &= ~(1u << bit);
-            const int j = j0 + (bit / 2) * 8 + 2 * t + bit % 2;
-            if (exceeds_threshold(ui, uh.row(j), head_dim, vectorized, bands.threshold,
-                                  bands.filter)) {
-              found = j;
-              break;
-            }
-          }
+          row_uncertain |= static_cast<unsigned long long>(uncertain) << (16 * (mt * 2 + half));
           if (found >= 0) atomicMax(&tile_best[row], found);
         }
     }
-    // tile_best of the warp's rows complete (only this warp's lanes wrote them).
-    __syncwarp();
     // Columns (transposed tiles): the last certain row per column among the warp's rows, posted
     // to best[] (atomicMax: the other warps and blocks post theirs too). Bit 8nt + 4c + 2mt + half
     // of col_uncertain: row (mt, half) of column (nt, c) needs a re-check.
@@ -650,15 +700,37 @@ __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
       const int bit = 63 - __clzll(col_uncertain);
       const int nt = bit / 8, c = (bit / 4) % 2, r = bit % 4;  // r = 2·mt + half
       const int cl = nt * 8 + 2 * t + c, j = j0 + cl;
-      const int i = i0 + warp * kTcWarpRows + (r / 2) * 16 + g + (r % 2) * 8;
+      const int row = warp * kTcWarpRows + (r / 2) * 16 + g + (r % 2) * 8, i = i0 + row;
       bool settled = i <= *static_cast<volatile int*>(&bbase[j]);
-      if (!settled && exceeds_threshold(uh.row(i), uh.row(j), head_dim, vectorized, bands.threshold,
-                                        bands.filter)) {
+      // Deferred: the rows below it still count until it is resolved (transposed: phase 1 only).
+      if (!settled && !(defer && defer_pair(sm, pair_slots, j, row | kTcColumnPair, flag_set)) &&
+          exceeds_threshold(uh.row(i), uh.row(j), head_dim, vectorized, bands.threshold,
+                            bands.filter)) {
         atomicMax(&bbase[j], i);
         settled = true;
       }
       col_uncertain &= settled ? ~(0xfull << (bit & ~3)) : ~(1ull << bit);
     }
+    // Re-check each row's uncertain columns in exact fp32, highest first, until one exceeds the
+    // threshold (phase 1: deferred while there is room). After the columns' pass, where the
+    // accumulators are dead, so that fewer values stay live across the calls.
+    while (row_uncertain != 0) {
+      const int bit = 63 - __clzll(row_uncertain);
+      const int r = bit / 16, k = bit % 16;  // r = 2·mt + half, k = 2nt + c
+      const int row = warp * kTcWarpRows + (r / 2) * 16 + g + (r % 2) * 8;
+      const int j = j0 + (k / 2) * 8 + 2 * t + k % 2;
+      bool settled = false;
+      if (defer && defer_pair(sm, pair_slots, j, row, flag_set)) {
+        sm.pending[row] = 1;
+      } else if (exceeds_threshold(uh.row(i0 + row), uh.row(j), head_dim, vectorized,
+                                   bands.threshold, bands.filter)) {
+        atomicMax(&tile_best[row], j);
+        settled = true;
+      }
+      row_uncertain &= settled ? ~(0xffffull << (bit & ~15)) : ~(1ull << bit);
+    }
+    // tile_best of the warp's rows complete (only this warp's lanes wrote them).
+    __syncwarp();
     // A row is answered once its best known match lies in this tile or above: every tile from
     // here to i0 (or the end) is accounted for, computed here or covered by phase 1.
     if (match[tid] < 0) {
@@ -670,8 +742,26 @@ __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
       }
     }
     tile_best[tid] = -1;
+    const int next_set = flag_set == 2 ? 0 : flag_set + 1;
+    if (defer && tid == 0) sm.offer_flags[next_set] = 0;
     // Also: every thread is done with cols[buf] and cols[buf ^ 1] may be refilled.
-    const bool all_done = __syncthreads_and(match[tid] >= 0);
+    bool all_done = __syncthreads_and(match[tid] >= 0 || sm.pending[tid]);
+    if (defer) {
+      const int flags = sm.offer_flags[flag_set];  // the same in every thread
+      flag_set = next_set;
+      unresolved |= (flags & kOffered) != 0;
+      // Resolved once no row can go on without it (or the tiles end, or the list is half full).
+      if (unresolved && (all_done || next < 0 || (flags & kCrowded))) {
+        // Every thread is here, so pair_count holds still until the barrier below.
+        resolve_deferred<T>(sm, min(sm.pair_count, pair_slots), i0, uh, head_dim, vectorized, bands,
+                            bbase);
+        __syncthreads();  // every success posted; every thread has read pair_count
+        if (tid == 0) sm.pair_count = 0;
+        sm.pending[tid] = 0;
+        unresolved = false;
+        all_done = __syncthreads_and(match[tid] >= 0);
+      }
+    }
     last_done = jt;
     buf ^= 1;
     jt = all_done ? -1 : next;
@@ -774,7 +864,10 @@ std::int64_t tc_unit16_index(std::int64_t bh, int i, int d, int length, int head
 void launch_last_match_tc(const UnitKeys& unit, DType dtype, const void* unit16, int batch,
                           int kv_heads, int length, int head_dim, float threshold, bool faithful,
                           bool vectorized, unsigned long long* spared, int* match, int* reached,
-                          cudaStream_t stream) {
+                          cudaStream_t stream, int pair_slots) {
+  const int slots = pair_slots < 0 ? kTcPairSlots : pair_slots;
+  KVSIFT_CHECK(slots <= kTcPairSlots, "pair_slots = ", pair_slots, " exceeds the search's ",
+               kTcPairSlots);
   if (length <= 0 || batch <= 0 || kv_heads <= 0) return;
   const CosineBand tc = outward_band(threshold, tc_cosine_margin(head_dim));
   const TcBands bands{threshold, tc.below, tc.above, cosine_filter_band(threshold, head_dim)};
@@ -791,7 +884,7 @@ void launch_last_match_tc(const UnitKeys& unit, DType dtype, const void* unit16,
     for (bool upper : {true, false}) {
       last_match_tc_kernel<T><<<grid, kTcThreads, kSharedBytes, stream>>>(
           unit, static_cast<const __half*>(unit16), length, head_dim, bands, upper, vectorized,
-          match, reached);
+          match, reached, slots);
       KVSIFT_CUDA_CHECK(cudaGetLastError());
     }
     // One thread a row: the search's grid, whose row tiles are kTcThreads rows.

@@ -220,11 +220,12 @@ void require_unit16_scope(const void* unit16, int head_dim);
 //   match    [batch, kv_heads, length] scratch, then r_i (−1: row i has no match)
 //   reached  [batch, kv_heads, tc_row_tiles(length)] scratch
 // `vectorized` (requires key_rows_vectorizable of the keys) reads the re-checks' rows in 16-byte
-// loads; both ways give the same bits.
+// loads; both ways give the same bits. `pair_slots`, for the tests: how many re-checks a block
+// may defer at a time (−1: as many as it has room for; 0: none); every value gives the same bits.
 void launch_last_match_tc(const UnitKeys& unit, DType dtype, const void* unit16, int batch,
                           int kv_heads, int length, int head_dim, float threshold, bool faithful,
                           bool vectorized, unsigned long long* spared, int* match, int* reached,
-                          cudaStream_t stream);
+                          cudaStream_t stream, int pair_slots = -1);
 
 // score[b, h, j] = λ·a[b, h, j] − (1−λ)·R[b, h, j] for j < n; `redundancy` rows hold `length`.
 //   importance, score [batch * kv_heads, n]; redundancy [batch * kv_heads, length]

@@ -8,12 +8,14 @@
 // margin of ~1.03e-3, and thresholds equal to an
 // actual fp32 cosine), duplicate-key and padded inputs, f32/f16/bf16 storage, head_dim 64, 128,
 // 100 (tensor cores, zero-padded to 112) and 30 / 3 (not a multiple of 4: the fp32 search runs);
-// the search alone with its re-check rows read both in 16-byte vectors and channel by channel;
-// and that an H200 runs the wgmma build of the search.
+// the search alone with its re-check rows read both in 16-byte vectors and channel by channel,
+// and with phase 1's re-checks deferred in lists of 512, 1 and 0 pairs a block; and that an H200
+// runs the wgmma build of the search.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "../../cuda/rkv_kernels.cuh"  // internal launchers: the search alone, r_i out
@@ -65,7 +67,10 @@ SearchResult oracle_search(const std::vector<float>& unit, int BH, int S, int D,
 }
 
 // Both ways of reading the re-checks' rows (16-byte vectors when D % 8 == 0, channel by channel
-// always) must give the same answer; the vector one is returned.
+// always) must give the same answer, and so must phase 1 with its re-checks deferred as the
+// library runs it (room for 512 pairs a block), with room for one (a resolution after every tile
+// that has a pair, the rest re-checked at once) and with none (every pair re-checked where it is
+// found); the vector one with the library's deferral is returned.
 SearchResult gpu_search(const std::vector<float>& unit, int B, int H, int S, int D, float threshold,
                         bool faithful) {
   const std::size_t n = static_cast<std::size_t>(B) * H * S;
@@ -95,23 +100,26 @@ SearchResult gpu_search(const std::vector<float>& unit, int B, int H, int S, int
           static_cast<std::int64_t>(r / S), static_cast<int>(r % S), d, S, D))] =
           from_float<f16_t>(unit[r * D + d]);
   DeviceBuffer<f16_t> d_unit16(unit16);
-  const auto run = [&](bool vectorized) {
+  const auto run = [&](bool vectorized, int pair_slots) {
     KVSIFT_CUDA_CHECK(
         cudaMemset(d_match.get(), 0x7f, n * sizeof(int)));  // garbage: reset by the launcher
     KVSIFT_CUDA_CHECK(cudaMemset(d_reached.get(), 0x7f, d_reached.size() * sizeof(int)));
     KVSIFT_CUDA_CHECK(cudaMemset(d_spared.get(), 0, n * sizeof(unsigned long long)));
     cuda::detail::launch_last_match_tc(u, DType::f32, d_unit16.get(), B, H, S, D, threshold,
                                        faithful, vectorized, d_spared.get(), d_match.get(),
-                                       d_reached.get(), nullptr);
+                                       d_reached.get(), nullptr, pair_slots);
     KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
     return SearchResult{d_match.download(), d_spared.download()};
   };
-  const SearchResult scalar = run(false);
-  if (D % 8 != 0) return scalar;
-  const SearchResult vec = run(true);
-  REQUIRE(vec.match == scalar.match);
-  REQUIRE(vec.spared == scalar.spared);
-  return vec;
+  const SearchResult deferred = run(D % 8 == 0, -1);
+  const std::pair<bool, int> variants[] = {{false, -1}, {D % 8 == 0, 1}, {false, 0}};
+  for (const auto& [vectorized, slots] : variants) {
+    INFO("vectorized " << vectorized << ", pair slots " << slots);
+    const SearchResult other = run(vectorized, slots);
+    REQUIRE(other.match == deferred.match);
+    REQUIRE(other.spared == deferred.spared);
+  }
+  return deferred;
 }
 
 void normalize_rows(std::vector<float>& x, int D) {
