@@ -70,7 +70,7 @@ SearchResult oracle_search(const std::vector<float>& unit, int BH, int S, int D,
 // always) must give the same answer, and so must phase 1 with its re-checks deferred as the
 // library runs it (room for 512 pairs a block), with room for one (a resolution after every tile
 // that has a pair, the rest re-checked at once) and with none (every pair re-checked where it is
-// found); the vector one with the library's deferral is returned.
+// found); the first run (vector rows where D % 8 == 0, the library's deferral) is returned.
 SearchResult gpu_search(const std::vector<float>& unit, int B, int H, int S, int D, float threshold,
                         bool faithful) {
   const std::size_t n = static_cast<std::size_t>(B) * H * S;
