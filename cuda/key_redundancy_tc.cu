@@ -387,6 +387,12 @@ __device__ __forceinline__ int next_column_tile(int jt, bool upper, int own_firs
   return jt;
 }
 
+// Row (0 .. 255, in the block) of a warp's fragment row r = 2·mt + half held by lane group g: row
+// g (+8) of m tile mt (mma.sync's layout, which both multiplies use).
+__device__ __forceinline__ int tc_fragment_row(int warp, int g, int r) {
+  return warp * kTcWarpRows + (r / 2) * 16 + g + (r % 2) * 8;
+}
+
 constexpr int kOffered = 1;  // offer_flags: a pair offered this tile
 constexpr int kCrowded = 2;  // ... and the list half full or more
 
@@ -700,7 +706,7 @@ __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
       const int bit = 63 - __clzll(col_uncertain);
       const int nt = bit / 8, c = (bit / 4) % 2, r = bit % 4;  // r = 2·mt + half
       const int cl = nt * 8 + 2 * t + c, j = j0 + cl;
-      const int row = warp * kTcWarpRows + (r / 2) * 16 + g + (r % 2) * 8, i = i0 + row;
+      const int row = tc_fragment_row(warp, g, r), i = i0 + row;
       bool settled = i <= *static_cast<volatile int*>(&bbase[j]);
       // Deferred: the rows below it still count until it is resolved (transposed: phase 1 only).
       if (!settled && !(defer && defer_pair(sm, pair_slots, j, row | kTcColumnPair, flag_set)) &&
@@ -717,8 +723,7 @@ __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
     while (row_uncertain != 0) {
       const int bit = 63 - __clzll(row_uncertain);
       const int r = bit / 16, k = bit % 16;  // r = 2·mt + half, k = 2nt + c
-      const int row = warp * kTcWarpRows + (r / 2) * 16 + g + (r % 2) * 8;
-      const int j = j0 + (k / 2) * 8 + 2 * t + k % 2;
+      const int row = tc_fragment_row(warp, g, r), j = j0 + (k / 2) * 8 + 2 * t + k % 2;
       bool settled = false;
       if (defer && defer_pair(sm, pair_slots, j, row, flag_set)) {
         sm.pending[row] = 1;
