@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "batch_runs.hpp"
@@ -375,32 +376,27 @@ bool rkv_select_step(const KVCacheView* layers, const TensorView* queries, int n
                              workspace_bytes, stream, "rkv_select_step");
 }
 
-KeepPlan download_keep_plan(const KVCacheView& kv, const std::int32_t* slots, int budget,
-                            int window, cudaStream_t stream) {
+KeepPlan keep_plan_from_slot_rows(const KVCacheView& kv, std::vector<std::int32_t> rows, int budget,
+                                  int window) {
+  const char* op = "keep_plan_from_slot_rows";
   kv.validate();
-  KVSIFT_CHECK(budget > 0 && window >= 0, "download_keep_plan: budget (", budget,
-               ") must be > 0 and window (", window, ") >= 0");
-  KVSIFT_CHECK(slots != nullptr || kv.batch() == 0,
-               "download_keep_plan: slots must be a device pointer, got null");
   const std::int64_t batch = kv.batch(), heads = kv.kv_heads();
-  std::vector<std::int32_t> host(static_cast<std::size_t>(batch * heads * budget));
-  if (!host.empty()) {
-    KVSIFT_CUDA_CHECK(cudaMemcpyAsync(host.data(), slots, host.size() * sizeof(std::int32_t),
-                                      cudaMemcpyDeviceToHost, stream));
-  }
-  KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+  KVSIFT_CHECK(budget > 0 && window >= 0, op, ": budget (", budget, ") must be > 0 and window (",
+               window, ") >= 0");
+  KVSIFT_CHECK(static_cast<std::int64_t>(rows.size()) == batch * heads * budget, op, ": ",
+               rows.size(), " slots for [batch=", batch, ", kv_heads=", heads, ", budget=", budget,
+               "]");
   std::vector<std::int32_t> source(kv.lengths, kv.lengths + batch), kept(batch, 0);
   auto row_length = [&](std::int64_t b, std::int64_t h) {
-    const std::int32_t* row = host.data() + (b * heads + h) * budget;
+    const std::int32_t* row = rows.data() + (b * heads + h) * budget;
     std::int64_t n = 0;
     while (n < budget && row[n] != kUnusedSlot) {
-      KVSIFT_CHECK(row[n] != kNanScoreSlot, "download_keep_plan: row (b=", b, ", h=", h,
-                   ") has a NaN score");
+      KVSIFT_CHECK(row[n] != kNanScoreSlot, op, ": row (b=", b, ", h=", h, ") has a NaN score");
       ++n;
     }
     for (std::int64_t i = n; i < budget; ++i) {
-      KVSIFT_CHECK(row[i] == kUnusedSlot, "download_keep_plan: row (b=", b, ", h=", h,
-                   ") has slot ", row[i], " after an unused entry at ", n);
+      KVSIFT_CHECK(row[i] == kUnusedSlot, op, ": row (b=", b, ", h=", h, ") has slot ", row[i],
+                   " after an unused entry at ", n);
     }
     return n;
   };
@@ -408,15 +404,40 @@ KeepPlan download_keep_plan(const KVCacheView& kv, const std::int32_t* slots, in
     kept[b] = static_cast<std::int32_t>(row_length(b, 0));
     for (std::int64_t h = 1; h < heads; ++h) {
       const std::int64_t n = row_length(b, h);
-      KVSIFT_CHECK(n == kept[b], "download_keep_plan: heads of sequence ", b,
-                   " keep different counts (", kept[b], " vs ", n, " in head ", h, ")");
+      KVSIFT_CHECK(n == kept[b], op, ": heads of sequence ", b, " keep different counts (", kept[b],
+                   " vs ", n, " in head ", h, ")");
     }
   }
   KeepPlan plan(batch, heads, kv.capacity(), source, kept, window);
-  for (std::int64_t r = 0; r < batch * heads; ++r)
-    plan.append_row(host.data() + r * budget, kept[r / heads]);
+  // The rows closed up in place (row r's kept[r / heads] slots move down to where the rows before
+  // it end) and handed to the plan: no second copy of a buffer that is 2 MiB at batch 64.
+  std::size_t end = 0;
+  for (std::int64_t r = 0; r < batch * heads; ++r) {
+    const std::size_t n = static_cast<std::size_t>(kept[r / heads]);
+    const std::size_t from = static_cast<std::size_t>(r * budget);
+    if (from != end) std::copy_n(rows.begin() + from, n, rows.begin() + end);
+    end += n;
+  }
+  rows.resize(end);
+  plan.set_rows(std::move(rows));
   plan.validate();  // sorted, unique, in range, window kept
   return plan;
+}
+
+KeepPlan download_keep_plan(const KVCacheView& kv, const std::int32_t* slots, int budget,
+                            int window, cudaStream_t stream) {
+  kv.validate();
+  KVSIFT_CHECK(budget > 0 && window >= 0, "download_keep_plan: budget (", budget,
+               ") must be > 0 and window (", window, ") >= 0");
+  KVSIFT_CHECK(slots != nullptr || kv.batch() == 0,
+               "download_keep_plan: slots must be a device pointer, got null");
+  std::vector<std::int32_t> host(static_cast<std::size_t>(kv.batch() * kv.kv_heads() * budget));
+  if (!host.empty()) {
+    KVSIFT_CUDA_CHECK(cudaMemcpyAsync(host.data(), slots, host.size() * sizeof(std::int32_t),
+                                      cudaMemcpyDeviceToHost, stream));
+  }
+  KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return keep_plan_from_slot_rows(kv, std::move(host), budget, window);
 }
 
 }  // namespace kvsift::cuda

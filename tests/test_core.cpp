@@ -173,10 +173,47 @@ TEST_CASE("KeepPlan::validate names the fault", "[plan]") {
     p.append_row({0, 3, 8, 9});
     expect_error(p, "only 1 of 2 rows");
   }
+  {  // the fault in the second row, first slot; and a duplicate in the first row's first pair
+    KeepPlan p(1, 2, 10, {10}, {4}, 2);
+    p.append_row({0, 3, 8, 9});
+    p.append_row({-1, 3, 8, 9});
+    expect_error(p, "row (b=0, h=1) slot[0] = -1 outside");
+    KeepPlan q(1, 1, 10, {10}, {4}, 2);
+    q.append_row({2, 2, 8, 9});
+    expect_error(q, "not sorted and unique at 1 (2, 2)");
+  }
   KeepPlan p(1, 1, 10, {10}, {4}, 2);
   REQUIRE_THROWS_WITH(p.append_row({1, 2, 3}),
                       Catch::Matchers::Contains("has 3 slots, expected kept_lengths[0] = 4"));
   REQUIRE_THROWS_AS(KeepPlan(1, 1, 10, {11}, {4}, 2), Error);
+}
+
+TEST_CASE("KeepPlan::set_rows takes every row at once, as append_row stores them", "[plan]") {
+  // Sequence 0 keeps 3 of 5 tokens in each of its 2 heads, sequence 1 keeps 2 of 4.
+  const std::vector<std::int32_t> rows = {0, 3, 4, 1, 3, 4, 2, 3, 0, 3};
+  KeepPlan by_rows(2, 2, 6, {5, 4}, {3, 2}, 1);
+  by_rows.append_row({0, 3, 4});
+  by_rows.append_row({1, 3, 4});
+  by_rows.append_row({2, 3});
+  by_rows.append_row({0, 3});
+  KeepPlan at_once(2, 2, 6, {5, 4}, {3, 2}, 1);
+  at_once.set_rows(rows);
+  at_once.validate();
+  REQUIRE(at_once.indptr() == by_rows.indptr());
+  REQUIRE(at_once.slots() == by_rows.slots());
+  REQUIRE(at_once.row_size(1, 0) == 2);
+  REQUIRE(at_once.row(1, 1)[1] == 3);
+
+  KeepPlan short_by_one(2, 2, 6, {5, 4}, {3, 2}, 1);
+  REQUIRE_THROWS_WITH(short_by_one.set_rows({0, 3, 4}),
+                      Catch::Matchers::Contains("3 slots, the kept lengths need 10"));
+  REQUIRE(short_by_one.rows_appended() == 0);  // nothing was set
+  KeepPlan started(2, 2, 6, {5, 4}, {3, 2}, 1);
+  started.append_row({0, 3, 4});
+  REQUIRE_THROWS_WITH(started.set_rows(rows), Catch::Matchers::Contains("1 rows are set"));
+  KeepPlan unsorted(2, 2, 6, {5, 4}, {3, 2}, 1);
+  unsorted.set_rows({0, 3, 4, 3, 1, 4, 2, 3, 0, 3});
+  REQUIRE_THROWS_WITH(unsorted.validate(), Catch::Matchers::Contains("row (b=0, h=1)"));
 }
 
 TEST_CASE("compact rejects a plan from another cache and leaves the cache untouched", "[compact]") {

@@ -50,7 +50,12 @@ class KeepPlan {
     const std::int64_t rows = checked_mul(batch, kv_heads, "KeepPlan: batch * kv_heads");
     KVSIFT_CHECK(rows < std::numeric_limits<std::int64_t>::max(), "KeepPlan: batch * kv_heads (",
                  rows, ") too large");
-    if (rows <= kReserveRowsLimit) indptr_.reserve(static_cast<std::size_t>(rows + 1));
+    if (rows <= kReserveRowsLimit) {
+      indptr_.reserve(static_cast<std::size_t>(rows + 1));
+      // The rows' slots, so append_row never reallocates (a batch-64 plan is 2 MiB).
+      if (const std::int64_t n = total_slots(); n <= kReserveSlotsLimit)
+        slots_.reserve(static_cast<std::size_t>(n));
+    }
     indptr_.push_back(0);
   }
 
@@ -84,6 +89,20 @@ class KeepPlan {
   void append_row(const std::vector<std::int32_t>& slots) {
     append_row(slots.data(), static_cast<std::int64_t>(slots.size()));
   }
+  // Every row at once: `slots` holds the rows in (b, h) order, row (b, h) kept_lengths[b] long,
+  // as append_row() for each row would store them; the vector is taken, not copied.
+  void set_rows(std::vector<std::int32_t> slots) {
+    KVSIFT_CHECK(!indptr_.empty() && rows_appended() == 0,
+                 "KeepPlan::set_rows: needs a shaped plan with no row set yet (", rows_appended(),
+                 " rows are set)");
+    KVSIFT_CHECK(static_cast<std::int64_t>(slots.size()) == total_slots(),
+                 "KeepPlan::set_rows: ", slots.size(), " slots, the kept lengths need ",
+                 total_slots());
+    indptr_.resize(static_cast<std::size_t>(batch_ * kv_heads_ + 1));
+    for (std::int64_t r = 0; r < batch_ * kv_heads_; ++r)
+      indptr_[r + 1] = indptr_[r] + kept_lengths_[r / kv_heads_];
+    slots_ = std::move(slots);
+  }
 
   std::int64_t batch() const { return batch_; }
   std::int64_t kv_heads() const { return kv_heads_; }
@@ -113,33 +132,16 @@ class KeepPlan {
 
   // Checks the plan on its own: complete, each row sorted, unique, in range, the right count, and
   // the last `window` tokens of every sequence kept. Throws kvsift::Error naming the first fault.
+  // A complete plan cannot change, so one that passed as a non-const object is remembered as
+  // valid and not checked again (the device path checks it when it is made and compact(), which
+  // takes it const, then costs nothing). Only the non-const call writes the mark.
   void validate() const {
-    KVSIFT_CHECK(!indptr_.empty(),
-                 "KeepPlan: the plan is empty (default-constructed); build it with "
-                 "KeepPlan(batch, kv_heads, capacity, source_lengths, kept_lengths, window) and "
-                 "append_row() for every (sequence, head)");
-    KVSIFT_CHECK(complete(), "KeepPlan: only ", rows_appended(), " of ", batch_ * kv_heads_,
-                 " rows were set");
-    for (std::int64_t b = 0; b < batch_; ++b) {
-      const std::int32_t len = source_lengths_[b];
-      const std::int32_t w = std::min(window_, kept_lengths_[b]);
-      for (std::int64_t h = 0; h < kv_heads_; ++h) {
-        const std::int32_t* s = row(b, h);
-        const std::int64_t n = row_size(b, h);
-        KVSIFT_CHECK(n == kept_lengths_[b], "KeepPlan: row (b=", b, ", h=", h, ") keeps ", n,
-                     " slots, expected ", kept_lengths_[b]);
-        for (std::int64_t i = 0; i < n; ++i) {
-          KVSIFT_CHECK(s[i] >= 0 && s[i] < len, "KeepPlan: row (b=", b, ", h=", h, ") slot[", i,
-                       "] = ", s[i], " outside [0, length = ", len, ")");
-          KVSIFT_CHECK(i == 0 || s[i] > s[i - 1], "KeepPlan: row (b=", b, ", h=", h,
-                       ") is not sorted and unique at ", i, " (", s[i - 1], ", ", s[i], ")");
-        }
-        for (std::int32_t k = 0; k < w; ++k) {
-          KVSIFT_CHECK(s[n - w + k] == len - w + k, "KeepPlan: row (b=", b, ", h=", h,
-                       ") drops window token ", len - w + k, " (window ", window_, ")");
-        }
-      }
-    }
+    if (!validated_) check();
+  }
+  void validate() {
+    if (validated_) return;
+    check();
+    validated_ = true;
   }
 
   // Checks that this plan was made for `kv` as it is now: same shape and the same lengths.
@@ -156,7 +158,48 @@ class KeepPlan {
   }
 
  private:
+  // What validate() checks.
+  void check() const {
+    KVSIFT_CHECK(!indptr_.empty(),
+                 "KeepPlan: the plan is empty (default-constructed); build it with "
+                 "KeepPlan(batch, kv_heads, capacity, source_lengths, kept_lengths, window) and "
+                 "append_row() for every (sequence, head)");
+    KVSIFT_CHECK(complete(), "KeepPlan: only ", rows_appended(), " of ", batch_ * kv_heads_,
+                 " rows were set");
+    for (std::int64_t b = 0; b < batch_; ++b) {
+      const std::int32_t len = source_lengths_[b];
+      const std::int32_t w = std::min(window_, kept_lengths_[b]);
+      for (std::int64_t h = 0; h < kv_heads_; ++h) {
+        const std::int32_t* s = row(b, h);
+        const std::int64_t n = row_size(b, h);
+        KVSIFT_CHECK(n == kept_lengths_[b], "KeepPlan: row (b=", b, ", h=", h, ") keeps ", n,
+                     " slots, expected ", kept_lengths_[b]);
+        // One branch-free pass (ascending and in range) first; the slow loop only finds the fault.
+        bool bad = n > 0 && (s[0] < 0 || s[n - 1] >= len);
+        for (std::int64_t i = 1; i < n; ++i) bad |= s[i] <= s[i - 1];
+        for (std::int64_t i = 0; bad && i < n; ++i) {
+          KVSIFT_CHECK(s[i] >= 0 && s[i] < len, "KeepPlan: row (b=", b, ", h=", h, ") slot[", i,
+                       "] = ", s[i], " outside [0, length = ", len, ")");
+          KVSIFT_CHECK(i == 0 || s[i] > s[i - 1], "KeepPlan: row (b=", b, ", h=", h,
+                       ") is not sorted and unique at ", i, " (", s[i - 1], ", ", s[i], ")");
+        }
+        for (std::int32_t k = 0; k < w; ++k) {
+          KVSIFT_CHECK(s[n - w + k] == len - w + k, "KeepPlan: row (b=", b, ", h=", h,
+                       ") drops window token ", len - w + k, " (window ", window_, ")");
+        }
+      }
+    }
+  }
+
+  // Slots of all rows: kept_lengths[b] for each of sequence b's kv_heads rows.
+  std::int64_t total_slots() const {
+    std::int64_t n = 0;
+    for (const std::int32_t k : kept_lengths_) n += k;
+    return checked_mul(n, kv_heads_, "KeepPlan: kept slots * kv_heads");
+  }
+
   static constexpr std::int64_t kReserveRowsLimit = 1 << 20;
+  static constexpr std::int64_t kReserveSlotsLimit = std::int64_t{1} << 28;
   std::int64_t batch_ = 0;
   std::int64_t kv_heads_ = 0;
   std::int64_t capacity_ = 0;
@@ -165,6 +208,7 @@ class KeepPlan {
   std::vector<std::int32_t> kept_lengths_;    // [batch]
   std::vector<std::int64_t> indptr_;          // [batch * kv_heads + 1]
   std::vector<std::int32_t> slots_;           // [nnz], CSR rows in (b, h) order
+  bool validated_ = false;                    // a non-const validate() passed
 };
 
 }  // namespace kvsift

@@ -23,6 +23,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "kvsift/config/rkv_config.hpp"
 #include "kvsift/core/error.hpp"
@@ -120,5 +121,11 @@ void select_topk_slots(const float* scores, const std::int32_t* lengths,
 // on the kept count.
 KeepPlan download_keep_plan(const KVCacheView& kv, const std::int32_t* slots, int budget,
                             int window, cudaStream_t stream);
+
+// download_keep_plan's host half, on slot rows already in host memory: rows [batch, kv_heads,
+// budget] as rkv_select() writes them (each row ascending, then kUnusedSlot padding) become the
+// KeepPlan, same checks and errors. The rows are closed up in place and moved into the plan.
+KeepPlan keep_plan_from_slot_rows(const KVCacheView& kv, std::vector<std::int32_t> rows,
+                                  int budget, int window);
 
 }  // namespace kvsift::cuda
