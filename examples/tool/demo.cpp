@@ -248,7 +248,10 @@ void print_legend(const demo::DemoConfig& cfg, bool with_skipkv, bool with_think
         "full precision, then replayed into ThinKV); L* = all layers; later sparsities are "
         "taken over ThinKV's resident tokens on the unquantized keys. key rel. err: mean "
         "|k_dequantized - k| / |k| over the tokens held in blocks at the end (--thinkv-refill "
-        "picks the refill rule, docs/thinkv.md section 6). Whole-sentence evictions "
+        "picks the refill rule, docs/thinkv.md section 6). attn rel. err: the last step's "
+        "queries attending over ThinKV's resident tokens as stored, against exact attention "
+        "over the same tokens' K/V: mean |o_stored - o| / |o| over layers, sequences and query "
+        "heads. Whole-sentence evictions "
         "are not tracked for it.");
   }
   if (with_quantizers) {

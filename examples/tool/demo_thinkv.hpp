@@ -38,8 +38,10 @@
 #include "demo_generator.hpp"
 #include "demo_policy.hpp"
 #include "kvsift/backend/cpu/attention_sparsity.hpp"
+#include "kvsift/backend/cpu/dense_attention.hpp"
 #include "kvsift/core/error.hpp"
 #include "kvsift/core/tensor_view.hpp"
+#include "kvsift/paged/paged_attention.hpp"
 #include "kvsift/policy/thinkv/thinkv_policy.hpp"
 
 namespace kvsift::demo {
@@ -148,6 +150,7 @@ class ThinKVDemoPolicy final : public DemoPolicy {
         {"codes+scales / metadata / staging", !kv_ ? "-" : format_split()},
         {"refill; key rel. err of block-resident tokens",
          !kv_ ? "-" : format_refill() + "; " + format_key_error()},
+        {"attn rel. err (last step's queries)", !kv_ ? "-" : format_attention_error()},
         {"theta1 / theta2 (calibrated)",
          !kv_ ? "-" : format_theta(theta1_) + " / " + format_theta(theta2_)}};
   }
@@ -261,14 +264,59 @@ class ThinKVDemoPolicy final : public DemoPolicy {
               t.dequantize_block(id, r.address.block, h, keys.data(), values.data());
               loaded = r.address.block;
             }
-            const float* k =
-                keys_.data() +
-                (index(l, static_cast<int>(b), h) * options_.length + r.position) * head_dim_;
+            const float* k = token_row(keys_, l, static_cast<int>(b), h, r.position);
             const float* d = keys.data() + static_cast<std::size_t>(r.address.slot) * head_dim_;
             double err = 0, norm = 0;
             for (int c = 0; c < head_dim_; ++c) {
               err += (d[c] - k[c]) * static_cast<double>(d[c] - k[c]);
               norm += k[c] * static_cast<double>(k[c]);
+            }
+            sum += norm > 0 ? std::sqrt(err / norm) : 0.0;
+            ++n;
+          }
+        }
+      }
+    }
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.4f", n > 0 ? sum / static_cast<double>(n) : 0.0);
+    return buf;
+  }
+  // What the stored tokens (quantized by type, refilled by the refill rule) do to attention: the
+  // last step's queries over ThinKV's resident tokens as the tables store them
+  // (paged_decode_attention) against exact attention over the same tokens' generated K/V
+  // (dense_decode_attention); mean over layers, sequences and query heads of |o_table - o| / |o|.
+  std::string format_attention_error() const {
+    const int group = q_heads_ / kv_heads_;
+    const std::size_t D = static_cast<std::size_t>(head_dim_);
+    std::vector<float> paged(static_cast<std::size_t>(q_heads_) * D), exact(group * D), k, v;
+    double sum = 0;
+    std::int64_t n = 0;
+    for (int b = 0; b < batch_; ++b) {
+      const kvsift::ThinKV& seq = kv_->sequence(b);
+      for (int l = 0; l < layers_; ++l) {
+        const float* q = last_queries_.data() + (static_cast<std::size_t>(l) * batch_ + b) *
+                                                    static_cast<std::size_t>(q_heads_) * D;
+        kvsift::paged_decode_attention(seq.table(l), seq.sequence_id(), q, q_heads_, head_dim_,
+                                       1.0f / std::sqrt(static_cast<float>(head_dim_)),
+                                       paged.data());
+        for (int h = 0; h < kv_heads_; ++h) {
+          const std::vector<std::int32_t>& p = positions_[index(l, b, h)];
+          k.resize(p.size() * D);
+          v.resize(k.size());
+          for (std::size_t j = 0; j < p.size(); ++j) {
+            std::copy_n(token_row(keys_, l, b, h, p[j]), D, k.data() + j * D);
+            std::copy_n(token_row(values_, l, b, h, p[j]), D, v.data() + j * D);
+          }
+          kvsift::dense_decode_attention(q + h * group * D, group, k.data(), v.data(),
+                                         static_cast<std::int64_t>(p.size()), head_dim_,
+                                         exact.data());
+          for (int g = 0; g < group; ++g) {
+            const float* o = paged.data() + (h * group + g) * D;
+            const float* e = exact.data() + g * D;
+            double err = 0, norm = 0;
+            for (std::size_t c = 0; c < D; ++c) {
+              err += (o[c] - e[c]) * static_cast<double>(o[c] - e[c]);
+              norm += e[c] * static_cast<double>(e[c]);
             }
             sum += norm > 0 ? std::sqrt(err / norm) : 0.0;
             ++n;
@@ -300,7 +348,7 @@ class ThinKVDemoPolicy final : public DemoPolicy {
   // One calibration step: buffer the K/V, record every layer's sparsity per sequence against the
   // full history (the demo's cache is never compacted for ThinKV).
   void calibrate_step(const DecodeStep& step, const std::vector<DemoLayerCache>& caches) {
-    keep_keys(step);
+    keep_tokens(step);
     buffered_keys_.insert(buffered_keys_.end(), step.keys.begin(), step.keys.end());
     buffered_values_.insert(buffered_values_.end(), step.values.begin(), step.values.end());
     for (int l = 0; l < layers_; ++l) {
@@ -359,21 +407,29 @@ class ThinKVDemoPolicy final : public DemoPolicy {
     buffered_values_.shrink_to_fit();
   }
 
-  // Every key of the decode in fp32 as the demo rounded it: [layers, batch, kv_heads, length, D].
-  void keep_keys(const DecodeStep& step) {
-    if (keys_.empty())
-      keys_.resize(static_cast<std::size_t>(layers_) * batch_ * kv_heads_ * options_.length *
-                   head_dim_);
+  // Every key and value of the decode in fp32 as the demo rounded them, and the latest queries.
+  void keep_tokens(const DecodeStep& step) {
+    const std::size_t rows = static_cast<std::size_t>(layers_) * batch_ * kv_heads_;
+    if (keys_.empty()) {
+      keys_.resize(rows * options_.length * head_dim_);
+      values_.resize(keys_.size());
+    }
     KVSIFT_CHECK(step.position < options_.length, "ThinKVPolicy: step ", step.position,
                  " beyond the decode length ", options_.length);
+    const auto t = static_cast<std::int32_t>(step.position);
     for (int l = 0; l < layers_; ++l)
       for (int b = 0; b < batch_; ++b)
-        for (int h = 0; h < kv_heads_; ++h)
-          std::copy(step.key(l, b, h), step.key(l, b, h) + head_dim_,
-                    key_row(l, b, h, static_cast<std::int32_t>(step.position)));
+        for (int h = 0; h < kv_heads_; ++h) {
+          std::copy_n(step.key(l, b, h), head_dim_, token_row(keys_, l, b, h, t));
+          std::copy_n(step.value(l, b, h), head_dim_, token_row(values_, l, b, h, t));
+        }
+    last_queries_ = step.queries;
   }
-  float* key_row(int l, int b, int h, std::int32_t position) {
-    return keys_.data() + (index(l, b, h) * options_.length + position) * head_dim_;
+  // Row `position` of (l, b, h) in keys_ or values_.
+  template <class Rows>
+  auto token_row(Rows& rows, int l, int b, int h, std::int32_t position) const
+      -> decltype(rows.data()) {
+    return rows.data() + (index(l, b, h) * options_.length + position) * head_dim_;
   }
 
   // Attention sparsity (docs/algorithms.md §3.1) of sequence b's queries of layer l over the
@@ -388,7 +444,7 @@ class ThinKVDemoPolicy final : public DemoPolicy {
       logits_.resize(p.size() + 1);
       const float* qv = query + static_cast<std::size_t>(q) * head_dim_;
       for (std::size_t j = 0; j <= p.size(); ++j) {
-        const float* k = key_row(l, b, h, j < p.size() ? p[j] : position);
+        const float* k = token_row(keys_, l, b, h, j < p.size() ? p[j] : position);
         float dot = 0;
         for (int d = 0; d < head_dim_; ++d) dot += qv[d] * k[d];
         logits_[j] = dot * scale;
@@ -409,7 +465,7 @@ class ThinKVDemoPolicy final : public DemoPolicy {
 
   void decode_step(const DecodeStep& step) {
     using Clock = std::chrono::steady_clock;
-    keep_keys(step);
+    keep_tokens(step);
     const auto position = static_cast<std::int32_t>(step.position);
     std::vector<float> sparsity(static_cast<std::size_t>(batch_));
     for (int l = 0; l < layers_; ++l) {
@@ -449,8 +505,10 @@ class ThinKVDemoPolicy final : public DemoPolicy {
   int layers_ = 0, batch_ = 0, kv_heads_ = 0, q_heads_ = 0, head_dim_ = 0;
   // Calibration: [step, layers, batch, kv_heads, D] tokens and [step, layers, batch] sparsities.
   std::vector<float> buffered_keys_, buffered_values_, sparsity_;
-  std::vector<float> keys_;    // [layers, batch, kv_heads, length, D] every key, for sparsity
-  std::vector<float> logits_;  // scratch: one query head's row
+  // [layers, batch, kv_heads, length, D] every key (for sparsity and errors) and value (errors)
+  std::vector<float> keys_, values_;
+  std::vector<float> last_queries_;  // [layers, batch, q_heads, D] the latest step's
+  std::vector<float> logits_;        // scratch: one query head's row
   int calibrated_ = 0;
   float theta1_ = 0, theta2_ = 0;
   std::unique_ptr<kvsift::ThinKVPolicy> kv_;          // nullptr while calibrating

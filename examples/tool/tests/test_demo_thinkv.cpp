@@ -150,6 +150,97 @@ TEST_CASE("the ThinKV adapter's positions, bytes and evictions match ThinKV's ow
   }
 }
 
+TEST_CASE("the ThinKV adapter's attention error equals a recomputation from the tables' rows",
+          "[demo][thinkv]") {
+  DemoConfig cfg;
+  cfg.generator = tiny_generator();
+  cfg.dtype = DType::f32;  // the generated K/V reach ThinKV unrounded: they are the oracle's
+  cfg.budget = 96;
+  const std::int64_t T = 300;
+  ThinKVDemoOptions o;
+  o.budget = cfg.budget;
+  o.length = T;
+  o.calibration_steps = 32;
+  o.refresh = 32;
+  o.refill = GENERATE(RefillRule::run, RefillRule::regroup);
+  INFO("refill " << refill_rule_name(o.refill));
+  std::vector<std::unique_ptr<DemoPolicy>> policies;
+  policies.push_back(std::make_unique<ThinKVDemoPolicy>(o));
+  const auto& adapter = static_cast<const ThinKVDemoPolicy&>(*policies[0]);
+  SyntheticDecode decode(cfg.generator, plans(2, T));
+  const DemoResult r = run_demo(cfg, decode, policies);
+  std::string column;
+  for (const auto& c : r.policies[0].extra_columns)
+    if (c.first == "attn rel. err (last step's queries)") column = c.second;
+  REQUIRE(!column.empty());
+
+  // The same decode again: every generated K/V row by position, and the last step's queries.
+  const GeneratorConfig& g = cfg.generator;
+  const int D = g.head_dim, group = g.q_heads / g.kv_heads;
+  SyntheticDecode replay(g, plans(2, T));
+  DecodeStep step;
+  std::vector<float> keys, values;  // [T, layers, batch, kv_heads, D]
+  while (!replay.done()) {
+    replay.next(step);
+    keys.insert(keys.end(), step.keys.begin(), step.keys.end());
+    values.insert(values.end(), step.values.begin(), step.values.end());
+  }
+  const auto row = [&](const std::vector<float>& rows, std::int32_t t, int l, int b, int h) {
+    return rows.data() +
+           (((static_cast<std::size_t>(t) * g.layers + l) * g.batch + b) * g.kv_heads + h) * D;
+  };
+  // Stored rows: each resident token decoded on its own (read_token) or from the staging
+  // buffer; exact rows: the generated ones at the same positions. Both through dense attention.
+  double sum = 0;
+  int n = 0;
+  for (int b = 0; b < g.batch; ++b) {
+    const ThinKV& kv = adapter.thinkv()->sequence(b);
+    for (int l = 0; l < g.layers; ++l) {
+      const ThoughtBlockTable& t = kv.table(l);
+      for (int h = 0; h < g.kv_heads; ++h) {
+        std::vector<float> sk, sv, ek, ev, staged_k, staged_v;
+        t.staged_rows(kv.sequence_id(), h, staged_k, staged_v);
+        std::size_t staged = 0;
+        for (const ResidentToken& tok : t.resident_tokens(kv.sequence_id(), h)) {
+          std::vector<float> k(D), v(D);
+          if (tok.address.block == kStagedBlock) {
+            k.assign(staged_k.begin() + staged * D, staged_k.begin() + (staged + 1) * D);
+            v.assign(staged_v.begin() + staged * D, staged_v.begin() + (staged + 1) * D);
+            ++staged;
+          } else {
+            t.read_token(kv.sequence_id(), h, tok.address, k.data(), v.data());
+          }
+          sk.insert(sk.end(), k.begin(), k.end());
+          sv.insert(sv.end(), v.begin(), v.end());
+          ek.insert(ek.end(), row(keys, tok.position, l, b, h),
+                    row(keys, tok.position, l, b, h) + D);
+          ev.insert(ev.end(), row(values, tok.position, l, b, h),
+                    row(values, tok.position, l, b, h) + D);
+        }
+        const std::int64_t tokens = static_cast<std::int64_t>(sk.size()) / D;
+        std::vector<float> stored_out(group * D), exact_out(group * D);
+        const float* q = step.query(l, b, h * group);
+        dense_decode_attention(q, group, sk.data(), sv.data(), tokens, D, stored_out.data());
+        dense_decode_attention(q, group, ek.data(), ev.data(), tokens, D, exact_out.data());
+        for (int qh = 0; qh < group; ++qh) {
+          double err = 0, norm = 0;
+          for (int c = 0; c < D; ++c) {
+            const double d = stored_out[qh * D + c] - static_cast<double>(exact_out[qh * D + c]);
+            err += d * d;
+            norm += static_cast<double>(exact_out[qh * D + c]) * exact_out[qh * D + c];
+          }
+          sum += std::sqrt(err / norm);
+          ++n;
+        }
+      }
+    }
+  }
+  const double expected = sum / n;
+  INFO("column " << column << ", recomputed " << expected);
+  REQUIRE(expected > 0.01);  // the blocks are quantized: the check below has something to see
+  REQUIRE(std::fabs(std::stod(column) - expected) < 2e-4);
+}
+
 TEST_CASE("the ThinKV adapter calibrates theta1/theta2 as sparsity quantiles", "[demo][thinkv]") {
   // Independent oracle: every layer's sparsity (share of keys whose softmax weight is below 1% of
   // the row's largest, averaged over query heads) of the first C steps over the full history,
