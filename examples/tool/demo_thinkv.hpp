@@ -266,20 +266,13 @@ class ThinKVDemoPolicy final : public DemoPolicy {
             }
             const float* k = token_row(keys_, l, static_cast<int>(b), h, r.position);
             const float* d = keys.data() + static_cast<std::size_t>(r.address.slot) * head_dim_;
-            double err = 0, norm = 0;
-            for (int c = 0; c < head_dim_; ++c) {
-              err += (d[c] - k[c]) * static_cast<double>(d[c] - k[c]);
-              norm += k[c] * static_cast<double>(k[c]);
-            }
-            sum += norm > 0 ? std::sqrt(err / norm) : 0.0;
+            sum += relative_error(d, k, static_cast<std::size_t>(head_dim_));
             ++n;
           }
         }
       }
     }
-    char buf[32];
-    std::snprintf(buf, sizeof buf, "%.4f", n > 0 ? sum / static_cast<double>(n) : 0.0);
-    return buf;
+    return format_mean(sum, n);
   }
   // What the stored tokens (quantized by type, refilled by the refill rule) do to attention: the
   // last step's queries over ThinKV's resident tokens as the tables store them
@@ -310,20 +303,23 @@ class ThinKVDemoPolicy final : public DemoPolicy {
           kvsift::dense_decode_attention(q + h * group * D, group, k.data(), v.data(),
                                          static_cast<std::int64_t>(p.size()), head_dim_,
                                          exact.data());
-          for (int g = 0; g < group; ++g) {
-            const float* o = paged.data() + (h * group + g) * D;
-            const float* e = exact.data() + g * D;
-            double err = 0, norm = 0;
-            for (std::size_t c = 0; c < D; ++c) {
-              err += (o[c] - e[c]) * static_cast<double>(o[c] - e[c]);
-              norm += e[c] * static_cast<double>(e[c]);
-            }
-            sum += norm > 0 ? std::sqrt(err / norm) : 0.0;
-            ++n;
-          }
+          for (int g = 0; g < group; ++g, ++n)
+            sum += relative_error(paged.data() + (h * group + g) * D, exact.data() + g * D, D);
         }
       }
     }
+    return format_mean(sum, n);
+  }
+  // |got - want| / |want| over n values (0 when want is zero).
+  static double relative_error(const float* got, const float* want, std::size_t n) {
+    double err = 0, norm = 0;
+    for (std::size_t c = 0; c < n; ++c) {
+      err += (got[c] - want[c]) * static_cast<double>(got[c] - want[c]);
+      norm += want[c] * static_cast<double>(want[c]);
+    }
+    return norm > 0 ? std::sqrt(err / norm) : 0.0;
+  }
+  static std::string format_mean(double sum, std::int64_t n) {
     char buf[32];
     std::snprintf(buf, sizeof buf, "%.4f", n > 0 ? sum / static_cast<double>(n) : 0.0);
     return buf;

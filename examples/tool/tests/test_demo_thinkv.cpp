@@ -33,6 +33,25 @@ GeneratorConfig tiny_generator() {
   return g;
 }
 
+// The tiny decode at f32 (the generated K/V reach ThinKV unrounded) with a budget of 96.
+DemoConfig tiny_demo() {
+  DemoConfig cfg;
+  cfg.generator = tiny_generator();
+  cfg.dtype = DType::f32;
+  cfg.budget = 96;
+  return cfg;
+}
+
+// ThinKV at that budget over T tokens, calibrated over and refreshed every 32 steps.
+ThinKVDemoOptions tiny_options(std::int64_t T) {
+  ThinKVDemoOptions o;
+  o.budget = 96;
+  o.length = T;
+  o.calibration_steps = 32;
+  o.refresh = 32;
+  return o;
+}
+
 std::vector<SentencePlan> plans(int batch, std::int64_t length) {
   std::vector<SentencePlan> out;
   for (int b = 0; b < batch; ++b) out.push_back(synthetic_sentence_plan(length, 3 + b));
@@ -43,18 +62,11 @@ std::vector<SentencePlan> plans(int batch, std::int64_t length) {
 
 TEST_CASE("the ThinKV adapter's positions, bytes and evictions match ThinKV's own accounting",
           "[demo][thinkv]") {
-  DemoConfig cfg;
-  cfg.generator = tiny_generator();
-  cfg.dtype = DType::f32;
-  cfg.budget = 96;
+  DemoConfig cfg = tiny_demo();
   cfg.window = 4;
   cfg.buffer = 16;
   const std::int64_t T = 520;
-  ThinKVDemoOptions o;
-  o.budget = cfg.budget;
-  o.length = T;
-  o.calibration_steps = 32;
-  o.refresh = 32;
+  ThinKVDemoOptions o = tiny_options(T);
   o.block_size = GENERATE(16, 32);  // --thinkv-block: the held-slot columns follow the table's
   INFO("block_size " << o.block_size);
   std::vector<std::unique_ptr<DemoPolicy>> policies;
@@ -152,16 +164,9 @@ TEST_CASE("the ThinKV adapter's positions, bytes and evictions match ThinKV's ow
 
 TEST_CASE("the ThinKV adapter's attention error equals a recomputation from the tables' rows",
           "[demo][thinkv]") {
-  DemoConfig cfg;
-  cfg.generator = tiny_generator();
-  cfg.dtype = DType::f32;  // the generated K/V reach ThinKV unrounded: they are the oracle's
-  cfg.budget = 96;
+  const DemoConfig cfg = tiny_demo();  // f32: the generated K/V are the oracle's exact rows
   const std::int64_t T = 300;
-  ThinKVDemoOptions o;
-  o.budget = cfg.budget;
-  o.length = T;
-  o.calibration_steps = 32;
-  o.refresh = 32;
+  ThinKVDemoOptions o = tiny_options(T);
   o.refill = GENERATE(RefillRule::run, RefillRule::regroup);
   INFO("refill " << refill_rule_name(o.refill));
   std::vector<std::unique_ptr<DemoPolicy>> policies;
