@@ -214,6 +214,12 @@ TEST_CASE("KeepPlan::set_rows takes every row at once, as append_row stores them
   KeepPlan unsorted(2, 2, 6, {5, 4}, {3, 2}, 1);
   unsorted.set_rows({0, 3, 4, 3, 1, 4, 2, 3, 0, 3});
   REQUIRE_THROWS_WITH(unsorted.validate(), Catch::Matchers::Contains("row (b=0, h=1)"));
+
+  // A plan that passed is not checked again, but one whose rows were moved away is.
+  at_once.validate();
+  const KeepPlan taken = std::move(at_once);
+  taken.validate();
+  REQUIRE_THROWS_WITH(at_once.validate(), Catch::Matchers::Contains("the plan is empty"));
 }
 
 TEST_CASE("compact rejects a plan from another cache and leaves the cache untouched", "[compact]") {

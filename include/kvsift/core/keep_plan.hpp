@@ -134,12 +134,13 @@ class KeepPlan {
   // the last `window` tokens of every sequence kept. Throws kvsift::Error naming the first fault.
   // A complete plan cannot change, so one that passed as a non-const object is remembered as
   // valid and not checked again (the device path checks it when it is made and compact(), which
-  // takes it const, then costs nothing). Only the non-const call writes the mark.
+  // takes it const, then costs nothing). Only the non-const call writes the mark; a moved-from
+  // plan keeps the mark but is no longer complete, so it is checked (and refused) again.
   void validate() const {
-    if (!validated_) check();
+    if (!(validated_ && complete())) check();
   }
   void validate() {
-    if (validated_) return;
+    if (validated_ && complete()) return;
     check();
     validated_ = true;
   }
