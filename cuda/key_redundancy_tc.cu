@@ -611,7 +611,7 @@ __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
         for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
           for (int q = 0; q < 4; ++q) {
-            const int i = i0 + warp * kTcWarpRows + mt * 16 + g + (q / 2) * 8;
+            const int i = i0 + tc_fragment_row(warp, g, 2 * mt + q / 2);
             if (j0 + nt * 8 + 2 * t + q % 2 == i) acc[mt][nt][q] = -INFINITY;
           }
     }
@@ -646,7 +646,7 @@ __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const int row = warp * kTcWarpRows + mt * 16 + g + half * 8, i = i0 + row;
+          const int row = tc_fragment_row(warp, g, 2 * mt + half), i = i0 + row;
           if (match[row] >= 0) continue;
           int found = -1;          // largest certain match among this thread's columns
           unsigned uncertain = 0;  // bit 2nt + c: within m of the threshold, above `found`
@@ -683,7 +683,7 @@ __global__ void __launch_bounds__(kTcThreads, 2) last_match_tc_kernel(
           for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
             for (int half = 0; half < 2; ++half) {  // rows ascending
-              const int i = i0 + warp * kTcWarpRows + mt * 16 + g + half * 8;
+              const int i = i0 + tc_fragment_row(warp, g, 2 * mt + half);
               const float v = acc[mt][nt][half * 2 + c];
               if (i >= length || j0 + cl >= length) continue;
               const int shift = nt * 8 + c * 4;
