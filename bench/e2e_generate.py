@@ -5,6 +5,7 @@ hidden 4096, 32 query / 8 KV heads, head_dim 128, bf16, sdpa), greedy decoding w
 For each context position P, method (fullkv = transformers' DynamicCache; kvsift rkv and skipkv
 through kvsift.hf.KVSiftCache) and budget (buffer 128 by default):
 - decode tokens/s over a steady window of decode steps timed with CUDA events (after warm-up),
+  and the window's slowest step (a compressing or evicting step shows there),
 - peak GPU memory (torch.cuda.max_memory_allocated) from the cache fill to the window's end,
 - the share of the window's GPU time spent in kvsift's compression steps (select + compact of
   every layer, CUDA events around each),
@@ -172,26 +173,28 @@ def make_cache(model, method, budget, args, batch, position, resident=None):
 
 
 def decode(model, cache, batch, position, steps, warmup, on_window_start=None):
-    """Greedy decode warmup + steps tokens; returns (seconds of the timed window, tokens)."""
+    """Greedy decode warmup + steps tokens; returns (seconds of the timed window, tokens, the
+    slowest window step in ms). An event marks each window step's start, so a step that
+    compresses or evicts shows as one slow step (host work in it included: the GPU waits)."""
     import torch
 
     ids = torch.randint(1000, 100000, (batch, 1), device="cuda")
     pos = position
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
     for step in range(warmup + steps):
-        if step == warmup:
-            if on_window_start is not None:
-                on_window_start()
-            start.record()
+        if step == warmup and on_window_start is not None:
+            on_window_start()
+        if step >= warmup:
+            marks[step - warmup].record()
         position_ids = torch.full((batch, 1), pos, device="cuda", dtype=torch.long)
         out = model(input_ids=ids, position_ids=position_ids, past_key_values=cache,
                     use_cache=True, logits_to_keep=1)
         ids = out.logits[:, -1:].argmax(-1)
         pos += 1
-    end.record()
+    marks[steps].record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3, batch * steps
+    slowest = max(marks[i].elapsed_time(marks[i + 1]) for i in range(steps))
+    return marks[0].elapsed_time(marks[steps]) / 1e3, batch * steps, slowest
 
 
 def release(*objs):
@@ -233,10 +236,11 @@ def measure(model, method, budget, batch, position, args):
                     cache.compress_events = []
                     state["compressions"] = cache.compressions
 
-            secs, tokens = decode(model, cache, batch, position, args.steps, args.warmup,
-                                  window_start)
+            secs, tokens, slowest = decode(model, cache, batch, position, args.steps,
+                                           args.warmup, window_start)
         peak = torch.cuda.max_memory_allocated() / 2**30
-        row = {"tok_s": tokens / secs, "peak_gib": peak, "ms_step": 1e3 * secs / args.steps}
+        row = {"tok_s": tokens / secs, "peak_gib": peak, "ms_step": 1e3 * secs / args.steps,
+               "slowest_ms": slowest}
         if method == "thinkv":  # TBE runs inside each step's end_step: no separate share
             row["resident_mib"] = cache.resident_bytes() / 2**20
             row["evicting_steps"] = cache.evicting_steps - state.get("evicting", 0)
@@ -298,17 +302,20 @@ def largest_batch(model, method, budget, position, args, start):
     return lo
 
 
-HEADER = ("| context | method | budget | batch | decode tok/s | ms/step | peak GiB | compression "
-          "share | compressions in window |\n|---|---|---|---|---|---|---|---|---|")
+HEADER = ("| context | method | budget | batch | decode tok/s | ms/step | slowest step ms | "
+          "peak GiB | compression share | compressions in window |\n"
+          "|---|---|---|---|---|---|---|---|---|---|")
 
 
 def fmt_row(position, method, budget, batch, r, note=""):
     if r is None:
-        return "| %d | %s | %s | %s | OOM | | | | %s |" % (position, method, budget, batch, note)
+        return "| %d | %s | %s | %s | OOM | | | | | %s |" % (position, method, budget, batch,
+                                                           note)
     share = "%.1f %%" % (100 * r["compress_share"]) if "compress_share" in r else "-"
     comps = str(r.get("compressions", r.get("evicting_steps", "-")))
-    return "| %d | %s | %s | %s | %.1f | %.2f | %.1f | %s | %s |" % (
-        position, method, budget, batch, r["tok_s"], r["ms_step"], r["peak_gib"], share, comps)
+    return "| %d | %s | %s | %s | %.1f | %.2f | %.1f | %.1f | %s | %s |" % (
+        position, method, budget, batch, r["tok_s"], r["ms_step"], r["slowest_ms"],
+        r["peak_gib"], share, comps)
 
 
 def busy_union(intervals):
@@ -382,7 +389,7 @@ def profile(model, method, budget, batch, position, args):
             decode(model, cache, batch, position, 4, 0)  # warm-up outside the trace
             acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
             with torch_profile(activities=acts) as prof:
-                secs, _ = decode(model, cache, batch, position, args.profile, 0)
+                secs, _, _ = decode(model, cache, batch, position, args.profile, 0)
         finally:
             release(cache)
             cache = None  # the second pass below needs its memory
@@ -476,8 +483,8 @@ def main(argv=None):
             except Oom:
                 r = None
             except Exception as e:  # noqa: BLE001 - report and continue with the next row
-                emit("| %d | %s | %s | %d | ERROR: %s | | | | |" % (
-                    position, method, budget or "-", batch, str(e).splitlines()[0][:100]))
+                emit("| %d | %s | %s | %d | ERROR: %s | | | | | |" % (
+                    position, method, budget or "-", batch, str(e).splitlines()[0]))
                 continue
             emit(fmt_row(position, method, budget or "-", batch, r))
         if args.max_batch:
@@ -500,8 +507,8 @@ def main(argv=None):
                         best = best * 7 // 8
                 emit(fmt_row(position, method, budget or "-", "max %d" % best, r))
             except Exception as e:  # noqa: BLE001
-                emit("| %d | %s | %s | max | ERROR: %s | | | | |" % (
-                    position, method, budget or "-", str(e).splitlines()[0][:100]))
+                emit("| %d | %s | %s | max | ERROR: %s | | | | | |" % (
+                    position, method, budget or "-", str(e).splitlines()[0]))
     emit("")
     emit("Published for comparison (ThinKV paper, Table 2: R1-Llama-8B, 32K continuous "
          "generation, GH200, their engine; not measured here):")

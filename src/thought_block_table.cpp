@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <utility>
 
 #include "kvsift/core/limits.hpp"
@@ -218,7 +219,18 @@ std::int32_t ThoughtBlockTable::take_frame(std::int32_t seq, ThoughtType type) {
   for (std::int64_t h = 0; h < H; ++h)
     f.free.insert(f.free.end(), head_mask.begin(), head_mask.end());
   f.position.assign(static_cast<std::size_t>(H * S * kSlotPositionBytes), 0xFF);  // all -1
+  f.first_position = 0;
+  f.last_position = -1;  // nothing written yet
   return id;
+}
+
+void ThoughtBlockTable::note_position(Frame& f, std::int32_t position) {
+  if (f.last_position < f.first_position) {
+    f.first_position = f.last_position = position;
+  } else {
+    f.first_position = std::min(f.first_position, position);
+    f.last_position = std::max(f.last_position, position);
+  }
 }
 
 SlotAddress ThoughtBlockTable::lowest_free_slot(const Sequence& s, ThoughtType type,
@@ -316,7 +328,9 @@ void ThoughtBlockTable::regroup_run(Sequence& s, ThoughtType type, std::int32_t 
   }
   std::size_t next = 0;
   for (std::int32_t slot = a.slot; slot < a.slot + kQuantGroupSize; ++slot) {
-    if (bit(mask, slot)) store_slot_position(slot_position, slot, new_positions[next++]);
+    if (!bit(mask, slot)) continue;
+    note_position(f, new_positions[next]);
+    store_slot_position(slot_position, slot, new_positions[next++]);
   }
   mask[a.slot / 64] &= ~(std::uint64_t{0xffff} << (a.slot % 64));
   ++refill_stats_.regroups;
@@ -433,6 +447,7 @@ std::int32_t ThoughtBlockTable::append(std::int32_t seq, const float* key, const
         write_key_row_f32(L, base, a.slot, k);
       }
       store_slot_position(slot_position, a.slot, position);
+      note_position(f, position);
       mask[a.slot / 64] &= ~(std::uint64_t{1} << (a.slot % 64));
       if (where != nullptr) where[h] = a;
       continue;
@@ -446,8 +461,10 @@ std::int32_t ThoughtBlockTable::append(std::int32_t seq, const float* key, const
                         group.key_scales.data(), group.value_codes.data(),
                         group.value_scales.data());
     }
-    for (int i = 0; i < kQuantGroupSize; ++i)
+    for (int i = 0; i < kQuantGroupSize; ++i) {
       store_slot_position(slot_position, a.slot + i, group.positions[i]);
+      note_position(f, group.positions[i]);
+    }
     mask[a.slot / 64] &= ~(std::uint64_t{0xffff} << (a.slot % 64));
     // The new token is the group's last (positions ascend).
     if (where != nullptr) where[h] = SlotAddress{a.block, a.slot + kQuantGroupSize - 1};
@@ -594,9 +611,18 @@ std::vector<ResidentToken> ThoughtBlockTable::resident_tokens(std::int32_t seq, 
                                                               std::int32_t segment) const {
   const Sequence& s = sequence(seq, "resident_tokens");
   check_head(head, "resident_tokens");
+  // The positions a segment may hold: [first, last]; every position when segment < 0.
+  std::int32_t first = 0, last = std::numeric_limits<std::int32_t>::max();
+  const std::size_t segments = s.segment_starts.size();
+  if (segment >= 0 && static_cast<std::size_t>(segment) < segments) {
+    first = s.segment_starts[static_cast<std::size_t>(segment)];
+    if (static_cast<std::size_t>(segment) + 1 < segments)
+      last = s.segment_starts[static_cast<std::size_t>(segment) + 1] - 1;
+  }
   std::vector<ResidentToken> out;
   for (std::size_t b = 0; b < s.blocks.size(); ++b) {
     const Frame& f = frames_[static_cast<std::size_t>(s.blocks[b])];
+    if (f.last_position < first || f.first_position > last) continue;  // none of its positions
     const std::uint64_t* free = &f.free[static_cast<std::size_t>(head) * mask_words_];
     for (std::int32_t slot = 0; slot < config_.block_size; ++slot) {
       if (bit(free, slot)) continue;

@@ -521,6 +521,74 @@ TEST_CASE("resident bytes equal the blocks actually held, per format, after chur
   REQUIRE(a.staging == r.staging);
 }
 
+TEST_CASE("a segment's tokens are found by skipping blocks outside its positions",
+          "[thought_block_table]") {
+  // Two sequences whose segments change type, leave groups staged, lose tokens and refill the
+  // holes (so blocks hold positions of several segments): after every round each segment's
+  // resident_tokens, which skips the blocks that never held one of its positions, equals the full
+  // scan filtered by segment (same tokens, same order).
+  std::mt19937 rng(5);
+  ThoughtBlockTableConfig c;
+  c.kv_heads = 3;
+  c.head_dim = 32;
+  c.block_size = 32;
+  c.num_blocks = 96;
+  ThoughtBlockTable t(c);
+  t.create_sequence();
+  t.create_sequence();
+  const ThoughtType types[] = {ThoughtType::reasoning, ThoughtType::execution,
+                               ThoughtType::transition};
+  const auto same_tokens = [](const std::vector<ResidentToken>& x,
+                              const std::vector<ResidentToken>& y) {
+    return std::equal(
+        x.begin(), x.end(), y.begin(), y.end(), [](const ResidentToken& a, const ResidentToken& b) {
+          return a.position == b.position && a.segment == b.segment &&
+                 a.address.block == b.address.block && a.address.slot == b.address.slot;
+        });
+  };
+  std::int64_t compared = 0;
+  for (int round = 0; round < 10; ++round) {
+    for (std::int32_t seq = 0; seq < 2; ++seq) {
+      t.open_segment(seq, types[rng() % 3]);
+      for (int i = 0; i < 40; ++i) {
+        const std::vector<float> k = random_rows(rng, 96), v = random_rows(rng, 96);
+        t.append(seq, k.data(), v.data(), 3, 32);
+      }
+      for (std::int32_t h = 0; h < 3; ++h) {
+        std::vector<std::int32_t> gone;
+        for (const ResidentToken& r : t.resident_tokens(seq, h))
+          if (rng() % 10 < 6) gone.push_back(r.position);
+        t.evict_positions(seq, h, gone);
+      }
+    }
+    for (std::int32_t seq = 0; seq < 2; ++seq) {
+      for (std::int32_t h = 0; h < 3; ++h) {
+        const std::vector<ResidentToken> all = t.resident_tokens(seq, h);
+        for (std::int32_t seg = 0; seg <= t.num_segments(seq); ++seg) {  // one past the last too
+          std::vector<ResidentToken> want;
+          for (const ResidentToken& r : all)
+            if (r.segment == seg) want.push_back(r);
+          REQUIRE(same_tokens(t.resident_tokens(seq, h, seg), want));
+          compared += static_cast<std::int64_t>(want.size());
+        }
+      }
+    }
+  }
+  REQUIRE(compared > 1000);
+  // Holes were refilled by later segments: some block holds live tokens of two segments.
+  bool mixed = false;
+  for (std::int32_t seq = 0; seq < 2; ++seq) {
+    for (std::int32_t h = 0; h < 3; ++h) {
+      const std::vector<ResidentToken> all = t.resident_tokens(seq, h);
+      for (const ResidentToken& x : all)
+        for (const ResidentToken& y : all)
+          mixed = mixed || (x.address.block >= 0 && x.address.block == y.address.block &&
+                            x.segment != y.segment);
+    }
+  }
+  REQUIRE(mixed);
+}
+
 TEST_CASE("sequences share the pool; released blocks are handed out again",
           "[thought_block_table]") {
   ThoughtBlockTable t(full_precision(1, 16, 16, 3));

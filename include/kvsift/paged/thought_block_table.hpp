@@ -178,7 +178,8 @@ class ThoughtBlockTable {
   std::vector<std::uint64_t> segment_mask(std::int32_t seq, std::int32_t block, std::int32_t head,
                                           std::int32_t segment) const;
   // Live tokens of one KV head in (block, slot) order, then the staged ones (R, E, T buffers, each
-  // in position order); `segment` >= 0 keeps only that segment's.
+  // in position order); `segment` >= 0 keeps only that segment's, and skips unread the blocks
+  // that never held a position of it (a demoted segment is a small part of a long sequence).
   std::vector<ResidentToken> resident_tokens(std::int32_t seq, std::int32_t head,
                                              std::int32_t segment = -1) const;
   // The generation positions of resident_tokens(seq, head), ascending (what an engine asks
@@ -222,6 +223,9 @@ class ThoughtBlockTable {
     std::vector<std::uint8_t> data;      // [kv_heads, head bytes] (block_codec.hpp layout)
     std::vector<std::uint64_t> free;     // [kv_heads, mask_words] 1 = free (evicted/unwritten)
     std::vector<std::uint8_t> position;  // [kv_heads, block_size, kSlotPositionBytes]
+    // The lowest and highest position ever written into the block (any head): a host index that
+    // lets a scan for some positions skip the blocks that cannot hold them.
+    std::int32_t first_position = 0, last_position = -1;
   };
   struct Sequence {
     bool active = false;
@@ -258,6 +262,7 @@ class ThoughtBlockTable {
                    int& index) const;
   void evict_one(Sequence& s, std::int32_t seq, std::int32_t head, SlotAddress a);
   void release_empty_blocks(Sequence& s);
+  static void note_position(Frame& f, std::int32_t position);
 
   ThoughtBlockTableConfig config_;
   std::int32_t mask_words_ = 1;
