@@ -59,6 +59,16 @@ std::vector<float> random_rows(std::mt19937& rng, std::size_t n, float scale = 1
   return x;
 }
 
+// Appends n tokens of random keys and values (normal, unit scale) to the open segment of `seq`.
+void append_random(ThoughtBlockTable& t, std::int32_t seq, std::mt19937& rng, int n) {
+  const std::int32_t H = t.config().kv_heads, D = t.config().head_dim;
+  for (int i = 0; i < n; ++i) {
+    const std::vector<float> k = random_rows(rng, static_cast<std::size_t>(H * D));
+    const std::vector<float> v = random_rows(rng, static_cast<std::size_t>(H * D));
+    t.append(seq, k.data(), v.data(), H, D);
+  }
+}
+
 }  // namespace
 
 TEST_CASE("config validation names the offending values", "[thought_block_table]") {
@@ -483,10 +493,7 @@ TEST_CASE("resident bytes equal the blocks actually held, per format, after chur
                                ThoughtType::transition};
   for (int round = 0; round < 12; ++round) {
     t.open_segment(seq, types[rng() % 3]);
-    for (int i = 0; i < 40; ++i) {
-      const std::vector<float> k = random_rows(rng, 96), v = random_rows(rng, 96);
-      t.append(seq, k.data(), v.data(), 3, 32);
-    }
+    append_random(t, seq, rng, 40);
     for (std::int32_t h = 0; h < 3; ++h) {
       std::vector<std::int32_t> gone;
       for (const ResidentToken& r : t.resident_tokens(seq, h))
@@ -550,10 +557,7 @@ TEST_CASE("a segment's tokens are found by skipping blocks outside its positions
   for (int round = 0; round < 10; ++round) {
     for (std::int32_t seq = 0; seq < 2; ++seq) {
       t.open_segment(seq, types[rng() % 3]);
-      for (int i = 0; i < 40; ++i) {
-        const std::vector<float> k = random_rows(rng, 96), v = random_rows(rng, 96);
-        t.append(seq, k.data(), v.data(), 3, 32);
-      }
+      append_random(t, seq, rng, 40);
       for (std::int32_t h = 0; h < 3; ++h) {
         std::vector<std::int32_t> gone;
         for (const ResidentToken& r : t.resident_tokens(seq, h))
