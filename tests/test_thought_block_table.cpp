@@ -69,6 +69,16 @@ void append_random(ThoughtBlockTable& t, std::int32_t seq, std::mt19937& rng, in
   }
 }
 
+// Evicts each live token of every KV head of `seq` with probability tenths / 10.
+void evict_random(ThoughtBlockTable& t, std::int32_t seq, std::mt19937& rng, unsigned tenths) {
+  for (std::int32_t h = 0; h < t.config().kv_heads; ++h) {
+    std::vector<std::int32_t> gone;
+    for (const ResidentToken& r : t.resident_tokens(seq, h))
+      if (rng() % 10 < tenths) gone.push_back(r.position);
+    t.evict_positions(seq, h, gone);
+  }
+}
+
 }  // namespace
 
 TEST_CASE("config validation names the offending values", "[thought_block_table]") {
@@ -494,12 +504,7 @@ TEST_CASE("resident bytes equal the blocks actually held, per format, after chur
   for (int round = 0; round < 12; ++round) {
     t.open_segment(seq, types[rng() % 3]);
     append_random(t, seq, rng, 40);
-    for (std::int32_t h = 0; h < 3; ++h) {
-      std::vector<std::int32_t> gone;
-      for (const ResidentToken& r : t.resident_tokens(seq, h))
-        if (rng() % 10 < 7) gone.push_back(r.position);
-      t.evict_positions(seq, h, gone);
-    }
+    evict_random(t, seq, rng, 7);
   }
   const std::int64_t S = 48, D = 32, H = 3, groups = 2 * S * D / 16;
   std::int64_t codes = 0, scales = 0, metadata = 0;
@@ -558,12 +563,7 @@ TEST_CASE("a segment's tokens are found by skipping blocks outside its positions
     for (std::int32_t seq = 0; seq < 2; ++seq) {
       t.open_segment(seq, types[rng() % 3]);
       append_random(t, seq, rng, 40);
-      for (std::int32_t h = 0; h < 3; ++h) {
-        std::vector<std::int32_t> gone;
-        for (const ResidentToken& r : t.resident_tokens(seq, h))
-          if (rng() % 10 < 6) gone.push_back(r.position);
-        t.evict_positions(seq, h, gone);
-      }
+      evict_random(t, seq, rng, 6);
     }
     for (std::int32_t seq = 0; seq < 2; ++seq) {
       for (std::int32_t h = 0; h < 3; ++h) {
