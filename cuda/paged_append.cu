@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #include "kvsift/backend/cuda/check.hpp"
 #include "kvsift/backend/cuda/paged_table.hpp"
@@ -729,63 +730,99 @@ void DevicePagedTable::release_frame(std::int32_t frame, BlockFormat format) {
 void DevicePagedTable::evict(std::int32_t seq, std::int32_t head,
                              const std::vector<SlotAddress>& slots, void* workspace,
                              std::size_t workspace_bytes, cudaStream_t stream) {
-  check_seq(seq, "evict");
-  KVSIFT_CHECK(head >= 0 && head < cfg_.kv_heads, "DevicePagedTable::evict: kv head ", head,
-               " outside [0, ", cfg_.kv_heads, ")");
+  std::vector<EvictionSlot> batch;
+  batch.reserve(slots.size());
+  for (const SlotAddress& a : slots) batch.push_back(EvictionSlot{seq, head, a});
+  evict_slots(batch, workspace, workspace_bytes, stream);
+}
+
+void DevicePagedTable::evict_slots(const std::vector<EvictionSlot>& slots, void* workspace,
+                                   std::size_t workspace_bytes, cudaStream_t stream) {
   KVSIFT_CHECK(pending_tokens() == 0, "DevicePagedTable::evict: ", pending_tokens(),
                " recorded tokens are not written yet (call append() first)");
   KVSIFT_CHECK(workspace_bytes >= evict_workspace_bytes(slots.size()),
                "DevicePagedTable::evict: workspace of ", workspace_bytes, " bytes is too small (",
                evict_workspace_bytes(slots.size()), " needed)");
-  SeqState& st = seqs_[static_cast<std::size_t>(seq)];
-  // 1. Validate every address (live, listed once) before changing anything.
+  // 1. Sequences, heads and addresses; staged tokens found, none listed twice.
   std::vector<PagedEviction> list;
   std::vector<std::pair<std::int64_t, int>> staged;  // (stream, row)
-  for (const SlotAddress& a : slots) {
+  std::vector<std::int32_t> touched;                 // sequences, in runs
+  list.reserve(slots.size());
+  for (const EvictionSlot& e : slots) {
+    check_seq(e.seq, "evict");
+    KVSIFT_CHECK(e.head >= 0 && e.head < cfg_.kv_heads, "DevicePagedTable::evict: kv head ", e.head,
+                 " outside [0, ", cfg_.kv_heads, ")");
+    if (touched.empty() || touched.back() != e.seq) touched.push_back(e.seq);
+    const SlotAddress& a = e.address;
     if (a.block == kStagedBlock) {
       bool found = false;
       for (int t = 0; t < kPagedThoughtTypes && !found; ++t) {
-        const std::int64_t s = stream_index(seq, t, head);
+        const std::int64_t s = stream_index(e.seq, t, e.head);
         for (int r = 0; r < kQuantGroupSize && !found; ++r) {
-          if (staged_positions_[static_cast<std::size_t>(s) * kQuantGroupSize + r] != a.slot) {
-            continue;
-          }
-          found = std::find(staged.begin(), staged.end(), std::make_pair(s, r)) == staged.end();
+          found = staged_positions_[static_cast<std::size_t>(s) * kQuantGroupSize + r] == a.slot;
           if (found) staged.emplace_back(s, r);
         }
       }
       KVSIFT_CHECK(found, "DevicePagedTable::evict: position ", a.slot,
-                   " is not staged in kv head ", head, " of sequence ", seq,
-                   " (or is listed twice)");
+                   " is not staged in kv head ", e.head, " of sequence ", e.seq);
       continue;
     }
+    const SeqState& st = seqs_[static_cast<std::size_t>(e.seq)];
     KVSIFT_CHECK(a.block >= 0 && a.block < static_cast<std::int32_t>(st.pages.size()),
-                 "DevicePagedTable::evict: block ", a.block, " of sequence ", seq, " outside [0, ",
-                 st.pages.size(), ")");
+                 "DevicePagedTable::evict: block ", a.block, " of sequence ", e.seq,
+                 " outside [0, ", st.pages.size(), ")");
     KVSIFT_CHECK(a.slot >= 0 && a.slot < cfg_.block_size, "DevicePagedTable::evict: slot ", a.slot,
                  " outside [0, block_size = ", cfg_.block_size, ")");
-    const std::int32_t frame = st.pages[static_cast<std::size_t>(a.block)].frame;
-    bool twice = false;
-    for (const PagedEviction& e : list) twice = twice || (e.frame == frame && e.slot == a.slot);
-    KVSIFT_CHECK(!twice && !bit_free(host_mask(frame, head), a.slot),
-                 "DevicePagedTable::evict: slot ", a.slot, " of block ", a.block, " in kv head ",
-                 head, " of sequence ", seq,
-                 " is not live (already evicted, never written, or listed twice)");
-    list.push_back(PagedEviction{frame, head, a.slot});
+    list.push_back(
+        PagedEviction{st.pages[static_cast<std::size_t>(a.block)].frame, e.head, a.slot});
   }
-  // 2. Apply on the host: bits, staged rows; then free the blocks left empty in every head.
-  for (const PagedEviction& e : list)
-    host_mask(e.frame, head)[e.slot / 64] |= 1ull << (e.slot % 64);
+  std::sort(staged.begin(), staged.end());
+  KVSIFT_CHECK(std::adjacent_find(staged.begin(), staged.end()) == staged.end(),
+               "DevicePagedTable::evict: a staged token is listed twice");
+  // 2. Apply on the host: each slot's bit, found live as it is set (so a slot listed twice finds
+  // its own bit; on an error the bits set so far are cleared again and nothing has changed); the
+  // staged rows; then the blocks left empty in every head go back to their pools.
+  for (std::size_t i = 0; i < list.size(); ++i) {
+    const PagedEviction& e = list[i];
+    std::uint64_t& word = host_mask(e.frame, e.head)[e.slot / 64];
+    const std::uint64_t bit = 1ull << (e.slot % 64);
+    if (word & bit) {
+      for (std::size_t j = 0; j < i; ++j)
+        host_mask(list[j].frame, list[j].head)[list[j].slot / 64] &= ~(1ull << (list[j].slot % 64));
+      KVSIFT_CHECK(false, "DevicePagedTable::evict: slot ", e.slot, " of frame ", e.frame,
+                   " in kv head ", e.head,
+                   " is not live (already evicted, never written, or listed twice)");
+    }
+    word |= bit;
+  }
   std::vector<PagedStagedMask> masks;
   for (const auto& sr : staged) {
     staged_positions_[static_cast<std::size_t>(sr.first) * kQuantGroupSize + sr.second] = -1;
     staged_bits_[static_cast<std::size_t>(sr.first)] &= ~(1u << sr.second);
   }
-  for (const auto& sr : staged) {
-    bool listed = false;
-    for (const PagedStagedMask& m : masks) listed = listed || m.stream == sr.first;
-    if (!listed) masks.push_back(PagedStagedMask{sr.first, staged_mask(sr.first)});
+  for (std::size_t i = 0; i < staged.size(); ++i) {  // sorted: one mask per stream
+    if (i == 0 || staged[i].first != staged[i - 1].first) {
+      masks.push_back(PagedStagedMask{staged[i].first, staged_mask(staged[i].first)});
+    }
   }
+  std::sort(touched.begin(), touched.end());
+  touched.erase(std::unique(touched.begin(), touched.end()), touched.end());
+  for (const std::int32_t seq : touched) release_empty_blocks(seq);
+  // 3. The device: bits and staged masks.
+  const int n = static_cast<int>(list.size()), n_staged = static_cast<int>(masks.size());
+  if (n + n_staged == 0) return;
+  WorkspaceCarver carver(workspace, workspace_bytes, "DevicePagedTable::evict");
+  const PagedEviction* d_list = upload(carver, list, stream);
+  const PagedStagedMask* d_staged = upload(carver, masks, stream);
+  evict_kernel<<<(n + n_staged + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
+      mem_.free_masks, mem_.staged_masks, cfg_.kv_heads, sizes_.mask_words, d_list, n, d_staged,
+      n_staged);
+  KVSIFT_CUDA_CHECK(cudaGetLastError());
+}
+
+// Returns the blocks of `seq` left with no live slot in any head to their pools.
+void DevicePagedTable::release_empty_blocks(std::int32_t seq) {
+  SeqState& st = seqs_[static_cast<std::size_t>(seq)];
   std::vector<BlockRef> kept;
   for (const BlockRef& ref : st.pages) {
     bool empty = true;
@@ -804,16 +841,6 @@ void DevicePagedTable::evict(std::int32_t seq, std::int32_t head,
   }
   if (kept.size() != st.pages.size()) ++page_version_;
   st.pages.swap(kept);
-  // 3. The device: bits and staged masks.
-  const int n = static_cast<int>(list.size()), n_staged = static_cast<int>(masks.size());
-  if (n + n_staged == 0) return;
-  WorkspaceCarver carver(workspace, workspace_bytes, "DevicePagedTable::evict");
-  const PagedEviction* d_list = upload(carver, list, stream);
-  const PagedStagedMask* d_staged = upload(carver, masks, stream);
-  evict_kernel<<<(n + n_staged + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
-      mem_.free_masks, mem_.staged_masks, cfg_.kv_heads, sizes_.mask_words, d_list, n, d_staged,
-      n_staged);
-  KVSIFT_CUDA_CHECK(cudaGetLastError());
 }
 
 void DevicePagedTable::release_sequence(std::int32_t seq, cudaStream_t stream) {

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <exception>
 #include <future>
+#include <limits>
 #include <memory>
 #include <system_error>
 #include <thread>
@@ -196,8 +197,9 @@ struct DeviceThinKV::Problem {
   std::int32_t seq = 0, layer = 0, head = 0, segment = 0;
   std::int32_t target = 0;              // tokens kept (TBE's kept_after)
   std::vector<std::int32_t> positions;  // the segment's resident tokens, (block, slot) order
+  std::vector<SlotAddress> addresses;   // their addresses before the step's evictions
   std::vector<PagedKeySource> sources;  // where their keys are
-  std::vector<std::int32_t> evicted;    // positions to evict, ascending (filled by k-means)
+  std::vector<std::int32_t> evicted;    // indices into positions to evict (filled by k-means)
 };
 
 std::size_t DeviceThinKV::memory_bytes(const ThinKVConfig& config, std::int32_t batch) {
@@ -517,40 +519,93 @@ std::vector<EvictionStep> DeviceThinKV::end_step() {
                  "cuda::DeviceThinKV::end_step: internal error: TBE has ", segments,
                  " segments but the block table has ", tables_[0].num_segments(b));
   }
-  // 4. Demotions: every (sequence, change, layer, KV head), survivors by k-means on the device.
-  std::vector<Problem> problems;
-  for (std::int32_t b = 0; b < batch_; ++b) {
-    for (const SegmentChange& c : steps[b].changes) {
-      for (int l = 0; l < config_.num_layers; ++l) {
-        for (int h = 0; h < config_.kv_heads; ++h) {
-          Problem p;
-          p.seq = b;
-          p.layer = l;
-          p.head = h;
-          p.segment = c.segment;
-          p.target = c.kept_after;
-          for (const ResidentToken& r :
-               tables_[static_cast<std::size_t>(l)].resident_tokens(b, h, c.segment)) {
-            p.positions.push_back(r.position);
-            p.sources.push_back(devices_[static_cast<std::size_t>(l)].key_source(b, h, r.address));
-          }
-          KVSIFT_CHECK(static_cast<std::int32_t>(p.positions.size()) == c.kept_before,
-                       "cuda::DeviceThinKV::end_step: internal error: segment ", c.segment,
-                       " holds ", p.positions.size(), " tokens in layer ", l, " head ", h,
-                       ", TBE expected ", c.kept_before);
-          problems.push_back(std::move(p));
-        }
-      }
+  // 4. Demotions: every (sequence, change, layer, KV head), survivors by k-means on the device;
+  // the problems of each layer built on the placement threads (a scan of every sequence's
+  // resident tokens per head: the step's host work that grows with the batch).
+  const int L = config_.num_layers;
+  std::vector<std::vector<Problem>> by_layer(static_cast<std::size_t>(L));
+  const auto build = [&](int first_layer, int stride) {
+    for (int l = first_layer; l < L; l += stride) layer_problems(l, steps, by_layer[l]);
+  };
+  const int threads = std::min(placement_threads(), L);
+  std::vector<std::future<void>> builders;
+  for (int w = 1; w < threads; ++w) {
+    try {
+      builders.push_back(std::async(std::launch::async, build, w, threads));
+    } catch (const std::system_error&) {
+      build(w, threads);  // no thread to be had: its layers are built here
     }
+  }
+  build(0, std::max(threads, 1));
+  for (std::future<void>& f : builders) f.get();  // rethrows a builder's error
+  std::vector<Problem> problems;
+  for (std::vector<Problem>& layer : by_layer) {
+    for (Problem& p : layer) problems.push_back(std::move(p));
   }
   if (!problems.empty()) {
     select_survivors(problems);
-    for (const Problem& p : problems) evict(p);
+    evict(problems);
   }
   return steps;
 }
 
-// k-means on the device, kProblemsPerChunk problems per launch; each problem's evicted positions
+// The demotion problems of one layer: per sequence with changes and KV head, one scan of the
+// resident tokens in the positions its changed segments span serves all of them, each problem's
+// tokens in (block, slot) order then staged (resident_tokens' order, as k-means reads them).
+void DeviceThinKV::layer_problems(int layer, const std::vector<EvictionStep>& steps,
+                                  std::vector<Problem>& out) const {
+  const ThoughtBlockTable& t = tables_[static_cast<std::size_t>(layer)];
+  const DevicePagedTable& dev = devices_[static_cast<std::size_t>(layer)];
+  std::vector<int> change_of;  // segment -> index of its change in the sequence's step, or -1
+  for (std::int32_t b = 0; b < batch_; ++b) {
+    const std::vector<SegmentChange>& changes = steps[static_cast<std::size_t>(b)].changes;
+    if (changes.empty()) continue;
+    const std::int32_t segments = t.num_segments(b);
+    change_of.assign(static_cast<std::size_t>(segments), -1);
+    // The positions the changed segments span: blocks holding none of them are not read.
+    std::int32_t lowest = std::numeric_limits<std::int32_t>::max(), highest = -1;
+    for (std::size_t i = 0; i < changes.size(); ++i) {
+      const std::int32_t seg = changes[i].segment;
+      KVSIFT_CHECK(seg >= 0 && seg < segments && change_of[static_cast<std::size_t>(seg)] < 0,
+                   "cuda::DeviceThinKV::end_step: internal error: segment ", seg,
+                   " changed twice or unknown");
+      change_of[static_cast<std::size_t>(seg)] = static_cast<int>(i);
+      lowest = std::min(lowest, t.segment_start(b, seg));
+      highest = std::max(highest, seg + 1 < segments ? t.segment_start(b, seg + 1) - 1
+                                                     : std::numeric_limits<std::int32_t>::max());
+    }
+    for (int h = 0; h < config_.kv_heads; ++h) {
+      const std::size_t first = out.size();
+      for (const SegmentChange& c : changes) {
+        Problem p;
+        p.seq = b;
+        p.layer = layer;
+        p.head = h;
+        p.segment = c.segment;
+        p.target = c.kept_after;
+        out.push_back(std::move(p));
+      }
+      for (const ResidentToken& r : t.resident_tokens_between(b, h, lowest, highest)) {
+        if (r.segment < 0 || r.segment >= static_cast<std::int32_t>(change_of.size())) continue;
+        const int i = change_of[static_cast<std::size_t>(r.segment)];
+        if (i < 0) continue;
+        Problem& p = out[first + static_cast<std::size_t>(i)];
+        p.positions.push_back(r.position);
+        p.addresses.push_back(r.address);
+        p.sources.push_back(dev.key_source(b, h, r.address));
+      }
+      for (std::size_t i = 0; i < changes.size(); ++i) {
+        const Problem& p = out[first + i];
+        KVSIFT_CHECK(static_cast<std::int32_t>(p.positions.size()) == changes[i].kept_before,
+                     "cuda::DeviceThinKV::end_step: internal error: segment ", p.segment, " holds ",
+                     p.positions.size(), " tokens in layer ", layer, " head ", h, ", TBE expected ",
+                     changes[i].kept_before);
+      }
+    }
+  }
+}
+
+// k-means on the device, kProblemsPerChunk problems per launch; each problem's evicted tokens
 // (the ones k-means did not keep) on the host. Every chunk's keys are read before any eviction.
 void DeviceThinKV::select_survivors(std::vector<Problem>& problems) {
   const std::int64_t D = config_.head_dim;
@@ -620,30 +675,54 @@ void DeviceThinKV::select_survivors(std::vector<Problem>& problems) {
         if (r < kept && row[r] == j) {
           ++r;
         } else {
-          p.evicted.push_back(p.positions[static_cast<std::size_t>(j)]);
+          p.evicted.push_back(j);
         }
       }
-      std::sort(p.evicted.begin(), p.evicted.end());
     }
   }
 }
 
-// One problem's evictions on the device table (addresses of this moment: an earlier eviction may
-// have freed blocks) and then on the host table, which stay in step.
-void DeviceThinKV::evict(const Problem& p) {
-  if (p.evicted.empty()) return;
-  ThoughtBlockTable& t = tables_[static_cast<std::size_t>(p.layer)];
-  std::vector<SlotAddress> addresses;
-  for (const ResidentToken& r : t.resident_tokens(p.seq, p.head, p.segment)) {
-    if (std::binary_search(p.evicted.begin(), p.evicted.end(), r.position))
-      addresses.push_back(r.address);
+// The step's evictions, one batch per layer on the device table and then on the host table,
+// which stay in step. Every address is of before the step's evictions: each table sets all the
+// bits of a batch before it returns any block to the pool. A batch larger than the scratch is
+// cut between sequences (a sequence's blocks are its own).
+void DeviceThinKV::evict(const std::vector<Problem>& problems) {
+  const std::size_t capacity = [&] {
+    std::size_t n = 1;  // the largest count whose workspace fits the scratch
+    while (devices_[0].evict_workspace_bytes(2 * n) <= scratch_bytes_) n *= 2;
+    return n;
+  }();
+  std::vector<EvictionSlot> batch;
+  const auto flush = [&](int layer) {
+    if (batch.empty()) return;
+    devices_[static_cast<std::size_t>(layer)].evict_slots(batch, scratch_, scratch_bytes_, stream_);
+    tables_[static_cast<std::size_t>(layer)].evict_slots(batch);
+    batch.clear();
+  };
+  std::size_t i = 0;
+  while (i < problems.size()) {
+    // The problems of one (layer, sequence) are consecutive (layer_problems' order).
+    std::size_t end = i, count = 0;
+    for (; end < problems.size() && problems[end].layer == problems[i].layer &&
+           problems[end].seq == problems[i].seq;
+         ++end) {
+      count += problems[end].evicted.size();
+    }
+    KVSIFT_CHECK(count <= capacity, "cuda::DeviceThinKV::end_step: ", count,
+                 " evictions in one sequence of layer ", problems[i].layer, " exceed the scratch (",
+                 capacity, ")");
+    if (batch.size() + count > capacity) flush(problems[i].layer);
+    for (std::size_t k = i; k < end; ++k) {
+      const Problem& p = problems[k];
+      for (const std::int32_t j : p.evicted) {
+        batch.push_back(EvictionSlot{p.seq, p.head, p.addresses[static_cast<std::size_t>(j)]});
+      }
+    }
+    i = end;
+    if (i == problems.size() || problems[i].layer != problems[i - 1].layer) {
+      flush(problems[i - 1].layer);
+    }
   }
-  KVSIFT_CHECK(addresses.size() == p.evicted.size(),
-               "cuda::DeviceThinKV::end_step: internal error: ", p.evicted.size(),
-               " tokens to evict but ", addresses.size(), " found");
-  devices_[static_cast<std::size_t>(p.layer)].evict(p.seq, p.head, addresses, scratch_,
-                                                    scratch_bytes_, stream_);
-  t.evict_positions(p.seq, p.head, p.evicted);
 }
 
 void DeviceThinKV::pack_page_tables(int layer) const {

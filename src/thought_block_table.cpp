@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <utility>
 
 #include "kvsift/core/limits.hpp"
@@ -557,6 +558,64 @@ void ThoughtBlockTable::evict_positions(std::int32_t seq, std::int32_t head,
   release_empty_blocks(s);
 }
 
+void ThoughtBlockTable::evict_slots(const std::vector<EvictionSlot>& slots) {
+  // 1. Sequences, heads and addresses; staged tokens found, none listed twice.
+  std::vector<std::tuple<std::int32_t, std::int32_t, std::int32_t>> staged;  // seq, head, position
+  std::vector<std::int32_t> touched;                                         // sequences, in runs
+  for (const EvictionSlot& e : slots) {
+    const Sequence& s = sequence(e.seq, "evict_slots");
+    check_head(e.head, "evict_slots");
+    if (touched.empty() || touched.back() != e.seq) touched.push_back(e.seq);
+    if (e.address.block == kStagedBlock) {
+      ThoughtType type{};
+      int index = -1;
+      KVSIFT_CHECK(find_staged(s, e.head, e.address.slot, type, index),
+                   "ThoughtBlockTable::evict_slots: position ", e.address.slot,
+                   " is not staged in kv head ", e.head, " of sequence ", e.seq);
+      staged.emplace_back(e.seq, e.head, e.address.slot);
+    } else {
+      check_address(s, e.seq, e.address, "evict_slots");
+    }
+  }
+  std::sort(staged.begin(), staged.end());
+  const auto twice = std::adjacent_find(staged.begin(), staged.end());
+  KVSIFT_CHECK(twice == staged.end(), "ThoughtBlockTable::evict_slots: staged position ",
+               std::get<2>(*twice), " of kv head ", std::get<1>(*twice), " of sequence ",
+               std::get<0>(*twice), " is listed twice");
+  // 2. The block slots' bits, each found live as it is set (so a slot listed twice finds its own
+  // bit); on an error the bits set so far are cleared again and nothing has changed.
+  const auto word = [&](const EvictionSlot& e) -> std::uint64_t& {
+    const Sequence& s = sequence(e.seq, "evict_slots");
+    Frame& f =
+        frames_[static_cast<std::size_t>(s.blocks[static_cast<std::size_t>(e.address.block)])];
+    return f.free[static_cast<std::size_t>(e.head) * mask_words_ + e.address.slot / 64];
+  };
+  for (std::size_t i = 0; i < slots.size(); ++i) {
+    const EvictionSlot& e = slots[i];
+    if (e.address.block == kStagedBlock) continue;
+    const std::uint64_t bit_of = std::uint64_t{1} << (e.address.slot % 64);
+    std::uint64_t& w = word(e);
+    if (w & bit_of) {
+      for (std::size_t j = 0; j < i; ++j) {
+        if (slots[j].address.block != kStagedBlock)
+          word(slots[j]) &= ~(std::uint64_t{1} << (slots[j].address.slot % 64));
+      }
+      KVSIFT_CHECK(false, "ThoughtBlockTable::evict_slots: slot ", e.address.slot, " of block ",
+                   e.address.block, " in kv head ", e.head, " of sequence ", e.seq,
+                   " is not live (already evicted, never written, or listed twice)");
+    }
+    w |= bit_of;  // soft eviction: the bit is all that changes
+  }
+  // 3. Staged tokens leave their buffers; then each sequence's empty blocks go back (releasing a
+  // block renumbers the later ones, so only now).
+  for (const auto& [seq, head, position] : staged) {
+    evict_one(sequence(seq, "evict_slots"), seq, head, SlotAddress{kStagedBlock, position});
+  }
+  std::sort(touched.begin(), touched.end());
+  touched.erase(std::unique(touched.begin(), touched.end()), touched.end());
+  for (const std::int32_t seq : touched) release_empty_blocks(sequence(seq, "evict_slots"));
+}
+
 // --- inspection ------------------------------------------------------------------------------
 
 std::int32_t ThoughtBlockTable::num_blocks(std::int32_t seq) const {
@@ -611,23 +670,40 @@ std::vector<ResidentToken> ThoughtBlockTable::resident_tokens(std::int32_t seq, 
                                                               std::int32_t segment) const {
   const Sequence& s = sequence(seq, "resident_tokens");
   check_head(head, "resident_tokens");
-  // The positions a segment may hold: [first, last]; every position when segment < 0.
-  std::int32_t first = 0, last = std::numeric_limits<std::int32_t>::max();
-  const std::size_t segments = s.segment_starts.size();
-  if (segment >= 0 && static_cast<std::size_t>(segment) < segments) {
-    first = s.segment_starts[static_cast<std::size_t>(segment)];
-    if (static_cast<std::size_t>(segment) + 1 < segments)
-      last = s.segment_starts[static_cast<std::size_t>(segment) + 1] - 1;
+  if (segment < 0 || segment >= static_cast<std::int32_t>(s.segment_starts.size())) {
+    return scan_tokens(s, head, segment, 0, std::numeric_limits<std::int32_t>::max());
   }
+  const std::size_t next = static_cast<std::size_t>(segment) + 1;
+  const std::int32_t last = next < s.segment_starts.size()
+                                ? s.segment_starts[next] - 1
+                                : std::numeric_limits<std::int32_t>::max();
+  return scan_tokens(s, head, segment, s.segment_starts[static_cast<std::size_t>(segment)], last);
+}
+
+std::vector<ResidentToken> ThoughtBlockTable::resident_tokens_between(std::int32_t seq,
+                                                                      std::int32_t head,
+                                                                      std::int32_t first,
+                                                                      std::int32_t last) const {
+  const Sequence& s = sequence(seq, "resident_tokens_between");
+  check_head(head, "resident_tokens_between");
+  return scan_tokens(s, head, -1, first, last);
+}
+
+// Live tokens of `head` with positions in [first, last] (and of `segment` when >= 0); a block
+// whose written positions all lie outside [first, last] is not read.
+std::vector<ResidentToken> ThoughtBlockTable::scan_tokens(const Sequence& s, std::int32_t head,
+                                                          std::int32_t segment, std::int32_t first,
+                                                          std::int32_t last) const {
   std::vector<ResidentToken> out;
   for (std::size_t b = 0; b < s.blocks.size(); ++b) {
     const Frame& f = frames_[static_cast<std::size_t>(s.blocks[b])];
-    if (f.last_position < first || f.first_position > last) continue;  // none of its positions
+    if (f.last_position < first || f.first_position > last) continue;
     const std::uint64_t* free = &f.free[static_cast<std::size_t>(head) * mask_words_];
     for (std::int32_t slot = 0; slot < config_.block_size; ++slot) {
       if (bit(free, slot)) continue;
       const std::int32_t p =
           load_slot_position(f.position.data(), std::int64_t{head} * config_.block_size + slot);
+      if (p < first || p > last) continue;
       const std::int32_t seg = segment_of(s, p);
       if (segment >= 0 && seg != segment) continue;
       out.push_back(ResidentToken{SlotAddress{static_cast<std::int32_t>(b), slot}, p, seg});
@@ -638,6 +714,7 @@ std::vector<ResidentToken> ThoughtBlockTable::resident_tokens(std::int32_t seq, 
       const ThoughtType type = static_cast<ThoughtType>(t);
       for (int i = 0; i < s.staging->staged_count(type, head); ++i) {
         const std::int32_t p = s.staging->staged_position(type, head, i);
+        if (p < first || p > last) continue;
         const std::int32_t seg = segment_of(s, p);
         if (segment >= 0 && seg != segment) continue;
         out.push_back(ResidentToken{SlotAddress{kStagedBlock, p}, p, seg});

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "catch.hpp"
@@ -591,6 +592,130 @@ TEST_CASE("a segment's tokens are found by skipping blocks outside its positions
     }
   }
   REQUIRE(mixed);
+}
+
+TEST_CASE("evict_slots equals evicting one head at a time with addresses of each moment",
+          "[thought_block_table]") {
+  // Two tables with the same history of two sequences (types change, groups staged, holes
+  // refilled); each round evicts the same random tokens of both sequences and all heads: `batch`
+  // with one evict_slots call on the addresses of before the round, `one_by_one` per (sequence,
+  // head) through evict_positions, which looks the addresses up after each call's releases.
+  std::mt19937 rng(5);
+  ThoughtBlockTableConfig c;
+  c.kv_heads = 3;
+  c.head_dim = 32;
+  c.block_size = 32;
+  c.num_blocks = 96;
+  ThoughtBlockTable batch(c), one_by_one(c);
+  for (ThoughtBlockTable* t : {&batch, &one_by_one}) {
+    t->create_sequence();
+    t->create_sequence();
+  }
+  const ThoughtType types[] = {ThoughtType::reasoning, ThoughtType::execution,
+                               ThoughtType::transition};
+  int released = 0, staged_evicted = 0;
+  for (int round = 0; round < 10; ++round) {
+    for (std::int32_t seq = 0; seq < 2; ++seq) {
+      const ThoughtType type = types[rng() % 3];
+      batch.open_segment(seq, type);
+      one_by_one.open_segment(seq, type);
+      for (int i = 0; i < 40; ++i) {
+        const std::vector<float> k = random_rows(rng, 96), v = random_rows(rng, 96);
+        batch.append(seq, k.data(), v.data(), 3, 32);
+        one_by_one.append(seq, k.data(), v.data(), 3, 32);
+      }
+    }
+    std::vector<EvictionSlot> slots;
+    std::vector<std::vector<std::int32_t>> gone(6);  // [seq, head]
+    for (std::int32_t seq = 0; seq < 2; ++seq) {
+      for (std::int32_t h = 0; h < 3; ++h) {
+        for (const ResidentToken& r : batch.resident_tokens(seq, h)) {
+          if (rng() % 10 >= 6) continue;
+          slots.push_back(EvictionSlot{seq, h, r.address});
+          gone[static_cast<std::size_t>(seq * 3 + h)].push_back(r.position);
+          staged_evicted += r.address.block == kStagedBlock;
+        }
+      }
+    }
+    std::shuffle(slots.begin(), slots.end(), rng);  // the order does not matter
+    const std::int32_t used = batch.used_blocks();
+    batch.evict_slots(slots);
+    released += used - batch.used_blocks();
+    for (std::int32_t seq = 0; seq < 2; ++seq)
+      for (std::int32_t h = 0; h < 3; ++h)
+        one_by_one.evict_positions(seq, h, gone[static_cast<std::size_t>(seq * 3 + h)]);
+    REQUIRE(batch.free_blocks() == one_by_one.free_blocks());
+    for (std::int32_t seq = 0; seq < 2; ++seq) {
+      REQUIRE(batch.num_blocks(seq) == one_by_one.num_blocks(seq));
+      for (std::int32_t b = 0; b < batch.num_blocks(seq); ++b) {
+        REQUIRE(batch.block_info(seq, b).frame == one_by_one.block_info(seq, b).frame);
+        for (std::int32_t h = 0; h < 3; ++h) {
+          const std::uint64_t* x = batch.free_mask(seq, b, h);
+          REQUIRE(std::equal(x, x + batch.mask_words(), one_by_one.free_mask(seq, b, h)));
+        }
+        REQUIRE(batch.block_storage(seq, b) == one_by_one.block_storage(seq, b));
+      }
+      for (std::int32_t h = 0; h < 3; ++h)
+        REQUIRE(batch.resident_positions(seq, h) == one_by_one.resident_positions(seq, h));
+    }
+    // The scans that skip blocks by their position bounds find what a full scan filtered finds.
+    const auto same_tokens = [](const std::vector<ResidentToken>& x,
+                                const std::vector<ResidentToken>& y) {
+      return std::equal(x.begin(), x.end(), y.begin(), y.end(),
+                        [](const ResidentToken& a, const ResidentToken& b) {
+                          return a.position == b.position && a.segment == b.segment &&
+                                 a.address.block == b.address.block &&
+                                 a.address.slot == b.address.slot;
+                        });
+    };
+    for (std::int32_t seq = 0; seq < 2; ++seq) {
+      for (std::int32_t h = 0; h < 3; ++h) {
+        const std::vector<ResidentToken> all = batch.resident_tokens(seq, h);
+        for (std::int32_t seg = 0; seg < batch.num_segments(seq); ++seg) {
+          std::vector<ResidentToken> want;
+          for (const ResidentToken& r : all)
+            if (r.segment == seg) want.push_back(r);
+          REQUIRE(same_tokens(batch.resident_tokens(seq, h, seg), want));
+        }
+        const std::int32_t first = static_cast<std::int32_t>(rng() % 400);
+        const std::int32_t last = first + static_cast<std::int32_t>(rng() % 200);
+        std::vector<ResidentToken> want;
+        for (const ResidentToken& r : all)
+          if (r.position >= first && r.position <= last) want.push_back(r);
+        REQUIRE(same_tokens(batch.resident_tokens_between(seq, h, first, last), want));
+      }
+    }
+  }
+  REQUIRE(released > 0);        // blocks went back to the pool inside a batch
+  REQUIRE(staged_evicted > 0);  // and staged tokens left their buffers
+
+  // Errors name the token and change nothing.
+  const ResidentToken live = batch.resident_tokens(1, 2).front();
+  const std::int32_t blocks = batch.num_blocks(1);
+  const std::vector<std::int32_t> before = batch.resident_positions(1, 2);
+  REQUIRE_THROWS_WITH(
+      batch.evict_slots({{1, 2, live.address}, {1, 2, live.address}}),
+      Contains("in kv head 2 of sequence 1 is not live") && Contains("or listed twice"));
+  REQUIRE_THROWS_WITH(batch.evict_slots({{1, 2, live.address}, {1, 2, SlotAddress{blocks, 0}}}),
+                      Contains("block " + std::to_string(blocks) + " of sequence 1 outside"));
+  REQUIRE_THROWS_WITH(
+      batch.evict_slots({{1, 2, live.address}, {1, 2, SlotAddress{kStagedBlock, 99999}}}),
+      Contains("position 99999 is not staged in kv head 2 of sequence 1"));
+  REQUIRE_THROWS_WITH(batch.evict_slots({{1, 2, live.address}, {4, 0, live.address}}),
+                      Contains("unknown sequence 4"));
+  REQUIRE_THROWS_WITH(batch.evict_slots({{1, 3, live.address}}), Contains("kv head 3 outside"));
+  REQUIRE(batch.resident_positions(1, 2) == before);
+  std::vector<EvictionSlot> staged_twice;
+  for (const ResidentToken& r : batch.resident_tokens(0, 1)) {
+    if (r.address.block == kStagedBlock) staged_twice = {{0, 1, r.address}, {0, 1, r.address}};
+  }
+  REQUIRE(staged_twice.size() == 2);
+  REQUIRE_THROWS_WITH(batch.evict_slots(staged_twice),
+                      Contains("staged position " + std::to_string(staged_twice[0].address.slot) +
+                               " of kv head 1 of sequence 0 is listed twice"));
+  REQUIRE(batch.resident_tokens(0, 1).size() == one_by_one.resident_tokens(0, 1).size());
+  batch.evict_slots({{1, 2, live.address}});
+  REQUIRE_THROWS_WITH(batch.evict_slots({{1, 2, live.address}}), Contains("is not live"));
 }
 
 TEST_CASE("sequences share the pool; released blocks are handed out again",

@@ -493,6 +493,58 @@ TEST_CASE("device CT eviction moves no byte of block storage") {
   }
 }
 
+TEST_CASE("device CT table: one evict_slots batch over sequences and heads as the CPU table") {
+  // Three sequences after random histories with per-head evictions; then one batch evicts about
+  // half of every (sequence, head)'s tokens (staged ones included) on both tables, with the
+  // addresses of before the batch; blocks emptied inside the batch go back to their pools. The
+  // CPU table's evict_slots equals evicting head by head (test_thought_block_table). Then new
+  // sequences take the freed blocks, and every table still matches.
+  ThoughtBlockTableConfig cfg =
+      config(2, 32, 32, BlockFormat::nvfp4, BlockFormat::fp8, BlockFormat::ternary);
+  cfg.num_blocks = 160;
+  ThoughtBlockTable cpu(cfg);
+  PagedMirror dev(cfg, 5);
+  std::mt19937 rng(17);
+  std::vector<std::int32_t> seqs = test::fill_random(cpu, dev, {600, 410, 250}, rng);
+  std::vector<EvictionSlot> batch;
+  int staged = 0;
+  for (std::int32_t s : seqs) {
+    for (std::int32_t h = 0; h < 2; ++h) {
+      for (const ResidentToken& t : cpu.resident_tokens(s, h)) {
+        // Every token of blocks 0-3 of the first sequence (in both heads: they empty) and about
+        // half of all others.
+        const bool whole = s == seqs[0] && t.address.block >= 0 && t.address.block < 4;
+        if (!whole && rng() % 2 == 0) continue;
+        batch.push_back(EvictionSlot{s, h, t.address});
+        staged += t.address.block == kStagedBlock;
+      }
+    }
+  }
+  std::shuffle(batch.begin(), batch.end(), rng);
+  REQUIRE(staged > 0);
+  DeviceBuffer<std::uint8_t> ws(dev.table.evict_workspace_bytes(batch.size()));
+  // Errors first: nothing changes on either side.
+  std::vector<EvictionSlot> twice = {batch[0], batch[1], batch[0]};
+  REQUIRE_THROWS_WITH(dev.table.evict_slots(twice, ws.get(), ws.size(), nullptr),
+                      Contains("listed twice"));
+  std::vector<EvictionSlot> bad_seq = {batch[0], EvictionSlot{7, 0, batch[0].address}};
+  REQUIRE_THROWS_WITH(dev.table.evict_slots(bad_seq, ws.get(), ws.size(), nullptr),
+                      Contains("sequence 7 outside [0, max_sequences = 5)"));
+  REQUIRE_THROWS_WITH(dev.table.evict_slots(batch, ws.get(), 0, nullptr),
+                      Contains("workspace of 0 bytes is too small"));
+  for (std::int32_t s : seqs) test::require_same_table(cpu, dev, s);
+  const std::int32_t used = cpu.used_blocks();
+  cpu.evict_slots(batch);
+  dev.table.evict_slots(batch, ws.get(), ws.size(), nullptr);
+  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+  REQUIRE(cpu.used_blocks() < used);  // blocks emptied by the batch went back to the pools
+  for (std::int32_t s : seqs) test::require_same_table(cpu, dev, s);
+  test::require_same_bytes(cpu, dev);
+  const std::vector<std::int32_t> more = test::fill_random(cpu, dev, {300, 200}, rng);
+  for (std::int32_t s : seqs) test::require_same_table(cpu, dev, s);
+  for (std::int32_t s : more) test::require_same_table(cpu, dev, s);
+}
+
 TEST_CASE("device CT table: freed blocks, refilled runs with fresh scales, per-format pools") {
   // R4 E(f32) T2, 2 heads, blocks of 32: a block holds two 16-token groups.
   ThoughtBlockTableConfig cfg =

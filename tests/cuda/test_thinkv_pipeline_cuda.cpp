@@ -230,6 +230,12 @@ TEST_CASE("DeviceThinKV follows the CPU pipeline step by step", "[thinkv][cuda]"
     c.regroup_min_free = 4;
     run_lockstep(c, 2, 40, 200, DType::f32);
   }
+  SECTION("batch 12, an 8-token prompt: more demotion problems than a segment's start position") {
+    // The step's problem list outgrows the demoted segments' positions (12 sequences × 2 heads
+    // against segments starting at 8 + 32k), so a scan bounded by a problem count instead of
+    // the segments' positions would miss tokens.
+    run_lockstep(small_config(), 12, 8, 160, DType::f32, 2);
+  }
   SECTION("bf16 inputs, FP8 execution blocks (tiled attention), batch 2") {
     ThinKVConfig c = small_config();
     c.execution = BlockFormat::fp8;

@@ -89,6 +89,13 @@ struct SlotAddress {
   std::int32_t slot = -1;
 };
 
+// One token of a batched eviction (evict_slots): KV head `head` of sequence `seq` at `address`.
+struct EvictionSlot {
+  std::int32_t seq = 0;
+  std::int32_t head = 0;
+  SlotAddress address;
+};
+
 // A token resident (not evicted) in one KV head.
 struct ResidentToken {
   SlotAddress address;
@@ -167,6 +174,12 @@ class ThoughtBlockTable {
   // segment_eviction_marks). All are checked before any bit is set.
   void evict_positions(std::int32_t seq, std::int32_t head,
                        const std::vector<std::int32_t>& positions);
+  // Evicts many tokens of any sequences and KV heads at once (a TBE step's demotions of one
+  // layer): every address is checked (live, listed once) before any bit is set, then the bits,
+  // then each sequence's blocks left empty return to the pool. Addresses are those of before the
+  // call: no block moves until every bit is set. The result equals evicting the tokens one by one
+  // with addresses taken at each moment.
+  void evict_slots(const std::vector<EvictionSlot>& slots);
 
   // --- inspection ----------------------------------------------------------------------------
   std::int32_t num_blocks(std::int32_t seq) const;
@@ -178,10 +191,14 @@ class ThoughtBlockTable {
   std::vector<std::uint64_t> segment_mask(std::int32_t seq, std::int32_t block, std::int32_t head,
                                           std::int32_t segment) const;
   // Live tokens of one KV head in (block, slot) order, then the staged ones (R, E, T buffers, each
-  // in position order); `segment` >= 0 keeps only that segment's, and skips unread the blocks
-  // that never held a position of it (a demoted segment is a small part of a long sequence).
+  // in position order); `segment` >= 0 keeps only that segment's.
   std::vector<ResidentToken> resident_tokens(std::int32_t seq, std::int32_t head,
                                              std::int32_t segment = -1) const;
+  // The live tokens of one KV head with positions in [first, last], in resident_tokens() order;
+  // blocks that never held such a position are skipped unread (a demotion's segments are a
+  // small part of a long sequence).
+  std::vector<ResidentToken> resident_tokens_between(std::int32_t seq, std::int32_t head,
+                                                     std::int32_t first, std::int32_t last) const;
   // The generation positions of resident_tokens(seq, head), ascending (what an engine asks
   // which tokens one KV head still attends to).
   std::vector<std::int32_t> resident_positions(std::int32_t seq, std::int32_t head) const;
@@ -263,6 +280,8 @@ class ThoughtBlockTable {
   void evict_one(Sequence& s, std::int32_t seq, std::int32_t head, SlotAddress a);
   void release_empty_blocks(Sequence& s);
   static void note_position(Frame& f, std::int32_t position);
+  std::vector<ResidentToken> scan_tokens(const Sequence& s, std::int32_t head, std::int32_t segment,
+                                         std::int32_t first, std::int32_t last) const;
 
   ThoughtBlockTableConfig config_;
   std::int32_t mask_words_ = 1;

@@ -250,6 +250,12 @@ class DevicePagedTable {
   // token). Every address must be live. Requires no pending append.
   void evict(std::int32_t seq, std::int32_t head, const std::vector<SlotAddress>& slots,
              void* workspace, std::size_t workspace_bytes, cudaStream_t stream);
+  // Evicts many tokens of any sequences and KV heads with one upload and one launch (a TBE step's
+  // demotions of one layer): the mirror of ThoughtBlockTable::evict_slots. Addresses are those of
+  // before the call; every one is checked (live, listed once) before anything changes.
+  // evict_workspace_bytes(slots.size()) of workspace.
+  void evict_slots(const std::vector<EvictionSlot>& slots, void* workspace,
+                   std::size_t workspace_bytes, cudaStream_t stream);
 
   // Returns the sequence's blocks to their pools and clears its staged rows (enqueued on
   // `stream`): the mirror of ThoughtBlockTable::release_sequence. Requires no pending append.
@@ -309,6 +315,7 @@ class DevicePagedTable {
   SlotAddress regroup_target(const SeqState& st, std::int32_t blocks, ThoughtType type,
                              std::int32_t head, int& free_slots) const;
   void release_frame(std::int32_t frame, BlockFormat format);
+  void release_empty_blocks(std::int32_t seq);
 
   ThoughtBlockTableConfig cfg_;
   std::int32_t max_sequences_;

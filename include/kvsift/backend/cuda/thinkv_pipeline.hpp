@@ -140,8 +140,10 @@ class DeviceThinKV {
   int placement_threads() const;
   void await_layer(int layer) const;  // rethrows the layer's placement error
   void finish_placement() const;      // awaits every layer and joins the threads
+  void layer_problems(int layer, const std::vector<EvictionStep>& steps,
+                      std::vector<Problem>& out) const;
   void select_survivors(std::vector<Problem>& problems);
-  void evict(const Problem& p);
+  void evict(const std::vector<Problem>& problems);
 
   ThinKVConfig config_;
   std::int32_t batch_;
