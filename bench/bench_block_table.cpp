@@ -119,6 +119,71 @@ BENCHMARK(BM_PagedAttention)
     ->Args({4096, 1, 50})
     ->Unit(benchmark::kMicrosecond);
 
+// The host-table share of one layer's TBE demotion in cuda::DeviceThinKV::end_step, at a shape
+// like bench/e2e_generate.py's ThinKV rows at budget 1024 (8 KV heads as R1-Llama-8B; 1,024 tokens
+// per sequence in segments of 128): every sequence demotes one segment, keeping 64 of its 128
+// tokens per head. head_dim is 16: neither step reads a key. Arg: batch (sequences).
+struct DemotionLayer {
+  kvsift::ThoughtBlockTable table;
+  std::vector<kvsift::EvictionSlot> slots;  // every other token of segment 4, every head
+};
+
+DemotionLayer demotion_layer(std::int32_t batch) {
+  constexpr std::int32_t kHeads = 8, kDim = 16, kTokens = 1024;
+  kvsift::ThoughtBlockTableConfig c;
+  c.kv_heads = kHeads;
+  c.head_dim = kDim;
+  c.num_blocks = batch * (kTokens / c.block_size + 8);
+  DemotionLayer d{kvsift::ThoughtBlockTable(c), {}};
+  std::mt19937 rng(9);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> k(kHeads * kDim), v(k.size());
+  for (std::int32_t b = 0; b < batch; ++b) {
+    const std::int32_t seq = d.table.create_sequence();
+    for (std::int32_t i = 0; i < kTokens; ++i) {
+      if (i % 128 == 0) d.table.open_segment(seq, static_cast<kvsift::ThoughtType>((i / 128) % 3));
+      for (float& x : k) x = normal(rng);
+      for (float& x : v) x = normal(rng);
+      d.table.append(seq, k.data(), v.data(), kHeads, kDim);
+    }
+    for (std::int32_t h = 0; h < kHeads; ++h) {
+      const auto tokens = d.table.resident_tokens_between(seq, h, 512, 639);
+      for (std::size_t i = 0; i < tokens.size(); i += 2)
+        d.slots.push_back(kvsift::EvictionSlot{seq, h, tokens[i].address});
+    }
+  }
+  return d;
+}
+
+// Listing a demoted segment's tokens per (sequence, KV head), as DeviceThinKV::layer_problems.
+void BM_DemotionList(benchmark::State& state) {
+  const DemotionLayer d = demotion_layer(static_cast<std::int32_t>(state.range(0)));
+  const std::int32_t heads = d.table.config().kv_heads;
+  std::int64_t listed = 0;
+  for (auto _ : state) {
+    for (std::int32_t b = 0; b < static_cast<std::int32_t>(state.range(0)); ++b) {
+      for (std::int32_t h = 0; h < heads; ++h)
+        listed += static_cast<std::int64_t>(d.table.resident_tokens_between(b, h, 512, 639).size());
+    }
+  }
+  state.SetItemsProcessed(listed);
+}
+BENCHMARK(BM_DemotionList)->Arg(208)->Arg(704)->Unit(benchmark::kMillisecond);
+
+// One layer's evictions in one evict_slots batch (the table copied before each, untimed).
+void BM_DemotionEvictSlots(benchmark::State& state) {
+  const DemotionLayer d = demotion_layer(static_cast<std::int32_t>(state.range(0)));
+  for (auto _ : state) {
+    state.PauseTiming();
+    kvsift::ThoughtBlockTable t = d.table;
+    state.ResumeTiming();
+    t.evict_slots(d.slots);
+    benchmark::DoNotOptimize(t.free_blocks());
+  }
+  state.SetItemsProcessed(state.iterations() * static_cast<std::int64_t>(d.slots.size()));
+}
+BENCHMARK(BM_DemotionEvictSlots)->Arg(208)->Arg(704)->Unit(benchmark::kMillisecond);
+
 }  // namespace
 
 BENCHMARK_MAIN();
