@@ -80,6 +80,23 @@ void evict_random(ThoughtBlockTable& t, std::int32_t seq, std::mt19937& rng, uns
   }
 }
 
+// Same tokens in the same order: position, segment and address.
+bool same_tokens(const std::vector<ResidentToken>& x, const std::vector<ResidentToken>& y) {
+  return std::equal(x.begin(), x.end(), y.begin(), y.end(),
+                    [](const ResidentToken& a, const ResidentToken& b) {
+                      return a.position == b.position && a.segment == b.segment &&
+                             a.address.block == b.address.block && a.address.slot == b.address.slot;
+                    });
+}
+
+// The tokens of `all` in segment `seg`, in their order (what a segment's scan must return).
+std::vector<ResidentToken> of_segment(const std::vector<ResidentToken>& all, std::int32_t seg) {
+  std::vector<ResidentToken> out;
+  for (const ResidentToken& r : all)
+    if (r.segment == seg) out.push_back(r);
+  return out;
+}
+
 }  // namespace
 
 TEST_CASE("config validation names the offending values", "[thought_block_table]") {
@@ -551,14 +568,6 @@ TEST_CASE("a segment's tokens are found by skipping blocks outside its positions
   t.create_sequence();
   const ThoughtType types[] = {ThoughtType::reasoning, ThoughtType::execution,
                                ThoughtType::transition};
-  const auto same_tokens = [](const std::vector<ResidentToken>& x,
-                              const std::vector<ResidentToken>& y) {
-    return std::equal(
-        x.begin(), x.end(), y.begin(), y.end(), [](const ResidentToken& a, const ResidentToken& b) {
-          return a.position == b.position && a.segment == b.segment &&
-                 a.address.block == b.address.block && a.address.slot == b.address.slot;
-        });
-  };
   std::int64_t compared = 0;
   for (int round = 0; round < 10; ++round) {
     for (std::int32_t seq = 0; seq < 2; ++seq) {
@@ -570,9 +579,7 @@ TEST_CASE("a segment's tokens are found by skipping blocks outside its positions
       for (std::int32_t h = 0; h < 3; ++h) {
         const std::vector<ResidentToken> all = t.resident_tokens(seq, h);
         for (std::int32_t seg = 0; seg <= t.num_segments(seq); ++seg) {  // one past the last too
-          std::vector<ResidentToken> want;
-          for (const ResidentToken& r : all)
-            if (r.segment == seg) want.push_back(r);
+          const std::vector<ResidentToken> want = of_segment(all, seg);
           REQUIRE(same_tokens(t.resident_tokens(seq, h, seg), want));
           compared += static_cast<std::int64_t>(want.size());
         }
@@ -659,23 +666,11 @@ TEST_CASE("evict_slots equals evicting one head at a time with addresses of each
         REQUIRE(batch.resident_positions(seq, h) == one_by_one.resident_positions(seq, h));
     }
     // The scans that skip blocks by their position bounds find what a full scan filtered finds.
-    const auto same_tokens = [](const std::vector<ResidentToken>& x,
-                                const std::vector<ResidentToken>& y) {
-      return std::equal(x.begin(), x.end(), y.begin(), y.end(),
-                        [](const ResidentToken& a, const ResidentToken& b) {
-                          return a.position == b.position && a.segment == b.segment &&
-                                 a.address.block == b.address.block &&
-                                 a.address.slot == b.address.slot;
-                        });
-    };
     for (std::int32_t seq = 0; seq < 2; ++seq) {
       for (std::int32_t h = 0; h < 3; ++h) {
         const std::vector<ResidentToken> all = batch.resident_tokens(seq, h);
         for (std::int32_t seg = 0; seg < batch.num_segments(seq); ++seg) {
-          std::vector<ResidentToken> want;
-          for (const ResidentToken& r : all)
-            if (r.segment == seg) want.push_back(r);
-          REQUIRE(same_tokens(batch.resident_tokens(seq, h, seg), want));
+          REQUIRE(same_tokens(batch.resident_tokens(seq, h, seg), of_segment(all, seg)));
         }
         const std::int32_t first = static_cast<std::int32_t>(rng() % 400);
         const std::int32_t last = first + static_cast<std::int32_t>(rng() % 200);
