@@ -583,6 +583,9 @@ void DeviceThinKV::layer_problems(int layer, const std::vector<EvictionStep>& st
         p.head = h;
         p.segment = c.segment;
         p.target = c.kept_after;
+        p.positions.reserve(static_cast<std::size_t>(c.kept_before));
+        p.addresses.reserve(static_cast<std::size_t>(c.kept_before));
+        p.sources.reserve(static_cast<std::size_t>(c.kept_before));
         out.push_back(std::move(p));
       }
       for (const ResidentToken& r : t.resident_tokens_between(b, h, lowest, highest)) {
