@@ -312,11 +312,8 @@ std::size_t kmeans_select_workspace_bytes(std::int64_t num_problems) {
   return align_up(static_cast<std::size_t>(num_problems) * sizeof(KMeansProblem));
 }
 
-void kmeans_select(const KMeansProblem* problems, std::int64_t num_problems, std::int64_t dim,
-                   DType dtype, const KMeansSelectConfig& config, std::int32_t* out,
-                   std::int64_t out_stride, void* workspace, std::size_t workspace_bytes,
-                   cudaStream_t stream) {
-  config.validate();
+KMeansBounds kmeans_select_bounds(const KMeansProblem* problems, std::int64_t num_problems,
+                                  std::int64_t dim, std::int64_t out_stride) {
   KVSIFT_CHECK(num_problems >= 0 && num_problems <= 0x7fffffff,
                "cuda::kmeans_select: num_problems=", num_problems, " outside [0, 2^31)");
   KVSIFT_CHECK(problems != nullptr || num_problems == 0,
@@ -324,7 +321,7 @@ void kmeans_select(const KMeansProblem* problems, std::int64_t num_problems, std
   KVSIFT_CHECK(dim >= 1 && dim <= kKMeansMaxDim, "cuda::kmeans_select: dim=", dim, " outside [1, ",
                kKMeansMaxDim, "]");
   KVSIFT_CHECK(out_stride >= 0, "cuda::kmeans_select: out_stride=", out_stride, " is negative");
-  int max_points = 1, max_clusters = 1;
+  KMeansBounds bounds;
   for (std::int64_t p = 0; p < num_problems; ++p) {
     const KMeansProblem& q = problems[p];
     KVSIFT_CHECK(q.n >= 0 && q.n <= kKMeansMaxPoints, "cuda::kmeans_select: problem ", p,
@@ -338,17 +335,31 @@ void kmeans_select(const KMeansProblem* problems, std::int64_t num_problems, std
     KVSIFT_CHECK(std::min(q.n, q.k) <= out_stride, "cuda::kmeans_select: problem ", p, " keeps ",
                  std::min(q.n, q.k), " rows but out_stride=", out_stride);
     if (q.k < q.n) {
-      max_points = std::max(max_points, q.n);
-      max_clusters = std::max(max_clusters, q.k);
+      bounds.max_points = std::max(bounds.max_points, q.n);
+      bounds.max_clusters = std::max(bounds.max_clusters, q.k);
     }
   }
-  KVSIFT_CHECK(out != nullptr || num_problems == 0 || out_stride == 0,
-               "cuda::kmeans_select: out is null");
-  WorkspaceCarver carve(workspace, workspace_bytes, "cuda::kmeans_select");
-  auto* d_problems = carve.take<KMeansProblem>(static_cast<std::size_t>(num_problems));
-  if (num_problems == 0) return;
+  return bounds;
+}
 
-  const SharedLayout lay(max_points, static_cast<int>(dim), max_clusters);
+void kmeans_select_uploaded(const KMeansProblem* problems, std::int64_t num_problems,
+                            std::int64_t dim, DType dtype, const KMeansSelectConfig& config,
+                            KMeansBounds bounds, std::int32_t* out, std::int64_t out_stride,
+                            cudaStream_t stream) {
+  config.validate();
+  KVSIFT_CHECK(num_problems >= 0 && num_problems <= 0x7fffffff,
+               "cuda::kmeans_select: num_problems=", num_problems, " outside [0, 2^31)");
+  KVSIFT_CHECK(dim >= 1 && dim <= kKMeansMaxDim, "cuda::kmeans_select: dim=", dim, " outside [1, ",
+               kKMeansMaxDim, "]");
+  KVSIFT_CHECK(bounds.max_points >= 1 && bounds.max_points <= kKMeansMaxPoints &&
+                   bounds.max_clusters >= 1 && bounds.max_clusters <= kKMeansMaxClusters,
+               "cuda::kmeans_select: bounds (", bounds.max_points, " points, ",
+               bounds.max_clusters, " clusters) outside [1, ", kKMeansMaxPoints, "] x [1, ",
+               kKMeansMaxClusters, "]");
+  if (num_problems == 0) return;
+  KVSIFT_CHECK(problems != nullptr && (out != nullptr || out_stride == 0),
+               "cuda::kmeans_select: problems or out is null");
+  const SharedLayout lay(bounds.max_points, static_cast<int>(dim), bounds.max_clusters);
   if (lay.bytes > 48 * 1024) {
     int device = 0, optin = 0;
     KVSIFT_CUDA_CHECK(cudaGetDevice(&device));
@@ -360,13 +371,28 @@ void kmeans_select(const KMeansProblem* problems, std::int64_t num_problems, std
                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(lay.bytes)));
   }
+  kmeans_select_kernel<<<static_cast<unsigned>(num_problems), kThreads, lay.bytes, stream>>>(
+      problems, static_cast<int>(dim), dtype, config.max_iterations, bounds.max_points,
+      bounds.max_clusters, out, out_stride);
+  KVSIFT_CUDA_CHECK(cudaGetLastError());
+}
+
+void kmeans_select(const KMeansProblem* problems, std::int64_t num_problems, std::int64_t dim,
+                   DType dtype, const KMeansSelectConfig& config, std::int32_t* out,
+                   std::int64_t out_stride, void* workspace, std::size_t workspace_bytes,
+                   cudaStream_t stream) {
+  config.validate();
+  const KMeansBounds bounds = kmeans_select_bounds(problems, num_problems, dim, out_stride);
+  KVSIFT_CHECK(out != nullptr || num_problems == 0 || out_stride == 0,
+               "cuda::kmeans_select: out is null");
+  WorkspaceCarver carve(workspace, workspace_bytes, "cuda::kmeans_select");
+  auto* d_problems = carve.take<KMeansProblem>(static_cast<std::size_t>(num_problems));
+  if (num_problems == 0) return;
   KVSIFT_CUDA_CHECK(cudaMemcpyAsync(d_problems, problems,
                                     static_cast<std::size_t>(num_problems) * sizeof(KMeansProblem),
                                     cudaMemcpyHostToDevice, stream));
-  kmeans_select_kernel<<<static_cast<unsigned>(num_problems), kThreads, lay.bytes, stream>>>(
-      d_problems, static_cast<int>(dim), dtype, config.max_iterations, max_points, max_clusters,
-      out, out_stride);
-  KVSIFT_CUDA_CHECK(cudaGetLastError());
+  kmeans_select_uploaded(d_problems, num_problems, dim, dtype, config, bounds, out, out_stride,
+                         stream);
 }
 
 }  // namespace kvsift::cuda

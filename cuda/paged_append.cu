@@ -230,13 +230,17 @@ void pack(std::uint8_t* to, const std::vector<T>& host) {
 }
 
 template <class T>
-T* upload(WorkspaceCarver& carver, const std::vector<T>& host, cudaStream_t stream) {
-  T* d = carver.take<T>(host.size());
-  if (!host.empty()) {
-    KVSIFT_CUDA_CHECK(
-        cudaMemcpyAsync(d, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice, stream));
+T* upload(WorkspaceCarver& carver, const T* host, std::size_t n, cudaStream_t stream) {
+  T* d = carver.take<T>(n);
+  if (n > 0) {
+    KVSIFT_CUDA_CHECK(cudaMemcpyAsync(d, host, n * sizeof(T), cudaMemcpyHostToDevice, stream));
   }
   return d;
+}
+
+template <class T>
+T* upload(WorkspaceCarver& carver, const std::vector<T>& host, cudaStream_t stream) {
+  return upload(carver, host.data(), host.size(), stream);
 }
 
 template <class T>
@@ -743,6 +747,13 @@ void DevicePagedTable::evict_slots(const std::vector<EvictionSlot>& slots, void*
   KVSIFT_CHECK(workspace_bytes >= evict_workspace_bytes(slots.size()),
                "DevicePagedTable::evict: workspace of ", workspace_bytes, " bytes is too small (",
                evict_workspace_bytes(slots.size()), " needed)");
+  enqueue_evictions(apply_evictions(slots), workspace, workspace_bytes, stream);
+}
+
+DevicePagedTable::DeviceEvictions DevicePagedTable::apply_evictions(
+    const std::vector<EvictionSlot>& slots) {
+  KVSIFT_CHECK(pending_tokens() == 0, "DevicePagedTable::evict: ", pending_tokens(),
+               " recorded tokens are not written yet (call append() first)");
   // 1. Sequences, heads and addresses; staged tokens found, none listed twice.
   std::vector<PagedEviction> list;
   std::vector<std::pair<std::int64_t, int>> staged;  // (stream, row)
@@ -795,7 +806,9 @@ void DevicePagedTable::evict_slots(const std::vector<EvictionSlot>& slots, void*
     }
     word |= bit;
   }
-  std::vector<PagedStagedMask> masks;
+  DeviceEvictions out;
+  out.slots = std::move(list);
+  std::vector<PagedStagedMask>& masks = out.staged;
   for (const auto& sr : staged) {
     staged_positions_[static_cast<std::size_t>(sr.first) * kQuantGroupSize + sr.second] = -1;
     staged_bits_[static_cast<std::size_t>(sr.first)] &= ~(1u << sr.second);
@@ -808,16 +821,34 @@ void DevicePagedTable::evict_slots(const std::vector<EvictionSlot>& slots, void*
   std::sort(touched.begin(), touched.end());
   touched.erase(std::unique(touched.begin(), touched.end()), touched.end());
   for (const std::int32_t seq : touched) release_empty_blocks(seq);
-  // 3. The device: bits and staged masks.
-  const int n = static_cast<int>(list.size()), n_staged = static_cast<int>(masks.size());
-  if (n + n_staged == 0) return;
-  WorkspaceCarver carver(workspace, workspace_bytes, "DevicePagedTable::evict");
-  const PagedEviction* d_list = upload(carver, list, stream);
-  const PagedStagedMask* d_staged = upload(carver, masks, stream);
-  evict_kernel<<<(n + n_staged + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
-      mem_.free_masks, mem_.staged_masks, cfg_.kv_heads, sizes_.mask_words, d_list, n, d_staged,
-      n_staged);
-  KVSIFT_CUDA_CHECK(cudaGetLastError());
+  return out;
+}
+
+// 3. The device: bits and staged masks, as many per launch as the workspace holds (the bits are
+// independent: pieces in any order give the same masks).
+void DevicePagedTable::enqueue_evictions(const DeviceEvictions& e, void* workspace,
+                                         std::size_t workspace_bytes, cudaStream_t stream) {
+  const std::size_t total = std::max(e.slots.size(), e.staged.size());
+  if (total == 0) return;
+  KVSIFT_CHECK(evict_workspace_bytes(1) <= workspace_bytes, "DevicePagedTable::evict: workspace of ",
+               workspace_bytes, " bytes is too small (", evict_workspace_bytes(1),
+               " needed at least)");
+  std::size_t piece = 1;  // the largest count whose workspace fits
+  while (piece < total && evict_workspace_bytes(2 * piece) <= workspace_bytes) piece *= 2;
+  for (std::size_t first = 0; first < total; first += piece) {
+    const auto count = [&](std::size_t size) {
+      return first < size ? std::min(piece, size - first) : std::size_t{0};
+    };
+    const std::size_t n = count(e.slots.size()), n_staged = count(e.staged.size());
+    WorkspaceCarver carver(workspace, workspace_bytes, "DevicePagedTable::evict");
+    const PagedEviction* d_list = upload(carver, e.slots.data() + std::min(first, e.slots.size()), n, stream);
+    const PagedStagedMask* d_staged = upload(carver, e.staged.data() + std::min(first, e.staged.size()), n_staged,
+                                                  stream);
+    evict_kernel<<<static_cast<unsigned>((n + n_staged + kThreads - 1) / kThreads), kThreads, 0,
+                   stream>>>(mem_.free_masks, mem_.staged_masks, cfg_.kv_heads, sizes_.mask_words,
+                             d_list, static_cast<int>(n), d_staged, static_cast<int>(n_staged));
+    KVSIFT_CUDA_CHECK(cudaGetLastError());
+  }
 }
 
 // Returns the blocks of `seq` left with no live slot in any head to their pools.

@@ -452,10 +452,22 @@ void paged_gather_keys(const DevicePagedTable& table, const PagedKeySource* sour
   KVSIFT_CUDA_CHECK(cudaMemcpyAsync(d_sources, sources,
                                     static_cast<std::size_t>(rows) * sizeof(PagedKeySource),
                                     cudaMemcpyHostToDevice, stream));
+  paged_gather_keys_uploaded(table, d_sources, rows, out, stream);
+}
+
+void paged_gather_keys_uploaded(const DevicePagedTable& table, const PagedKeySource* sources,
+                                std::int64_t rows, float* out, cudaStream_t stream) {
+  const char* fn = "cuda::paged_gather_keys";
+  KVSIFT_CHECK(rows >= 0 && rows <= 0x7fffffff, fn, ": rows (", rows, ") outside [0, 2^31)");
+  if (rows == 0) return;
+  KVSIFT_CHECK(sources != nullptr && out != nullptr, fn, ": sources and out must not be null");
+  KVSIFT_CHECK(table.pending_tokens() == 0, fn, ": ", table.pending_tokens(),
+               " recorded tokens are not written yet (call append() first)");
+  const ThoughtBlockTableConfig& tc = table.config();
   const PagedTableMemory& m = table.memory();
   const GatherArgs args{m.storage, m.staged_keys, m.global_factors, detail::paged_layouts(tc),
                         tc.head_dim};
-  gather_keys_kernel<<<static_cast<unsigned>(rows), kGatherThreads, 0, stream>>>(args, d_sources,
+  gather_keys_kernel<<<static_cast<unsigned>(rows), kGatherThreads, 0, stream>>>(args, sources,
                                                                                  out);
   KVSIFT_CUDA_CHECK(cudaGetLastError());
 }

@@ -199,7 +199,20 @@ struct DeviceThinKV::Problem {
   std::vector<std::int32_t> positions;  // the segment's resident tokens, (block, slot) order
   std::vector<SlotAddress> addresses;   // their addresses before the step's evictions
   std::vector<PagedKeySource> sources;  // where their keys are
-  std::vector<std::int32_t> evicted;    // indices into positions to evict (filled by k-means)
+};
+
+struct DeviceThinKV::LayerDemotions {
+  struct DestroyEvent {
+    void operator()(cudaEvent_t e) const { cudaEventDestroy(e); }
+  };
+  std::vector<Problem> problems;  // the step's, in layer_problems' order
+  std::int32_t stride = 1;        // survivors per problem in `chosen`
+  // Pinned [problems, stride] int32: the k-means survivors, copied from the device (a download
+  // buffer: only fill() is used, to grow it).
+  PinnedUpload chosen;
+  std::unique_ptr<CUevent_st, DestroyEvent> selected;  // recorded after the survivors' copy
+  std::vector<EvictionSlot> slots;                     // addresses of before the step
+  DevicePagedTable::DeviceEvictions device;            // what the device table still has to set
 };
 
 std::size_t DeviceThinKV::memory_bytes(const ThinKVConfig& config, std::int32_t batch) {
@@ -244,6 +257,12 @@ DeviceThinKV::DeviceThinKV(const ThinKVConfig& config, std::int32_t batch, void*
   scratch_ = carver.take<std::uint8_t>(L.scratch_bytes);
   scratch_bytes_ = L.scratch_bytes;
   page_bytes_ = L.page_bytes;
+  demotions_.resize(static_cast<std::size_t>(config_.num_layers));
+  for (LayerDemotions& d : demotions_) {
+    cudaEvent_t e = nullptr;
+    KVSIFT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    d.selected.reset(e);
+  }
   pages_.resize(static_cast<std::size_t>(config_.num_layers));
   placed_.assign(static_cast<std::size_t>(config_.num_layers), 0);
   placing_.resize(static_cast<std::size_t>(config_.num_layers));
@@ -519,33 +538,7 @@ std::vector<EvictionStep> DeviceThinKV::end_step() {
                  "cuda::DeviceThinKV::end_step: internal error: TBE has ", segments,
                  " segments but the block table has ", tables_[0].num_segments(b));
   }
-  // 4. Demotions: every (sequence, change, layer, KV head), survivors by k-means on the device;
-  // the problems of each layer built on the placement threads (a scan of every sequence's
-  // resident tokens per head: the step's host work that grows with the batch).
-  const int L = config_.num_layers;
-  std::vector<std::vector<Problem>> by_layer(static_cast<std::size_t>(L));
-  const auto build = [&](int first_layer, int stride) {
-    for (int l = first_layer; l < L; l += stride) layer_problems(l, steps, by_layer[l]);
-  };
-  const int threads = std::min(placement_threads(), L);
-  std::vector<std::future<void>> builders;
-  for (int w = 1; w < threads; ++w) {
-    try {
-      builders.push_back(std::async(std::launch::async, build, w, threads));
-    } catch (const std::system_error&) {
-      build(w, threads);  // no thread to be had: its layers are built here
-    }
-  }
-  build(0, std::max(threads, 1));
-  for (std::future<void>& f : builders) f.get();  // rethrows a builder's error
-  std::vector<Problem> problems;
-  for (std::vector<Problem>& layer : by_layer) {
-    for (Problem& p : layer) problems.push_back(std::move(p));
-  }
-  if (!problems.empty()) {
-    select_survivors(problems);
-    evict(problems);
-  }
+  demote(steps);
   return steps;
 }
 
@@ -608,146 +601,188 @@ void DeviceThinKV::layer_problems(int layer, const std::vector<EvictionStep>& st
   }
 }
 
-// k-means on the device, kProblemsPerChunk problems per launch; each problem's evicted tokens
-// (the ones k-means did not keep) on the host. Every chunk's keys are read before any eviction.
-void DeviceThinKV::select_survivors(std::vector<Problem>& problems) {
+namespace {
+
+// Runs f(l) for every layer on `threads` workers, layer l on worker l % threads in layer order
+// (on the calling thread, in order, when threads is 0 or no thread can be had). Returns the
+// workers' futures: each get() rethrows its worker's first error, after which that worker
+// stopped; the others run on (a future from std::async waits for its worker when destroyed).
+template <class F>
+std::vector<std::future<void>> for_layers(int layers, int threads, F f) {
+  std::vector<std::future<void>> workers;
+  for (int w = 0; w < threads; ++w) {
+    const auto work = [f, w, threads, layers] {  // f by value: workers outlive this call
+      for (int l = w; l < layers; l += threads) f(l);
+    };
+    try {
+      workers.push_back(std::async(std::launch::async, work));
+    } catch (const std::system_error&) {
+      work();  // no thread to be had: its layers run here
+    }
+  }
+  if (threads == 0) {
+    for (int l = 0; l < layers; ++l) f(l);
+  }
+  return workers;
+}
+
+// Runs f(l) for every layer on `threads` workers (for_layers) and then(l) on this thread, in layer
+// order, as soon as f(l) is done; rethrows the first error met in layer order (the workers are
+// awaited first).
+template <class F, class G>
+void pipeline_layers(int layers, int threads, const F& f, const G& then) {
+  std::vector<std::promise<void>> done(static_cast<std::size_t>(layers));
+  std::vector<std::future<void>> ready;
+  for (std::promise<void>& p : done) ready.push_back(p.get_future());
+  std::vector<std::future<void>> workers = for_layers(layers, threads, [&](int l) {
+    try {
+      f(l);
+      done[static_cast<std::size_t>(l)].set_value();
+    } catch (...) {
+      done[static_cast<std::size_t>(l)].set_exception(std::current_exception());
+      throw;
+    }
+  });
+  for (int l = 0; l < layers; ++l) {
+    ready[static_cast<std::size_t>(l)].get();  // rethrows f(l)'s error
+    then(l);
+  }
+  for (std::future<void>& w : workers) w.get();
+}
+
+}  // namespace
+
+// The step's demotions, every (sequence, change, layer, KV head), in three passes over the
+// layers, each on the placement threads at large batches (at batch 704 a step demotes ~180 K
+// segments and evicts ~22 M slots in each table):
+//  1. each layer's problems listed (a scan of every sequence's resident tokens per head); this
+//     thread enqueues each layer's k-means as soon as it is listed, so the device selects while
+//     the later layers are listed;
+//  2. each layer's evictions derived from its survivors (after their copy); every layer is
+//     checked (a non-finite key) before anything changes;
+//  3. each layer's evictions applied to its host table and its device mirror's bookkeeping; this
+//     thread enqueues each layer's device bits as soon as it is applied.
+// Every address is of before the step: both tables set all the bits of a layer before they
+// return any block to a pool.
+void DeviceThinKV::demote(const std::vector<EvictionStep>& steps) {
+  const int L = config_.num_layers;
+  const int threads = std::min(placement_threads(), L);
+  const auto demotions = [this](int l) -> LayerDemotions& {
+    return demotions_[static_cast<std::size_t>(l)];
+  };
+  pipeline_layers(
+      L, threads,
+      [&](int l) {
+        demotions(l).problems.clear();
+        layer_problems(l, steps, demotions(l).problems);
+      },
+      [&](int l) { select_survivors(l); });
+  for (std::future<void>& w : for_layers(L, threads, [&](int l) { layer_evictions(l); })) w.get();
+  pipeline_layers(
+      L, threads,
+      [&](int l) {
+        LayerDemotions& d = demotions(l);
+        tables_[static_cast<std::size_t>(l)].evict_slots(d.slots);
+        d.device = devices_[static_cast<std::size_t>(l)].apply_evictions(d.slots);
+        d.slots = {};
+      },
+      [&](int l) {
+        devices_[static_cast<std::size_t>(l)].enqueue_evictions(demotions(l).device, scratch_,
+                                                                scratch_bytes_, stream_);
+        demotions(l).device = {};
+      });
+}
+
+// The layer's k-means problems on the device, kProblemsPerChunk per launch, each chunk's
+// sources and descriptors copied from pinned memory (alternating buffers, so that enqueueing
+// never waits for the stream) and its survivors copied into the layer's pinned `chosen`; the
+// layer's event follows the last copy. Every chunk's keys are read before any eviction.
+void DeviceThinKV::select_survivors(int layer) {
+  LayerDemotions& d = demotions_[static_cast<std::size_t>(layer)];
+  const std::vector<Problem>& problems = d.problems;
+  if (problems.empty()) return;
   const std::int64_t D = config_.head_dim;
   KMeansSelectConfig kcfg;
   kcfg.max_iterations = config_.kmeans_iterations;
+  d.stride = 1;
+  for (const Problem& p : problems) {
+    KVSIFT_CHECK(p.sources.size() <= static_cast<std::size_t>(kKMeansMaxPoints),
+                 "cuda::DeviceThinKV::end_step: segment ", p.segment, " holds ", p.sources.size(),
+                 " tokens, more than one k-means problem (", kKMeansMaxPoints, ")");
+    d.stride = std::max(d.stride, std::min(static_cast<std::int32_t>(p.sources.size()), p.target));
+  }
+  const std::size_t stride = static_cast<std::size_t>(d.stride);
+  std::int32_t* chosen_host = reinterpret_cast<std::int32_t*>(
+      d.chosen.fill(problems.size() * stride * sizeof(std::int32_t)));
+  const DevicePagedTable& dev = devices_[static_cast<std::size_t>(layer)];
   for (std::size_t first = 0; first < problems.size();
        first += static_cast<std::size_t>(kProblemsPerChunk)) {
     const std::size_t count =
         std::min(problems.size() - first, static_cast<std::size_t>(kProblemsPerChunk));
-    std::vector<PagedKeySource> sources;
-    for (std::size_t i = 0; i < count; ++i) {
-      const Problem& p = problems[first + i];
-      KVSIFT_CHECK(p.sources.size() <= static_cast<std::size_t>(kKMeansMaxPoints),
-                   "cuda::DeviceThinKV::end_step: segment ", p.segment, " holds ", p.sources.size(),
-                   " tokens, more than one k-means problem (", kKMeansMaxPoints, ")");
-      sources.insert(sources.end(), p.sources.begin(), p.sources.end());
-      // Pad every problem to kKMeansMaxPoints rows so problem i's keys start at row i * 128.
-      sources.resize((i + 1) * kKMeansMaxPoints,
-                     p.sources.empty() ? PagedKeySource{} : p.sources.front());
-    }
+    // Problem i's keys start at row i * 128 (rows past its tokens repeat its first source).
+    const std::size_t rows = count * kKMeansMaxPoints;
+    const std::size_t sources_bytes = align_up(rows * sizeof(PagedKeySource));
+    const std::size_t upload_bytes = sources_bytes + count * sizeof(KMeansProblem);
     WorkspaceCarver carver(scratch_, scratch_bytes_, "cuda::DeviceThinKV::end_step");
-    const std::size_t gather_bytes =
-        paged_gather_keys_workspace_bytes(static_cast<std::int64_t>(sources.size()));
-    void* gather_ws = carver.take<std::uint8_t>(gather_bytes);
-    float* keys = carver.take<float>(sources.size() * static_cast<std::size_t>(D));
-    const std::size_t kmeans_bytes =
-        kmeans_select_workspace_bytes(static_cast<std::int64_t>(count));
-    void* kmeans_ws = carver.take<std::uint8_t>(kmeans_bytes);
-    std::int32_t* chosen = carver.take<std::int32_t>(count * kKMeansMaxClusters);
-    // Sources name byte offsets into their own layer's pools: gather per layer run.
-    std::size_t run = 0;
-    while (run < count) {
-      std::size_t end = run;
-      const int layer = problems[first + run].layer;
-      while (end < count && problems[first + end].layer == layer) ++end;
-      paged_gather_keys(devices_[static_cast<std::size_t>(layer)],
-                        sources.data() + run * kKMeansMaxPoints,
-                        static_cast<std::int64_t>((end - run) * kKMeansMaxPoints),
-                        keys + run * kKMeansMaxPoints * static_cast<std::size_t>(D), gather_ws,
-                        gather_bytes, stream_);
-      run = end;
-    }
-    std::vector<KMeansProblem> kp(count);
+    std::uint8_t* d_upload = carver.take<std::uint8_t>(upload_bytes);
+    float* keys = carver.take<float>(rows * static_cast<std::size_t>(D));
+    std::int32_t* d_chosen = carver.take<std::int32_t>(count * stride);
+    PinnedUpload& up = chunk_uploads_[next_upload_++ % 2];
+    std::uint8_t* h_upload = up.fill(upload_bytes);  // waits for its copy of two chunks ago
+    auto* sources = reinterpret_cast<PagedKeySource*>(h_upload);
+    auto* kp = reinterpret_cast<KMeansProblem*>(h_upload + sources_bytes);
     for (std::size_t i = 0; i < count; ++i) {
       const Problem& p = problems[first + i];
+      PagedKeySource* row = sources + i * kKMeansMaxPoints;
+      std::copy(p.sources.begin(), p.sources.end(), row);
+      std::fill(row + p.sources.size(), row + kKMeansMaxPoints,
+                p.sources.empty() ? PagedKeySource{} : p.sources.front());
       kp[i].points = keys + i * kKMeansMaxPoints * static_cast<std::size_t>(D);
       kp[i].row_stride = D;
-      kp[i].n = static_cast<std::int32_t>(p.positions.size());
+      kp[i].n = static_cast<std::int32_t>(p.sources.size());
       kp[i].k = p.target;
     }
-    kmeans_select(kp, D, DType::f32, kcfg, chosen, kKMeansMaxClusters, kmeans_ws, kmeans_bytes,
-                  stream_);
-    std::vector<std::int32_t> host(count * kKMeansMaxClusters);
-    KVSIFT_CUDA_CHECK(cudaMemcpyAsync(host.data(), chosen, host.size() * sizeof(std::int32_t),
+    const KMeansBounds bounds =
+        kmeans_select_bounds(kp, static_cast<std::int64_t>(count), D, d.stride);
+    up.copy_to(d_upload, upload_bytes, stream_);
+    paged_gather_keys_uploaded(dev, reinterpret_cast<const PagedKeySource*>(d_upload),
+                               static_cast<std::int64_t>(rows), keys, stream_);
+    kmeans_select_uploaded(reinterpret_cast<const KMeansProblem*>(d_upload + sources_bytes),
+                           static_cast<std::int64_t>(count), D, DType::f32, kcfg, bounds,
+                           d_chosen, d.stride, stream_);
+    KVSIFT_CUDA_CHECK(cudaMemcpyAsync(chosen_host + first * stride, d_chosen,
+                                      count * stride * sizeof(std::int32_t),
                                       cudaMemcpyDeviceToHost, stream_));
-    KVSIFT_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    for (std::size_t i = 0; i < count; ++i) {
-      Problem& p = problems[first + i];
-      const std::int32_t* row = &host[i * kKMeansMaxClusters];
-      KVSIFT_CHECK(row[0] != kNonFiniteKeySlot, "cuda::DeviceThinKV::end_step: layer ", p.layer,
-                   " head ", p.head, " of sequence ", p.seq, ": segment ", p.segment,
-                   " holds a non-finite key");
-      const std::int32_t kept =
-          std::min<std::int32_t>(static_cast<std::int32_t>(p.positions.size()), p.target);
-      std::int32_t r = 0;
-      for (std::int32_t j = 0; j < static_cast<std::int32_t>(p.positions.size()); ++j) {
-        if (r < kept && row[r] == j) {
-          ++r;
-        } else {
-          p.evicted.push_back(j);
-        }
-      }
-    }
   }
+  KVSIFT_CUDA_CHECK(cudaEventRecord(d.selected.get(), stream_));
 }
 
-// The step's evictions, one batch per layer on the device table and on the host table, which
-// stay in step. Every address is of before the step's evictions: each table sets all the bits of
-// a batch before it returns any block to the pool. A batch larger than the scratch is cut between
-// sequences (a sequence's blocks are its own). The host tables, independent of the device tables
-// and of each other, are evicted on the placement threads while this thread evicts the device
-// tables: at batch 704 the step evicts ~11 M slots in each.
-void DeviceThinKV::evict(const std::vector<Problem>& problems) {
-  const std::size_t capacity = [&] {
-    std::size_t n = 1;  // the largest count whose workspace fits the scratch
-    while (devices_[0].evict_workspace_bytes(2 * n) <= scratch_bytes_) n *= 2;
-    return n;
-  }();
-  struct Batch {
-    int layer;
-    std::vector<EvictionSlot> slots;
-  };
-  std::vector<Batch> batches;
-  std::size_t i = 0;
-  while (i < problems.size()) {
-    // The problems of one (layer, sequence) are consecutive (layer_problems' order).
-    const int layer = problems[i].layer;
-    std::size_t end = i, count = 0;
-    for (; end < problems.size() && problems[end].layer == layer &&
-           problems[end].seq == problems[i].seq;
-         ++end) {
-      count += problems[end].evicted.size();
-    }
-    KVSIFT_CHECK(count <= capacity, "cuda::DeviceThinKV::end_step: ", count,
-                 " evictions in one sequence of layer ", layer, " exceed the scratch (", capacity,
-                 ")");
-    if (batches.empty() || batches.back().layer != layer ||
-        batches.back().slots.size() + count > capacity) {
-      batches.push_back(Batch{layer, {}});
-    }
-    for (std::size_t k = i; k < end; ++k) {
-      const Problem& p = problems[k];
-      for (const std::int32_t j : p.evicted) {
-        batches.back().slots.push_back(
-            EvictionSlot{p.seq, p.head, p.addresses[static_cast<std::size_t>(j)]});
+// The layer's evictions from its survivors (after their copy): of each problem, the tokens
+// k-means did not keep, in the problems' order. Changes no table.
+void DeviceThinKV::layer_evictions(int layer) {
+  LayerDemotions& d = demotions_[static_cast<std::size_t>(layer)];
+  d.slots.clear();
+  if (d.problems.empty()) return;
+  KVSIFT_CUDA_CHECK(cudaEventSynchronize(d.selected.get()));
+  const auto* chosen = reinterpret_cast<const std::int32_t*>(d.chosen.fill(0));
+  for (std::size_t i = 0; i < d.problems.size(); ++i) {
+    const Problem& p = d.problems[i];
+    const std::int32_t* row = chosen + i * static_cast<std::size_t>(d.stride);
+    KVSIFT_CHECK(row[0] != kNonFiniteKeySlot, "cuda::DeviceThinKV::end_step: layer ", p.layer,
+                 " head ", p.head, " of sequence ", p.seq, ": segment ", p.segment,
+                 " holds a non-finite key");
+    const std::int32_t n = static_cast<std::int32_t>(p.positions.size());
+    const std::int32_t kept = std::min(n, p.target);
+    std::int32_t r = 0;
+    for (std::int32_t j = 0; j < n; ++j) {
+      if (r < kept && row[r] == j) {
+        ++r;
+      } else {
+        d.slots.push_back(EvictionSlot{p.seq, p.head, p.addresses[static_cast<std::size_t>(j)]});
       }
     }
-    i = end;
   }
-  // Each layer's batches on one worker, in order (a layer's batches are consecutive).
-  const int workers = std::max(placement_threads(), 1);
-  const auto evict_hosts = [&](int w) {
-    for (const Batch& b : batches) {
-      if (b.layer % workers == w) tables_[static_cast<std::size_t>(b.layer)].evict_slots(b.slots);
-    }
-  };
-  std::vector<std::future<void>> hosts;
-  for (int w = 0; w < workers; ++w) {
-    try {
-      hosts.push_back(std::async(std::launch::async, evict_hosts, w));
-    } catch (const std::system_error&) {
-      evict_hosts(w);  // no thread to be had: its layers are evicted here
-    }
-  }
-  for (const Batch& b : batches) {
-    devices_[static_cast<std::size_t>(b.layer)].evict_slots(b.slots, scratch_, scratch_bytes_,
-                                                            stream_);
-  }
-  for (std::future<void>& f : hosts) f.get();  // rethrows a worker's error
+  d.problems = {};
 }
 
 void DeviceThinKV::pack_page_tables(int layer) const {

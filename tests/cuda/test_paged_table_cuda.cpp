@@ -535,7 +535,21 @@ TEST_CASE("device CT table: one evict_slots batch over sequences and heads as th
   for (std::int32_t s : seqs) test::require_same_table(cpu, dev, s);
   const std::int32_t used = cpu.used_blocks();
   cpu.evict_slots(batch);
-  dev.table.evict_slots(batch, ws.get(), ws.size(), nullptr);
+  // One call, or its two halves with the device's share enqueued through a workspace of a few
+  // evictions (pieces of 16: several launches, the staged masks in the first ones).
+  const bool halves = GENERATE(false, true);
+  if (!halves) {
+    dev.table.evict_slots(batch, ws.get(), ws.size(), nullptr);
+  } else {
+    const cuda::DevicePagedTable::DeviceEvictions device = dev.table.apply_evictions(batch);
+    REQUIRE(device.slots.size() > 64);
+    REQUIRE(!device.staged.empty());
+    REQUIRE_THROWS_WITH(dev.table.enqueue_evictions(device, ws.get(), 0, nullptr),
+                        Contains("workspace of 0 bytes is too small"));
+    const std::size_t small = dev.table.evict_workspace_bytes(1);
+    REQUIRE(dev.table.evict_workspace_bytes(64) > small);
+    dev.table.enqueue_evictions(device, ws.get(), small, nullptr);
+  }
   KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
   REQUIRE(cpu.used_blocks() < used);  // blocks emptied by the batch went back to the pools
   for (std::int32_t s : seqs) test::require_same_table(cpu, dev, s);

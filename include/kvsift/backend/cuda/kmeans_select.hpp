@@ -82,4 +82,21 @@ inline void kmeans_select(const std::vector<KMeansProblem>& problems, std::int64
                 out, out_stride, workspace, workspace_bytes, stream);
 }
 
+// kmeans_select in two halves, for a caller that copies the descriptors to the device itself
+// (from pinned memory, so that enqueueing many launches never waits for the stream):
+// kmeans_select_bounds validates the problems and out_stride as kmeans_select does and returns the
+// launch's bounds; kmeans_select_uploaded solves `num_problems` descriptors already in device
+// memory, each within those bounds (kmeans_select_bounds of the same problems).
+struct KMeansBounds {
+  int max_points = 1;    // the largest n of a problem with k < n (shared memory per block)
+  int max_clusters = 1;  // the largest k of such a problem
+};
+KMeansBounds kmeans_select_bounds(const KMeansProblem* problems, std::int64_t num_problems,
+                                  std::int64_t dim, std::int64_t out_stride);
+//   problems  device [num_problems]; out device [num_problems, out_stride] int32
+void kmeans_select_uploaded(const KMeansProblem* problems, std::int64_t num_problems,
+                            std::int64_t dim, DType dtype, const KMeansSelectConfig& config,
+                            KMeansBounds bounds, std::int32_t* out, std::int64_t out_stride,
+                            cudaStream_t stream);
+
 }  // namespace kvsift::cuda

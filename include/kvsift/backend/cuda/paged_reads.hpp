@@ -24,6 +24,12 @@ std::size_t paged_gather_keys_workspace_bytes(std::int64_t rows);
 void paged_gather_keys(const DevicePagedTable& table, const PagedKeySource* sources,
                        std::int64_t rows, float* out, void* workspace, std::size_t workspace_bytes,
                        cudaStream_t stream);
+// The same with the sources already in device memory (copied by the caller, e.g. from pinned
+// memory so that the call never waits for the stream), unchecked: each must come from
+// key_source of this table since its last change.
+//   sources  device [rows]; out device [rows, head_dim] f32
+void paged_gather_keys_uploaded(const DevicePagedTable& table, const PagedKeySource* sources,
+                                std::int64_t rows, float* out, cudaStream_t stream);
 
 // For every sequence b of `batch` and query head q (GQA: KV head q / (q_heads / kv_heads)): the
 // logits q·k / sqrt(head_dim) (scale = softmax_scale) over the live tokens of the head (block

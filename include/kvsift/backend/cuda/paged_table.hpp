@@ -256,6 +256,19 @@ class DevicePagedTable {
   // evict_workspace_bytes(slots.size()) of workspace.
   void evict_slots(const std::vector<EvictionSlot>& slots, void* workspace,
                    std::size_t workspace_bytes, cudaStream_t stream);
+  // evict_slots in its two halves, for a caller that applies many tables' host halves on other
+  // threads and enqueues their device halves from one: apply_evictions checks `slots` as
+  // evict_slots does and applies them to the host bookkeeping (blocks left empty return to their
+  // pools; on an error nothing has changed), returning what the device still has to set;
+  // enqueue_evictions sets it on `stream`, in as many launches as the workspace needs (at least
+  // evict_workspace_bytes(1)). Nothing may touch the table between the two.
+  struct DeviceEvictions {
+    std::vector<detail::PagedEviction> slots;     // (frame, head, slot) bits to set
+    std::vector<detail::PagedStagedMask> staged;  // staged masks to write
+  };
+  DeviceEvictions apply_evictions(const std::vector<EvictionSlot>& slots);
+  void enqueue_evictions(const DeviceEvictions& evictions, void* workspace,
+                         std::size_t workspace_bytes, cudaStream_t stream);
 
   // Returns the sequence's blocks to their pools and clears its staged rows (enqueued on
   // `stream`): the mirror of ThoughtBlockTable::release_sequence. Requires no pending append.

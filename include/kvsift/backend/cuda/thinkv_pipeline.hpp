@@ -121,7 +121,8 @@ class DeviceThinKV {
   std::int64_t fullkv_fp16_bytes() const;
 
  private:
-  struct Problem;  // one demoted segment of one (sequence, layer, KV head)
+  struct Problem;         // one demoted segment of one (sequence, layer, KV head)
+  struct LayerDemotions;  // one layer's demotions through end_step's stages
   void check_layer(int layer, const char* fn) const;
   // Throws, naming the layer, unless its pool can take tokens_per_sequence tokens of every
   // sequence whatever their blocks' room.
@@ -140,10 +141,14 @@ class DeviceThinKV {
   int placement_threads() const;
   void await_layer(int layer) const;  // rethrows the layer's placement error
   void finish_placement() const;      // awaits every layer and joins the threads
+  // end_step's demotions, per layer (docs/thinkv.md §9): the problems listed, their survivors
+  // selected on the device (enqueued, copied to pinned memory), the evictions derived from them,
+  // then applied to both tables' host bookkeeping and enqueued on the device.
+  void demote(const std::vector<EvictionStep>& steps);
   void layer_problems(int layer, const std::vector<EvictionStep>& steps,
                       std::vector<Problem>& out) const;
-  void select_survivors(std::vector<Problem>& problems);
-  void evict(const std::vector<Problem>& problems);
+  void select_survivors(int layer);
+  void layer_evictions(int layer);
 
   ThinKVConfig config_;
   std::int32_t batch_;
@@ -171,6 +176,9 @@ class DeviceThinKV {
   std::vector<std::vector<int>> pending_layers_;  // the interval's steps so far: layers observed
   std::uint8_t* scratch_ = nullptr;               // device, scratch_bytes_
   std::size_t scratch_bytes_ = 0;
+  std::vector<LayerDemotions> demotions_;  // [num_layers]
+  PinnedUpload chunk_uploads_[2];          // k-means chunks' sources and descriptors, alternating
+  std::size_t next_upload_ = 0;            // which of them the next chunk fills
   struct PageTables {  // one layer's page tables
     PagedBatch view;
     std::uint64_t version = 0;
