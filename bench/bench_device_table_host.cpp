@@ -9,7 +9,7 @@
 // memory and launch nothing, so host buffers stand in for that memory and no GPU is needed.
 // BM_RecordStep times a batch's first 32 tokens (two sealed key groups and one new block per
 // sequence and KV head: what every 32 decode steps cost); BM_PageWalk walks tables of 1,024
-// tokens per sequence.
+// tokens per sequence; BM_DemotionSources lists one layer's problems of a TBE demotion.
 #include <benchmark/benchmark.h>
 
 #include <cstdint>
@@ -100,6 +100,45 @@ void BM_PageWalk(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations() * batch * p.mirror.num_blocks(0));
 }
 BENCHMARK(BM_PageWalk)->Arg(64)->Arg(800)->Unit(benchmark::kMicrosecond);
+
+// Arg: batch. One layer's share of listing a TBE demotion, as DeviceThinKV::layer_problems does
+// it: per sequence and KV head, a problem whose three lists (positions, addresses, key sources)
+// are reserved for the segment and filled from one scan of the resident tokens in the demoted
+// segment's positions — the 128 tokens after a 1,024-token prompt, the e2e benchmark's evicting
+// step — with where each key lives (DevicePagedTable::key_source). The layer's problems are
+// freed inside the timing, as the step frees them.
+void BM_DemotionSources(benchmark::State& state) {
+  const auto batch = static_cast<std::int32_t>(state.range(0));
+  HostPipeline p(batch, kResident);
+  for (std::int32_t b = 0; b < batch; ++b) p.table.open_segment(b, ThoughtType::execution);
+  for (std::int32_t i = 0; i < 128; ++i) p.step(batch);
+  struct Problem {
+    std::vector<std::int32_t> positions;
+    std::vector<SlotAddress> addresses;
+    std::vector<cuda::PagedKeySource> sources;
+  };
+  std::int64_t listed = 0;
+  for (auto _ : state) {
+    std::vector<Problem> problems;
+    for (std::int32_t b = 0; b < batch; ++b) {
+      for (std::int32_t h = 0; h < kKVHeads; ++h) {
+        Problem& q = problems.emplace_back();
+        q.positions.reserve(128);
+        q.addresses.reserve(128);
+        q.sources.reserve(128);
+        for (const ResidentToken& r : p.table.resident_tokens_between(b, h, kResident, 1 << 30)) {
+          q.positions.push_back(r.position);
+          q.addresses.push_back(r.address);
+          q.sources.push_back(p.mirror.key_source(b, h, r.address));
+        }
+        listed += static_cast<std::int64_t>(q.sources.size());
+      }
+    }
+    benchmark::DoNotOptimize(problems.data());
+  }
+  state.SetItemsProcessed(listed);
+}
+BENCHMARK(BM_DemotionSources)->Arg(208)->Arg(704)->Unit(benchmark::kMillisecond);
 
 }  // namespace
 
