@@ -353,9 +353,8 @@ void kmeans_select_uploaded(const KMeansProblem* problems, std::int64_t num_prob
                kKMeansMaxDim, "]");
   KVSIFT_CHECK(bounds.max_points >= 1 && bounds.max_points <= kKMeansMaxPoints &&
                    bounds.max_clusters >= 1 && bounds.max_clusters <= kKMeansMaxClusters,
-               "cuda::kmeans_select: bounds (", bounds.max_points, " points, ",
-               bounds.max_clusters, " clusters) outside [1, ", kKMeansMaxPoints, "] x [1, ",
-               kKMeansMaxClusters, "]");
+               "cuda::kmeans_select: bounds (", bounds.max_points, " points, ", bounds.max_clusters,
+               " clusters) outside [1, ", kKMeansMaxPoints, "] x [1, ", kKMeansMaxClusters, "]");
   if (num_problems == 0) return;
   KVSIFT_CHECK(problems != nullptr && (out != nullptr || out_stride == 0),
                "cuda::kmeans_select: problems or out is null");

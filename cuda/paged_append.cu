@@ -830,9 +830,9 @@ void DevicePagedTable::enqueue_evictions(const DeviceEvictions& e, void* workspa
                                          std::size_t workspace_bytes, cudaStream_t stream) {
   const std::size_t total = std::max(e.slots.size(), e.staged.size());
   if (total == 0) return;
-  KVSIFT_CHECK(evict_workspace_bytes(1) <= workspace_bytes, "DevicePagedTable::evict: workspace of ",
-               workspace_bytes, " bytes is too small (", evict_workspace_bytes(1),
-               " needed at least)");
+  KVSIFT_CHECK(evict_workspace_bytes(1) <= workspace_bytes,
+               "DevicePagedTable::evict: workspace of ", workspace_bytes, " bytes is too small (",
+               evict_workspace_bytes(1), " needed at least)");
   std::size_t piece = 1;  // the largest count whose workspace fits
   while (piece < total && evict_workspace_bytes(2 * piece) <= workspace_bytes) piece *= 2;
   for (std::size_t first = 0; first < total; first += piece) {
@@ -841,9 +841,10 @@ void DevicePagedTable::enqueue_evictions(const DeviceEvictions& e, void* workspa
     };
     const std::size_t n = count(e.slots.size()), n_staged = count(e.staged.size());
     WorkspaceCarver carver(workspace, workspace_bytes, "DevicePagedTable::evict");
-    const PagedEviction* d_list = upload(carver, e.slots.data() + std::min(first, e.slots.size()), n, stream);
-    const PagedStagedMask* d_staged = upload(carver, e.staged.data() + std::min(first, e.staged.size()), n_staged,
-                                                  stream);
+    const PagedEviction* d_list =
+        upload(carver, e.slots.data() + std::min(first, e.slots.size()), n, stream);
+    const PagedStagedMask* d_staged =
+        upload(carver, e.staged.data() + std::min(first, e.staged.size()), n_staged, stream);
     evict_kernel<<<static_cast<unsigned>((n + n_staged + kThreads - 1) / kThreads), kThreads, 0,
                    stream>>>(mem_.free_masks, mem_.staged_masks, cfg_.kv_heads, sizes_.mask_words,
                              d_list, static_cast<int>(n), d_staged, static_cast<int>(n_staged));

@@ -748,11 +748,11 @@ void DeviceThinKV::select_survivors(int layer) {
     paged_gather_keys_uploaded(dev, reinterpret_cast<const PagedKeySource*>(d_upload),
                                static_cast<std::int64_t>(rows), keys, stream_);
     kmeans_select_uploaded(reinterpret_cast<const KMeansProblem*>(d_upload + sources_bytes),
-                           static_cast<std::int64_t>(count), D, DType::f32, kcfg, bounds,
-                           d_chosen, d.stride, stream_);
+                           static_cast<std::int64_t>(count), D, DType::f32, kcfg, bounds, d_chosen,
+                           d.stride, stream_);
     KVSIFT_CUDA_CHECK(cudaMemcpyAsync(chosen_host + first * stride, d_chosen,
-                                      count * stride * sizeof(std::int32_t),
-                                      cudaMemcpyDeviceToHost, stream_));
+                                      count * stride * sizeof(std::int32_t), cudaMemcpyDeviceToHost,
+                                      stream_));
   }
   KVSIFT_CUDA_CHECK(cudaEventRecord(d.selected.get(), stream_));
 }
