@@ -430,15 +430,27 @@ std::size_t paged_gather_keys_workspace_bytes(std::int64_t rows) {
                   sizeof(PagedKeySource));
 }
 
+namespace {
+
+// paged_gather_keys' checks of everything but the sources; false: nothing to gather.
+bool check_gather(const DevicePagedTable& table, const PagedKeySource* sources, std::int64_t rows,
+                  const float* out) {
+  const char* fn = "cuda::paged_gather_keys";
+  KVSIFT_CHECK(rows >= 0 && rows <= 0x7fffffff, fn, ": rows (", rows, ") outside [0, 2^31)");
+  if (rows == 0) return false;
+  KVSIFT_CHECK(sources != nullptr && out != nullptr, fn, ": sources and out must not be null");
+  KVSIFT_CHECK(table.pending_tokens() == 0, fn, ": ", table.pending_tokens(),
+               " recorded tokens are not written yet (call append() first)");
+  return true;
+}
+
+}  // namespace
+
 void paged_gather_keys(const DevicePagedTable& table, const PagedKeySource* sources,
                        std::int64_t rows, float* out, void* workspace, std::size_t workspace_bytes,
                        cudaStream_t stream) {
   const char* fn = "cuda::paged_gather_keys";
-  KVSIFT_CHECK(rows >= 0 && rows <= 0x7fffffff, fn, ": rows (", rows, ") outside [0, 2^31)");
-  if (rows == 0) return;
-  KVSIFT_CHECK(sources != nullptr && out != nullptr, fn, ": sources and out must not be null");
-  KVSIFT_CHECK(table.pending_tokens() == 0, fn, ": ", table.pending_tokens(),
-               " recorded tokens are not written yet (call append() first)");
+  if (!check_gather(table, sources, rows, out)) return;
   const ThoughtBlockTableConfig& tc = table.config();
   for (std::int64_t r = 0; r < rows; ++r) {
     const PagedKeySource& s = sources[r];
@@ -457,12 +469,7 @@ void paged_gather_keys(const DevicePagedTable& table, const PagedKeySource* sour
 
 void paged_gather_keys_uploaded(const DevicePagedTable& table, const PagedKeySource* sources,
                                 std::int64_t rows, float* out, cudaStream_t stream) {
-  const char* fn = "cuda::paged_gather_keys";
-  KVSIFT_CHECK(rows >= 0 && rows <= 0x7fffffff, fn, ": rows (", rows, ") outside [0, 2^31)");
-  if (rows == 0) return;
-  KVSIFT_CHECK(sources != nullptr && out != nullptr, fn, ": sources and out must not be null");
-  KVSIFT_CHECK(table.pending_tokens() == 0, fn, ": ", table.pending_tokens(),
-               " recorded tokens are not written yet (call append() first)");
+  if (!check_gather(table, sources, rows, out)) return;
   const ThoughtBlockTableConfig& tc = table.config();
   const PagedTableMemory& m = table.memory();
   const GatherArgs args{m.storage, m.staged_keys, m.global_factors, detail::paged_layouts(tc),
