@@ -8,9 +8,12 @@
 // than 2 units, GQA groups 1, 3, 4, 5, 8, 12 and 20 (a second, partial block of 16 query heads),
 // head_dim 64, 128 and 256, blocks of 16, 32 and 48 slots, the batch in an order other than the
 // table's, a KV head with no live token, a NaN query in one head, and the argument checks.
+// Also the other read of paged_reads.hpp: cuda::paged_gather_keys (host or device sources)
+// against read_token, bit for bit.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -215,4 +218,70 @@ TEST_CASE("paged sparsity rejects bad arguments", "[cuda][thinkv]") {
   REQUIRE_THROWS_WITH(cuda::paged_attention_sparsity(dev.table, batch, q.get(), 4, 0.125f,
                                                      out.get(), nullptr, out.get(), 0),
                       Contains("max_slots (0) must be positive with a logits scratch"));
+}
+
+TEST_CASE("paged_gather_keys and its uploaded form read every live key as the CPU table does",
+          "[cuda][thinkv]") {
+  // NVFP4 with global factors, FP8 and ternary blocks, staged tokens, evictions in one head: the
+  // keys of every live token of both sequences and heads, through host sources (checked, copied
+  // by the call) and through sources already on the device, against read_token bit for bit.
+  using Catch::Matchers::Contains;
+  ThoughtBlockTableConfig cfg = test::table_config(2, 128, 32, BlockFormat::nvfp4, BlockFormat::fp8,
+                                                   BlockFormat::ternary, 100);
+  cfg.global_factors = {300.0f, 0.7f};
+  std::mt19937 rng(11);
+  ThoughtBlockTable cpu(cfg);
+  test::PagedMirror dev(cfg, 2);
+  const std::vector<std::int32_t> seqs = test::fill_random(cpu, dev, {300, 170}, rng);
+  std::vector<SlotAddress> half;  // every other live token of KV head 1 of the first sequence
+  const std::vector<ResidentToken> head1 = cpu.resident_tokens(seqs[0], 1);
+  for (std::size_t i = 0; i < head1.size(); i += 2) half.push_back(head1[i].address);
+  test::evict_both(cpu, dev, seqs[0], 1, half);
+  const std::size_t D = 128;
+  std::vector<cuda::PagedKeySource> sources;
+  std::vector<float> want;
+  int staged = 0;
+  for (std::int32_t seq : seqs) {
+    for (std::int32_t h = 0; h < 2; ++h) {
+      for (const ResidentToken& t : cpu.resident_tokens(seq, h)) {
+        sources.push_back(dev.table.key_source(seq, h, t.address));
+        std::vector<float> key(D), value(D);
+        cpu.read_token(seq, h, t.address, key.data(), value.data());
+        want.insert(want.end(), key.begin(), key.end());
+        staged += t.address.block == kStagedBlock;
+      }
+    }
+  }
+  REQUIRE(staged > 0);
+  const auto rows = static_cast<std::int64_t>(sources.size());
+  DeviceBuffer<std::uint8_t> ws(cuda::paged_gather_keys_workspace_bytes(rows));
+  DeviceBuffer<float> from_host(want.size()), from_device(want.size());
+  cuda::paged_gather_keys(dev.table, sources.data(), rows, from_host.get(), ws.get(), ws.size(),
+                          nullptr);
+  DeviceBuffer<cuda::PagedKeySource> uploaded(sources);
+  cuda::paged_gather_keys_uploaded(dev.table, uploaded.get(), rows, from_device.get(), nullptr);
+  KVSIFT_CUDA_CHECK(cudaDeviceSynchronize());
+  for (const DeviceBuffer<float>* out : {&from_host, &from_device}) {
+    const std::vector<float> got = out->download();
+    std::size_t differ = 0;
+    for (std::size_t i = 0; i < want.size(); ++i) differ += std::memcmp(&got[i], &want[i], 4) != 0;
+    INFO((out == &from_host ? "host sources" : "device sources"));
+    REQUIRE(differ == 0);
+  }
+  // Errors name the argument; nothing is enqueued.
+  std::vector<cuda::PagedKeySource> bad = sources;
+  bad[3].format = 9;
+  REQUIRE_THROWS_WITH(cuda::paged_gather_keys(dev.table, bad.data(), rows, from_host.get(),
+                                              ws.get(), ws.size(), nullptr),
+                      Contains("source 3 (format 9") &&
+                          Contains("does not come from DevicePagedTable::key_source"));
+  REQUIRE_THROWS_WITH(cuda::paged_gather_keys(dev.table, sources.data(), rows, from_host.get(),
+                                              ws.get(), ws.size() / 2, nullptr),
+                      Contains("is too small"));
+  REQUIRE_THROWS_WITH(
+      cuda::paged_gather_keys_uploaded(dev.table, uploaded.get(), -1, from_device.get(), nullptr),
+      Contains("rows (-1) outside [0, 2^31)"));
+  REQUIRE_THROWS_WITH(
+      cuda::paged_gather_keys_uploaded(dev.table, nullptr, rows, from_device.get(), nullptr),
+      Contains("sources and out must not be null"));
 }
