@@ -102,39 +102,34 @@ void BM_PageWalk(benchmark::State& state) {
 BENCHMARK(BM_PageWalk)->Arg(64)->Arg(800)->Unit(benchmark::kMicrosecond);
 
 // Arg: batch. One layer's share of listing a TBE demotion, as DeviceThinKV::layer_problems does
-// it: per sequence and KV head, a problem whose three lists (positions, addresses, key sources)
-// are reserved for the segment and filled from one scan of the resident tokens in the demoted
-// segment's positions — the 128 tokens after a 1,024-token prompt, the e2e benchmark's evicting
-// step — with where each key lives (DevicePagedTable::key_source). The layer's problems are
-// freed inside the timing, as the step frees them.
+// it: per sequence and KV head, one scan (into a reused buffer) of the resident tokens in the
+// demoted segment's positions — the 128 tokens after a 1,024-token prompt, the e2e benchmark's
+// evicting step — each token's address and key source (DevicePagedTable::key_source) written
+// into the layer's two lists, sized once for the layer; the lists freed inside the timing, as
+// the step frees them.
 void BM_DemotionSources(benchmark::State& state) {
   const auto batch = static_cast<std::int32_t>(state.range(0));
   HostPipeline p(batch, kResident);
   for (std::int32_t b = 0; b < batch; ++b) p.table.open_segment(b, ThoughtType::execution);
   for (std::int32_t i = 0; i < 128; ++i) p.step(batch);
-  struct Problem {
-    std::vector<std::int32_t> positions;
-    std::vector<SlotAddress> addresses;
-    std::vector<cuda::PagedKeySource> sources;
-  };
+  const std::size_t tokens = static_cast<std::size_t>(batch) * kKVHeads * 128;
   std::int64_t listed = 0;
+  std::vector<ResidentToken> scan;
   for (auto _ : state) {
-    std::vector<Problem> problems;
+    std::vector<SlotAddress> addresses(tokens);
+    std::vector<cuda::PagedKeySource> sources(tokens);
+    std::size_t k = 0;
     for (std::int32_t b = 0; b < batch; ++b) {
       for (std::int32_t h = 0; h < kKVHeads; ++h) {
-        Problem& q = problems.emplace_back();
-        q.positions.reserve(128);
-        q.addresses.reserve(128);
-        q.sources.reserve(128);
-        for (const ResidentToken& r : p.table.resident_tokens_between(b, h, kResident, 1 << 30)) {
-          q.positions.push_back(r.position);
-          q.addresses.push_back(r.address);
-          q.sources.push_back(p.mirror.key_source(b, h, r.address));
+        p.table.resident_tokens_between(b, h, kResident, 1 << 30, scan);
+        for (const ResidentToken& r : scan) {
+          addresses[k] = r.address;
+          sources[k++] = p.mirror.key_source(b, h, r.address);
         }
-        listed += static_cast<std::int64_t>(q.sources.size());
       }
     }
-    benchmark::DoNotOptimize(problems.data());
+    listed += static_cast<std::int64_t>(k);
+    benchmark::DoNotOptimize(sources.data());
   }
   state.SetItemsProcessed(listed);
 }

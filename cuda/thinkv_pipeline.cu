@@ -195,10 +195,9 @@ void check_kv(const void* keys, const void* values, DType dtype, const char* fn)
 
 struct DeviceThinKV::Problem {
   std::int32_t seq = 0, layer = 0, head = 0, segment = 0;
-  std::int32_t target = 0;              // tokens kept (TBE's kept_after)
-  std::vector<std::int32_t> positions;  // the segment's resident tokens, (block, slot) order
-  std::vector<SlotAddress> addresses;   // their addresses before the step's evictions
-  std::vector<PagedKeySource> sources;  // where their keys are
+  std::int32_t target = 0;  // tokens kept (TBE's kept_after)
+  std::int32_t n = 0;       // the segment's resident tokens, (block, slot) order then staged,
+  std::int64_t first = 0;   // at [first, first + n) of the layer's addresses and sources
 };
 
 struct DeviceThinKV::LayerDemotions {
@@ -206,6 +205,10 @@ struct DeviceThinKV::LayerDemotions {
     void operator()(cudaEvent_t e) const { cudaEventDestroy(e); }
   };
   std::vector<Problem> problems;  // the step's, in layer_problems' order
+  // Every problem's tokens, problem after problem: their addresses before the step's evictions
+  // and where their keys are (one allocation per layer and step, not three per problem).
+  std::vector<SlotAddress> addresses;
+  std::vector<PagedKeySource> sources;
   std::int32_t stride = 1;        // survivors per problem in `chosen`
   // Pinned [problems, stride] int32: the k-means survivors, copied from the device (a download
   // buffer: only fill() is used, to grow it).
@@ -546,10 +549,19 @@ std::vector<EvictionStep> DeviceThinKV::end_step() {
 // resident tokens in the positions its changed segments span serves all of them, each problem's
 // tokens in (block, slot) order then staged (resident_tokens' order, as k-means reads them).
 void DeviceThinKV::layer_problems(int layer, const std::vector<EvictionStep>& steps,
-                                  std::vector<Problem>& out) const {
+                                  LayerDemotions& d) const {
   const ThoughtBlockTable& t = tables_[static_cast<std::size_t>(layer)];
   const DevicePagedTable& dev = devices_[static_cast<std::size_t>(layer)];
+  std::int64_t tokens = 0;  // TBE's count of the layer's demoted tokens: the lists' sizes
+  for (const EvictionStep& step : steps) {
+    for (const SegmentChange& c : step.changes) tokens += std::int64_t{c.kept_before};
+  }
+  d.problems.clear();
+  d.addresses.resize(static_cast<std::size_t>(tokens * config_.kv_heads));
+  d.sources.resize(d.addresses.size());
+  std::int64_t next = 0;       // the next problem's first token
   std::vector<int> change_of;  // segment -> index of its change in the sequence's step, or -1
+  std::vector<ResidentToken> scan;
   for (std::int32_t b = 0; b < batch_; ++b) {
     const std::vector<SegmentChange>& changes = steps[static_cast<std::size_t>(b)].changes;
     if (changes.empty()) continue;
@@ -568,7 +580,7 @@ void DeviceThinKV::layer_problems(int layer, const std::vector<EvictionStep>& st
                                                      : std::numeric_limits<std::int32_t>::max());
     }
     for (int h = 0; h < config_.kv_heads; ++h) {
-      const std::size_t first = out.size();
+      const std::size_t first = d.problems.size();
       for (const SegmentChange& c : changes) {
         Problem p;
         p.seq = b;
@@ -576,25 +588,29 @@ void DeviceThinKV::layer_problems(int layer, const std::vector<EvictionStep>& st
         p.head = h;
         p.segment = c.segment;
         p.target = c.kept_after;
-        p.positions.reserve(static_cast<std::size_t>(c.kept_before));
-        p.addresses.reserve(static_cast<std::size_t>(c.kept_before));
-        p.sources.reserve(static_cast<std::size_t>(c.kept_before));
-        out.push_back(std::move(p));
+        p.first = next;
+        next += c.kept_before;
+        d.problems.push_back(p);
       }
-      for (const ResidentToken& r : t.resident_tokens_between(b, h, lowest, highest)) {
+      t.resident_tokens_between(b, h, lowest, highest, scan);
+      for (const ResidentToken& r : scan) {
         if (r.segment < 0 || r.segment >= static_cast<std::int32_t>(change_of.size())) continue;
         const int i = change_of[static_cast<std::size_t>(r.segment)];
         if (i < 0) continue;
-        Problem& p = out[first + static_cast<std::size_t>(i)];
-        p.positions.push_back(r.position);
-        p.addresses.push_back(r.address);
-        p.sources.push_back(dev.key_source(b, h, r.address));
+        Problem& p = d.problems[first + static_cast<std::size_t>(i)];
+        KVSIFT_CHECK(p.n < changes[static_cast<std::size_t>(i)].kept_before,
+                     "cuda::DeviceThinKV::end_step: internal error: segment ", p.segment,
+                     " holds more than the ", changes[static_cast<std::size_t>(i)].kept_before,
+                     " tokens TBE expected in layer ", layer, " head ", h);
+        const std::size_t k = static_cast<std::size_t>(p.first + p.n++);
+        d.addresses[k] = r.address;
+        d.sources[k] = dev.key_source(b, h, r.address);
       }
       for (std::size_t i = 0; i < changes.size(); ++i) {
-        const Problem& p = out[first + i];
-        KVSIFT_CHECK(static_cast<std::int32_t>(p.positions.size()) == changes[i].kept_before,
+        const Problem& p = d.problems[first + i];
+        KVSIFT_CHECK(p.n == changes[i].kept_before,
                      "cuda::DeviceThinKV::end_step: internal error: segment ", p.segment, " holds ",
-                     p.positions.size(), " tokens in layer ", layer, " head ", h, ", TBE expected ",
+                     p.n, " tokens in layer ", layer, " head ", h, ", TBE expected ",
                      changes[i].kept_before);
       }
     }
@@ -671,11 +687,7 @@ void DeviceThinKV::demote(const std::vector<EvictionStep>& steps) {
     return demotions_[static_cast<std::size_t>(l)];
   };
   pipeline_layers(
-      L, threads,
-      [&](int l) {
-        demotions(l).problems.clear();
-        layer_problems(l, steps, demotions(l).problems);
-      },
+      L, threads, [&](int l) { layer_problems(l, steps, demotions(l)); },
       [&](int l) { select_survivors(l); });
   for (std::future<void>& w : for_layers(L, threads, [&](int l) { layer_evictions(l); })) w.get();
   pipeline_layers(
@@ -706,10 +718,9 @@ void DeviceThinKV::select_survivors(int layer) {
   kcfg.max_iterations = config_.kmeans_iterations;
   d.stride = 1;
   for (const Problem& p : problems) {
-    KVSIFT_CHECK(p.sources.size() <= static_cast<std::size_t>(kKMeansMaxPoints),
-                 "cuda::DeviceThinKV::end_step: segment ", p.segment, " holds ", p.sources.size(),
-                 " tokens, more than one k-means problem (", kKMeansMaxPoints, ")");
-    d.stride = std::max(d.stride, std::min(static_cast<std::int32_t>(p.sources.size()), p.target));
+    KVSIFT_CHECK(p.n <= kKMeansMaxPoints, "cuda::DeviceThinKV::end_step: segment ", p.segment,
+                 " holds ", p.n, " tokens, more than one k-means problem (", kKMeansMaxPoints, ")");
+    d.stride = std::max(d.stride, std::min(p.n, p.target));
   }
   const std::size_t stride = static_cast<std::size_t>(d.stride);
   std::int32_t* chosen_host = reinterpret_cast<std::int32_t*>(
@@ -733,13 +744,13 @@ void DeviceThinKV::select_survivors(int layer) {
     auto* kp = reinterpret_cast<KMeansProblem*>(h_upload + sources_bytes);
     for (std::size_t i = 0; i < count; ++i) {
       const Problem& p = problems[first + i];
+      const PagedKeySource* from = d.sources.data() + p.first;
       PagedKeySource* row = sources + i * kKMeansMaxPoints;
-      std::copy(p.sources.begin(), p.sources.end(), row);
-      std::fill(row + p.sources.size(), row + kKMeansMaxPoints,
-                p.sources.empty() ? PagedKeySource{} : p.sources.front());
+      std::copy(from, from + p.n, row);
+      std::fill(row + p.n, row + kKMeansMaxPoints, p.n == 0 ? PagedKeySource{} : from[0]);
       kp[i].points = keys + i * kKMeansMaxPoints * static_cast<std::size_t>(D);
       kp[i].row_stride = D;
-      kp[i].n = static_cast<std::int32_t>(p.sources.size());
+      kp[i].n = p.n;
       kp[i].k = p.target;
     }
     const KMeansBounds bounds =
@@ -771,18 +782,20 @@ void DeviceThinKV::layer_evictions(int layer) {
     KVSIFT_CHECK(row[0] != kNonFiniteKeySlot, "cuda::DeviceThinKV::end_step: layer ", p.layer,
                  " head ", p.head, " of sequence ", p.seq, ": segment ", p.segment,
                  " holds a non-finite key");
-    const std::int32_t n = static_cast<std::int32_t>(p.positions.size());
-    const std::int32_t kept = std::min(n, p.target);
+    const std::int32_t kept = std::min(p.n, p.target);
     std::int32_t r = 0;
-    for (std::int32_t j = 0; j < n; ++j) {
+    for (std::int32_t j = 0; j < p.n; ++j) {
       if (r < kept && row[r] == j) {
         ++r;
       } else {
-        d.slots.push_back(EvictionSlot{p.seq, p.head, p.addresses[static_cast<std::size_t>(j)]});
+        d.slots.push_back(
+            EvictionSlot{p.seq, p.head, d.addresses[static_cast<std::size_t>(p.first + j)]});
       }
     }
   }
   d.problems = {};
+  d.addresses = {};
+  d.sources = {};
 }
 
 void DeviceThinKV::pack_page_tables(int layer) const {

@@ -670,31 +670,43 @@ std::vector<ResidentToken> ThoughtBlockTable::resident_tokens(std::int32_t seq, 
                                                               std::int32_t segment) const {
   const Sequence& s = sequence(seq, "resident_tokens");
   check_head(head, "resident_tokens");
+  std::vector<ResidentToken> out;
   if (segment < 0 || segment >= static_cast<std::int32_t>(s.segment_starts.size())) {
-    return scan_tokens(s, head, segment, 0, std::numeric_limits<std::int32_t>::max());
+    scan_tokens(s, head, segment, 0, std::numeric_limits<std::int32_t>::max(), out);
+    return out;
   }
   const std::size_t next = static_cast<std::size_t>(segment) + 1;
   const std::int32_t last = next < s.segment_starts.size()
                                 ? s.segment_starts[next] - 1
                                 : std::numeric_limits<std::int32_t>::max();
-  return scan_tokens(s, head, segment, s.segment_starts[static_cast<std::size_t>(segment)], last);
+  scan_tokens(s, head, segment, s.segment_starts[static_cast<std::size_t>(segment)], last, out);
+  return out;
 }
 
 std::vector<ResidentToken> ThoughtBlockTable::resident_tokens_between(std::int32_t seq,
                                                                       std::int32_t head,
                                                                       std::int32_t first,
                                                                       std::int32_t last) const {
-  const Sequence& s = sequence(seq, "resident_tokens_between");
-  check_head(head, "resident_tokens_between");
-  return scan_tokens(s, head, -1, first, last);
+  std::vector<ResidentToken> out;
+  resident_tokens_between(seq, head, first, last, out);
+  return out;
 }
 
-// Live tokens of `head` with positions in [first, last] (and of `segment` when >= 0); a block
-// whose written positions all lie outside [first, last] is not read.
-std::vector<ResidentToken> ThoughtBlockTable::scan_tokens(const Sequence& s, std::int32_t head,
-                                                          std::int32_t segment, std::int32_t first,
-                                                          std::int32_t last) const {
-  std::vector<ResidentToken> out;
+void ThoughtBlockTable::resident_tokens_between(std::int32_t seq, std::int32_t head,
+                                                std::int32_t first, std::int32_t last,
+                                                std::vector<ResidentToken>& out) const {
+  const Sequence& s = sequence(seq, "resident_tokens_between");
+  check_head(head, "resident_tokens_between");
+  scan_tokens(s, head, -1, first, last, out);
+}
+
+// Live tokens of `head` with positions in [first, last] (and of `segment` when >= 0), into
+// `out` (cleared first); a block whose written positions all lie outside [first, last] is not
+// read.
+void ThoughtBlockTable::scan_tokens(const Sequence& s, std::int32_t head, std::int32_t segment,
+                                    std::int32_t first, std::int32_t last,
+                                    std::vector<ResidentToken>& out) const {
+  out.clear();
   for (std::size_t b = 0; b < s.blocks.size(); ++b) {
     const Frame& f = frames_[static_cast<std::size_t>(s.blocks[b])];
     if (f.last_position < first || f.first_position > last) continue;
@@ -721,7 +733,6 @@ std::vector<ResidentToken> ThoughtBlockTable::scan_tokens(const Sequence& s, std
       }
     }
   }
-  return out;
 }
 
 std::vector<std::int32_t> ThoughtBlockTable::resident_positions(std::int32_t seq,

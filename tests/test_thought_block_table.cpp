@@ -678,6 +678,10 @@ TEST_CASE("evict_slots equals evicting one head at a time with addresses of each
         for (const ResidentToken& r : all)
           if (r.position >= first && r.position <= last) want.push_back(r);
         REQUIRE(same_tokens(batch.resident_tokens_between(seq, h, first, last), want));
+        // Into a caller's buffer: cleared first (it still holds the whole head's tokens).
+        std::vector<ResidentToken> buffer = all;
+        batch.resident_tokens_between(seq, h, first, last, buffer);
+        REQUIRE(same_tokens(buffer, want));
       }
     }
   }

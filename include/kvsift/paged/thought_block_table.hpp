@@ -199,6 +199,9 @@ class ThoughtBlockTable {
   // small part of a long sequence).
   std::vector<ResidentToken> resident_tokens_between(std::int32_t seq, std::int32_t head,
                                                      std::int32_t first, std::int32_t last) const;
+  // The same into `out` (cleared first): a caller scanning many heads keeps one buffer.
+  void resident_tokens_between(std::int32_t seq, std::int32_t head, std::int32_t first,
+                               std::int32_t last, std::vector<ResidentToken>& out) const;
   // The generation positions of resident_tokens(seq, head), ascending (what an engine asks
   // which tokens one KV head still attends to).
   std::vector<std::int32_t> resident_positions(std::int32_t seq, std::int32_t head) const;
@@ -280,8 +283,8 @@ class ThoughtBlockTable {
   void evict_one(Sequence& s, std::int32_t seq, std::int32_t head, SlotAddress a);
   void release_empty_blocks(Sequence& s);
   static void note_position(Frame& f, std::int32_t position);
-  std::vector<ResidentToken> scan_tokens(const Sequence& s, std::int32_t head, std::int32_t segment,
-                                         std::int32_t first, std::int32_t last) const;
+  void scan_tokens(const Sequence& s, std::int32_t head, std::int32_t segment, std::int32_t first,
+                   std::int32_t last, std::vector<ResidentToken>& out) const;
 
   ThoughtBlockTableConfig config_;
   std::int32_t mask_words_ = 1;
