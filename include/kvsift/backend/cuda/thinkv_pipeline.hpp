@@ -145,7 +145,7 @@ class DeviceThinKV {
   // selected on the device (enqueued, copied to pinned memory), the evictions derived from them,
   // then applied to both tables' host bookkeeping and enqueued on the device.
   void demote(const std::vector<EvictionStep>& steps);
-  void layer_problems(int layer, const std::vector<EvictionStep>& steps, LayerDemotions& out) const;
+  void layer_problems(int layer, const std::vector<EvictionStep>& steps, LayerDemotions& d) const;
   void select_survivors(int layer);
   void layer_evictions(int layer);
 
